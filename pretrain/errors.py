@@ -1,0 +1,40 @@
+"""Errors a user can cause, and how entry points report them.
+
+Anything a user can fix (a bad flag, a missing file, a malformed line) raises `UserError` with a
+message that names the flag/file/line and says how to fix it. Entry points wrap their `main` with
+`exit_on_user_error`, which prints that message on one line and exits non-zero, without a traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Callable, TypeVar
+
+EXIT_USER_ERROR = 2
+
+F = TypeVar("F", bound=Callable)
+
+
+class UserError(Exception):
+    """A problem with the user's input; the message says what is wrong and how to fix it."""
+
+
+def data_error(path: str, line: int | None, what: str, fix: str) -> UserError:
+    """`FILE:LINE: what is wrong (how to fix)`, the format of every bad-data error."""
+    where = f"{path}:{line}" if line is not None else str(path)
+    return UserError(f"{where}: {what} ({fix})")
+
+
+def exit_on_user_error(main: F) -> F:
+    """Decorate a CLI `main`: a `UserError` becomes `error: ...` on stderr and exit status 2."""
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except UserError as err:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_USER_ERROR)
+
+    return wrapper  # type: ignore[return-value]
