@@ -1,0 +1,119 @@
+"""Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
+
+Y = X A^T + b with the weight A stored as [out, in] (torch.nn.Linear's layout):
+- Column: A split along `out`; every rank sees the whole input and produces its slice of the
+  output. The input goes through `copy_to_tensor_model_parallel_region`, whose backward all-reduces
+  dX (each rank only contributes its slice's share of it).
+- Row: A split along `in`; each rank multiplies its slice of the input, the partial products are
+  all-reduced, then the (replicated) bias is added once.
+- VocabParallelEmbedding: rank r holds rows [r V/t, (r+1) V/t); ids outside give zero rows, and an
+  all-reduce assembles the full embedding.
+
+Parameters are allocated uninitialised; `initialize(name, seed, std)` fills them with their shard
+of the layout-independent full tensor (pretrain.parallel.random.init_normal_), biases with zeros.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pretrain.parallel import state
+from pretrain.parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    scatter_to_tensor_model_parallel_region,
+)
+from pretrain.parallel.random import init_normal_
+from pretrain.parallel.sharding import mark_tensor_parallel
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator != 0:
+        raise ValueError(f"{what} ({numerator}) is not divisible by tensor-parallel size {denominator}")
+    return numerator // denominator
+
+
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (replicated over TP) @ weight-shard^T: this rank's slice of the output features."""
+    return F.linear(copy_to_tensor_model_parallel_region(x), weight, bias)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Linear layer with the output features split over TP ranks.
+
+    `stride` > 1 declares that the full output dimension is `stride` blocks each split separately
+    (see pretrain.parallel.sharding), e.g. SwiGLU's [gate; up].
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
+                 stride: int = 1, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        world = state.get_tensor_model_parallel_world_size()
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output = gather_output
+        local_out = divide(out_features, world, "output features")
+        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(local_out, in_features, dtype=dtype)), 0, stride)
+        self.bias = (mark_tensor_parallel(nn.Parameter(torch.zeros(local_out, dtype=dtype)), 0, stride)
+                     if bias else None)
+
+    def initialize(self, name: str, seed: int, std: float) -> None:
+        init_normal_(self.weight, f"{name}.weight", seed, std)
+        if self.bias is not None:
+            with torch.no_grad():
+                self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = column_parallel_linear(x, self.weight, self.bias)
+        return gather_from_tensor_model_parallel_region(y) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """Linear layer with the input features split over TP ranks; the bias is added after the reduce."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        world = state.get_tensor_model_parallel_world_size()
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel = input_is_parallel
+        local_in = divide(in_features, world, "input features")
+        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(out_features, local_in, dtype=dtype)), 1)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+
+    def initialize(self, name: str, seed: int, std: float) -> None:
+        init_normal_(self.weight, f"{name}.weight", seed, std)
+        if self.bias is not None:
+            with torch.no_grad():
+                self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tensor_model_parallel_region(x)
+        y = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table with the vocabulary (rows) split over TP ranks."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        world, rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        local = divide(num_embeddings, world, "vocabulary size")
+        self.vocab_start, self.vocab_end = rank * local, (rank + 1) * local
+        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(local, embedding_dim, dtype=dtype)), 0)
+
+    def initialize(self, name: str, seed: int, std: float) -> None:
+        init_normal_(self.weight, f"{name}.weight", seed, std)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if state.get_tensor_model_parallel_world_size() == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        rows = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_model_parallel_region(rows)

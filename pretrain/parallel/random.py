@@ -1,0 +1,138 @@
+"""Randomness that does not depend on the parallel layout, and dropout that must.
+
+Initialisation: every parameter's FULL (TP=1) value is drawn from its own generator, seeded by
+(seed, the parameter's layout-independent name), and each rank keeps its shard. So TP=k and any
+pipeline split start from exactly the TP=1 weights, whatever order the parts are built in.
+
+Dropout: outside tensor-parallel regions (embeddings, residual stream) every TP rank must drop the
+same elements, so those use the default generator, seeded identically on TP peers. Inside a TP
+region (attention probabilities, which each rank holds for different heads) the masks must differ
+per rank: `tensor_parallel_rng()` swaps in a generator seeded with seed + 2718 + tp_rank, as
+Megatron does. `checkpoint` replays both generators when activations are recomputed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+
+import torch
+import torch.utils.checkpoint
+
+from pretrain.parallel import state
+from pretrain.parallel.sharding import is_tensor_parallel, shard_tensor
+
+TENSOR_PARALLEL_SEED_OFFSET = 2718
+PIPELINE_SEED_STRIDE = 100
+
+
+def _device_rng():
+    """(get_state, set_state, manual_seed) of the generator dropout uses on this machine."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_rng_state, torch.cuda.set_rng_state, torch.cuda.manual_seed
+    return torch.get_rng_state, torch.set_rng_state, torch.manual_seed
+
+
+class TensorParallelRNG:
+    """The per-TP-rank dropout generator state, swapped in around TP-region dropout."""
+
+    def __init__(self) -> None:
+        self._state: torch.Tensor | None = None
+
+    def seed(self, seed: int) -> None:
+        get_state, set_state, manual_seed = _device_rng()
+        outer = get_state()
+        manual_seed(seed)
+        self._state = get_state()
+        set_state(outer)
+
+    def get_state(self) -> torch.Tensor | None:
+        return None if self._state is None else self._state.clone()
+
+    def set_state(self, rng_state: torch.Tensor | None) -> None:
+        self._state = rng_state
+
+    @contextlib.contextmanager
+    def fork(self):
+        """Run the body with the TP generator as the default one; advance it, restore the outer."""
+        if self._state is None:  # never seeded: one process, or the caller did not ask for TP seeds
+            self.seed(torch.initial_seed() + TENSOR_PARALLEL_SEED_OFFSET + state.get_tensor_model_parallel_rank())
+        get_state, set_state, _ = _device_rng()
+        outer = get_state()
+        set_state(self._state)
+        try:
+            yield
+        finally:
+            self._state = get_state()
+            set_state(outer)
+
+    @contextlib.contextmanager
+    def replay(self, rng_state: torch.Tensor | None):
+        """Run the body from a saved state, then put the current state back (for recomputation)."""
+        current = self.get_state()
+        self.set_state(rng_state)
+        try:
+            yield
+        finally:
+            self.set_state(current)
+
+
+_TP_RNG = TensorParallelRNG()
+
+
+def get_tensor_parallel_rng() -> TensorParallelRNG:
+    return _TP_RNG
+
+
+def tensor_parallel_rng():
+    """Context manager: dropout inside a TP region (differs per TP rank, same across DP)."""
+    return _TP_RNG.fork()
+
+
+def seed_everything(seed: int) -> int:
+    """Megatron's seeding: seed + 100 * pp_rank for the default generators (identical on TP and DP
+    peers), seed' + 2718 + tp_rank for TP-region dropout. Returns seed'."""
+    import random
+
+    import numpy as np
+
+    stage_seed = seed + PIPELINE_SEED_STRIDE * state.get_pipeline_model_parallel_rank()
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    torch.manual_seed(stage_seed)
+    _TP_RNG.seed(stage_seed + TENSOR_PARALLEL_SEED_OFFSET + state.get_tensor_model_parallel_rank())
+    return stage_seed
+
+
+def checkpoint(function, *args):
+    """Activation checkpointing whose recomputation sees the same dropout masks (both generators)."""
+    saved = _TP_RNG.get_state()
+
+    def contexts():
+        return contextlib.nullcontext(), _TP_RNG.replay(saved)
+
+    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=contexts)
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """A 63-bit seed for one named parameter; stable across processes, layouts and Python runs."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+@torch.no_grad()
+def init_normal_(param: torch.Tensor, name: str, seed: int, std: float) -> torch.Tensor:
+    """Fill `param` with its shard of the full N(0, std) tensor drawn for `name`.
+
+    The full tensor is drawn in fp32 on the CPU (so CPU and GPU runs agree), then cast.
+    """
+    world = state.get_tensor_model_parallel_world_size() if is_tensor_parallel(param) else 1
+    shape = list(param.shape)
+    if world > 1:
+        shape[param.partition_dim] *= world
+    generator = torch.Generator().manual_seed(parameter_seed(seed, name))
+    full = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+    if world > 1:
+        full = shard_tensor(full, param.partition_dim, state.get_tensor_model_parallel_rank(), world,
+                            param.partition_stride)
+    return param.copy_(full)

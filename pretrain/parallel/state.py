@@ -1,0 +1,213 @@
+"""Process groups for tensor (TP), data (DP) and pipeline (PP) parallelism.
+
+Every global rank has coordinates (tp_rank, dp_rank, pp_rank) with TP varying fastest, then DP,
+then PP:
+
+    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+
+This is Megatron's default order and DeepSpeed's `PipeModelDataParallelTopology(num_pp, num_mp,
+num_dp)` (axes pipe, data, model), so TP peers are neighbours (one node, NVLink) and DeepSpeed's
+pipeline grid and our groups agree on who is who. Example, 8 ranks, tp=2, pp=2 (dp=2):
+TP groups [0,1] [2,3] [4,5] [6,7]; DP groups [0,2] [1,3] [4,6] [5,7]; PP groups [0,4] [1,5] [2,6]
+[3,7]; embedding groups (first and last stage) = the PP groups here.
+
+Before `initialize_model_parallel` (or after `destroy_model_parallel`) every getter answers as a
+single process (sizes 1, ranks 0, groups None), so the model runs in a plain Python session.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+from pretrain.errors import UserError
+
+
+@dataclass
+class _Layout:
+    tp: int
+    pp: int
+    dp: int
+    tp_rank: int
+    dp_rank: int
+    pp_rank: int
+    tp_group: object
+    dp_group: object
+    pp_group: object
+    model_group: object  # TP x PP: every rank holding a different piece of one model replica
+    embedding_group: object  # first and last stage of this rank's pipeline (None if not in it)
+    tp_ranks: list[int]
+    dp_ranks: list[int]
+    pp_ranks: list[int]
+    embedding_ranks: list[int]
+
+
+_LAYOUT: _Layout | None = None
+
+
+def check_world_divisible(world_size: int, tp: int, pp: int) -> None:
+    """Raise a UserError unless `world_size` splits into tp x pp x dp."""
+    if tp < 1 or pp < 1:
+        raise UserError(
+            f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) must be >= 1"
+        )
+    if world_size % (tp * pp) != 0:
+        raise UserError(
+            f"world size {world_size} is not divisible by tensor-parallel size {tp} x pipeline-parallel "
+            f"size {pp} = {tp * pp} (launch a multiple of {tp * pp} processes, or change "
+            f"--tensor-model-parallel-size / --pipeline-model-parallel-size)"
+        )
+
+
+def rank_coordinates(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
+    """(tp_rank, dp_rank, pp_rank) of a global rank."""
+    return rank % tp, (rank // tp) % dp, rank // (tp * dp)
+
+
+def global_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
+    return tp_rank + tp * (dp_rank + dp * pp_rank)
+
+
+def initialize_model_parallel(tp: int = 1, pp: int = 1) -> None:
+    """Create the TP, DP, PP, model-parallel and embedding groups; torch.distributed must be up.
+
+    Every rank must call this (group creation is collective), with the same `tp` and `pp`.
+    """
+    global _LAYOUT
+    if not dist.is_initialized():
+        raise RuntimeError("initialize_model_parallel needs torch.distributed.init_process_group first")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    check_world_divisible(world, tp, pp)
+    dp = world // (tp * pp)
+    tp_rank, dp_rank, pp_rank = rank_coordinates(rank, tp, dp)
+
+    def make(groups: list[list[int]]) -> tuple[object, list[int]]:
+        # new_group is collective over the whole world: create every group, keep ours.
+        mine, mine_ranks = None, []
+        for ranks in groups:
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine, mine_ranks = group, ranks
+        return mine, mine_ranks
+
+    tp_group, tp_ranks = make(
+        [[global_rank(t, d, p, tp, dp) for t in range(tp)] for p in range(pp) for d in range(dp)]
+    )
+    dp_group, dp_ranks = make(
+        [[global_rank(t, d, p, tp, dp) for d in range(dp)] for p in range(pp) for t in range(tp)]
+    )
+    pp_groups = [[global_rank(t, d, p, tp, dp) for p in range(pp)] for d in range(dp) for t in range(tp)]
+    pp_group, pp_ranks = make(pp_groups)
+    model_group, _ = make(
+        [[global_rank(t, d, p, tp, dp) for p in range(pp) for t in range(tp)] for d in range(dp)]
+    )
+    embedding_groups = [sorted({ranks[0], ranks[-1]}) for ranks in pp_groups]
+    embedding_group, embedding_ranks = make(embedding_groups)
+    _LAYOUT = _Layout(tp, pp, dp, tp_rank, dp_rank, pp_rank, tp_group, dp_group, pp_group,
+                      model_group, embedding_group, tp_ranks, dp_ranks, pp_ranks, embedding_ranks)
+
+
+def destroy_model_parallel() -> None:
+    """Forget the groups; getters answer as a single process again."""
+    global _LAYOUT
+    _LAYOUT = None
+
+
+def model_parallel_is_initialized() -> bool:
+    return _LAYOUT is not None
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    return _LAYOUT.tp if _LAYOUT else 1
+
+
+def get_tensor_model_parallel_rank() -> int:
+    return _LAYOUT.tp_rank if _LAYOUT else 0
+
+
+def get_tensor_model_parallel_group():
+    return _LAYOUT.tp_group if _LAYOUT else None
+
+
+def get_tensor_model_parallel_src_rank() -> int:
+    """Global rank of TP rank 0 in this rank's TP group."""
+    return _LAYOUT.tp_ranks[0] if _LAYOUT else 0
+
+
+def get_data_parallel_world_size() -> int:
+    return _LAYOUT.dp if _LAYOUT else 1
+
+
+def get_data_parallel_rank() -> int:
+    return _LAYOUT.dp_rank if _LAYOUT else 0
+
+
+def get_data_parallel_group():
+    return _LAYOUT.dp_group if _LAYOUT else None
+
+
+def get_data_parallel_group_ranks() -> list[int]:
+    return list(_LAYOUT.dp_ranks) if _LAYOUT else [0]
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    return _LAYOUT.pp if _LAYOUT else 1
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    return _LAYOUT.pp_rank if _LAYOUT else 0
+
+
+def get_pipeline_model_parallel_group():
+    return _LAYOUT.pp_group if _LAYOUT else None
+
+
+def get_model_parallel_group():
+    """TP x PP group (Megatron's meaning): all ranks that together hold one model replica."""
+    return _LAYOUT.model_group if _LAYOUT else None
+
+
+def get_embedding_group():
+    """First and last pipeline stage of this rank's pipeline (one rank when pp == 1)."""
+    return _LAYOUT.embedding_group if _LAYOUT else None
+
+
+def get_embedding_ranks() -> list[int]:
+    return list(_LAYOUT.embedding_ranks) if _LAYOUT else [0]
+
+
+def is_pipeline_first_stage() -> bool:
+    return get_pipeline_model_parallel_rank() == 0
+
+
+def is_pipeline_last_stage() -> bool:
+    return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
+
+
+class DeepSpeedMPU:
+    """The `mpu` object `deepspeed.initialize(mpu=...)` expects.
+
+    DeepSpeed's "model parallel" means the tensor-parallel slice: it counts replicated parameters
+    once per model-parallel group and shards ZeRO state over the data-parallel group only. DeepSpeed
+    is given an mpu only without a pipeline (PipelineModule brings its own grid), where TP x PP == TP,
+    so `get_model_parallel_*` answer with the TP group.
+    """
+
+    get_model_parallel_rank = staticmethod(get_tensor_model_parallel_rank)
+    get_model_parallel_world_size = staticmethod(get_tensor_model_parallel_world_size)
+    get_model_parallel_group = staticmethod(get_tensor_model_parallel_group)
+    get_tensor_model_parallel_rank = staticmethod(get_tensor_model_parallel_rank)
+    get_tensor_model_parallel_world_size = staticmethod(get_tensor_model_parallel_world_size)
+    get_tensor_model_parallel_group = staticmethod(get_tensor_model_parallel_group)
+    get_tensor_model_parallel_src_rank = staticmethod(get_tensor_model_parallel_src_rank)
+    get_data_parallel_rank = staticmethod(get_data_parallel_rank)
+    get_data_parallel_world_size = staticmethod(get_data_parallel_world_size)
+    get_data_parallel_group = staticmethod(get_data_parallel_group)
+    get_data_parallel_group_ranks = staticmethod(get_data_parallel_group_ranks)
+    get_pipeline_model_parallel_rank = staticmethod(get_pipeline_model_parallel_rank)
+    get_pipeline_model_parallel_world_size = staticmethod(get_pipeline_model_parallel_world_size)
+    get_pipeline_model_parallel_group = staticmethod(get_pipeline_model_parallel_group)
+
+
+mpu = DeepSpeedMPU()
