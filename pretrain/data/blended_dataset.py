@@ -1,0 +1,82 @@
+"""BlendedDataset: interleave several datasets by weight (greedy, no RNG), as megatron-core.
+
+Sample k is sample `dataset_sample_index[k]` of dataset `dataset_index[k]`. With a size the weights
+are normalized and the greedy kernel keeps every dataset as close as possible to its share; without
+a size every sample of every dataset is used exactly once (exhaustive blending).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from pretrain.data import helpers
+from pretrain.data.cache import load_or_build
+from pretrain.errors import UserError
+
+MAX_DATASETS = 32767  # dataset ids are int16
+
+
+def normalize(weights: Sequence[float]) -> list[float]:
+    w = np.array(weights, dtype=np.float64)
+    return (w / np.sum(w)).tolist()
+
+
+class BlendedDataset(torch.utils.data.Dataset):
+    def __init__(self, datasets: list, weights: Sequence[float], size: Optional[int], cache_dir: Optional[str]):
+        if not datasets or len(datasets) != len(weights):
+            raise ValueError("BlendedDataset needs one weight per dataset")
+        if len(datasets) >= MAX_DATASETS:
+            raise UserError(f"{len(datasets)} datasets in one blend; at most {MAX_DATASETS - 1} are supported "
+                            "(merge small prefixes with tools/merge_datasets.py)")
+        if any(not w > 0 for w in weights):
+            raise UserError(f"blend weights must all be > 0, got {list(weights)}")
+        if len({d.index_split for d in datasets}) != 1:
+            raise ValueError("all blended datasets must come from the same split")
+        self.datasets = datasets
+        self.split = datasets[0].index_split
+        self.weights = normalize(weights) if size is not None else list(weights)
+        self.size = size
+        self.unique_identifiers = OrderedDict([
+            ("class", "BlendedDataset"), ("datasets", [d.unique_identifiers for d in datasets]),
+            ("split", self.split), ("weights", self.weights), ("size", size),
+        ])
+        self.unique_description = json.dumps(self.unique_identifiers, indent=4)
+        self.unique_description_hash = hashlib.md5(self.unique_description.encode("utf-8")).hexdigest()
+
+        n = size if size is not None else int(sum(self.weights))
+        expect = {"dataset_index": (np.dtype(np.int16), (n,)), "dataset_sample_index": (np.dtype(np.int64), (n,))}
+        arrays = load_or_build(
+            cache_dir, f"{self.unique_description_hash}-BlendedDataset-{self.split}", self.unique_description,
+            expect, self._build,
+        )
+        self.dataset_index = arrays["dataset_index"]
+        self.dataset_sample_index = arrays["dataset_sample_index"]
+
+    def _build(self) -> dict[str, np.ndarray]:
+        if self.size is not None:
+            di, dsi = helpers.build_blending_indices(np.array(self.weights), self.size)
+        else:
+            di, dsi = helpers.build_exhaustive_blending_indices(np.array(self.weights, dtype=np.int64))
+        return {"dataset_index": di, "dataset_sample_index": dsi}
+
+    def samples_drawn(self) -> np.ndarray:
+        """How many samples the blend takes from each dataset."""
+        return np.bincount(np.asarray(self.dataset_index), minlength=len(self.datasets))
+
+    def oversampled(self) -> dict[int, int]:
+        """{dataset position: samples the blend needs} for datasets shorter than what the blend takes."""
+        drawn = self.samples_drawn()
+        return {i: int(n) for i, n in enumerate(drawn) if n > len(self.datasets[i])}
+
+    def __len__(self) -> int:
+        return self.dataset_index.shape[0]
+
+    def __getitem__(self, idx: int) -> dict:
+        dataset_id = int(self.dataset_index[idx])
+        return {"dataset_id": dataset_id, **self.datasets[dataset_id][int(self.dataset_sample_index[idx])]}

@@ -1,0 +1,142 @@
+"""Flags -> train/valid/test datasets, with Megatron's blend sizing (specs/megatron-data.md §4).
+
+Every process that needs data calls `build_train_valid_test_datasets`; the index caches make sure
+each array is built once per node (or once per shared filesystem) and loaded everywhere else, so no
+rank waits at a barrier for rank 0 and nodes without a shared cache directory work.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, Optional, Sequence
+
+from pretrain.data.blended_dataset import BlendedDataset, normalize
+from pretrain.data.config import SPLIT_NAMES, Blend, DataConfig
+from pretrain.data.gpt_dataset import GPTDataset, split_ranges
+from pretrain.data.indexed_dataset import IndexedDataset
+from pretrain.errors import UserError
+
+log = logging.getLogger(__name__)
+
+FULL_RANGE = (0.0, 1.0)
+
+
+def sizes_per_dataset(weights: Sequence[float], split_sizes: Sequence[Optional[int]], surplus: float = 0.0):
+    """[dataset][split] sample counts: ceil(ceil(N * w) * (1 + surplus)) (surplus 0: the targets)."""
+    return [[None if n is None else int(math.ceil(math.ceil(n * w) * (1 + surplus))) for n in split_sizes]
+            for w in weights]
+
+
+class _Builder:
+    def __init__(self, cfg: DataConfig, tokenizer, progress: Optional[Callable[[str], None]]):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.progress = progress or (lambda what: None)
+        self._indexed = {}
+
+    def indexed(self, prefix: str) -> IndexedDataset:
+        if prefix not in self._indexed:
+            if not IndexedDataset.exists(prefix):
+                raise UserError(f"{prefix}: no {prefix}.bin/{prefix}.idx pair (check the --data-path prefix; "
+                                "tools/preprocess_data.py writes PREFIX_text_document.bin/.idx)")
+            self._indexed[prefix] = IndexedDataset(prefix)
+        return self._indexed[prefix]
+
+    def gpt(self, prefix: str, matrix, split: int, num_samples: Optional[int]) -> Optional[GPTDataset]:
+        if matrix[split] is None:
+            return None
+        indexed = self.indexed(prefix)
+        indices = split_ranges(len(indexed), matrix)[split]
+        ds = GPTDataset(indexed, prefix, indices, num_samples, SPLIT_NAMES[split], self.cfg, self.tokenizer)
+        self.progress(f"{SPLIT_NAMES[split]} {prefix}")
+        return ds
+
+    def gpt_splits(self, prefix: str, matrix, sizes) -> list[Optional[GPTDataset]]:
+        return [self.gpt(prefix, matrix, i, sizes[i]) for i in range(3)]
+
+    def blend_splits(self, blend: Blend, matrix, sizes) -> list:
+        """One blended dataset per split of `matrix` from the prefixes of `blend`."""
+        prefixes, weights = blend
+        if weights is not None:
+            weights = normalize(weights)
+            targets = sizes_per_dataset(weights, sizes)
+            buffered = sizes_per_dataset(weights, sizes, self.cfg.mid_level_dataset_surplus)
+        else:
+            buffered = [[None] * 3 for _ in prefixes]
+        threads = max(1, self.cfg.num_dataset_builder_threads)
+        with ThreadPoolExecutor(threads) as pool:
+            per_prefix = list(pool.map(lambda pb: self.gpt_splits(pb[0], matrix, pb[1]), zip(prefixes, buffered)))
+        out = []
+        for i in range(3):
+            datasets = [per_prefix[p][i] for p in range(len(prefixes))]
+            if datasets[0] is None:
+                out.append(None)
+                continue
+            if weights is not None:
+                if sizes[i] is None:
+                    raise ValueError("a weighted blend needs a sample count for every split it builds")
+                w, size = weights, sum(t[i] for t in targets)
+            else:
+                w = [len(d) for d in datasets]
+                size = None if sizes[i] is None else min(sizes[i], sum(w))  # None: every sample once
+            out.append(self.blended(datasets, w, size, prefixes, matrix, i))
+        return out
+
+    def blended(self, datasets, weights, size, prefixes, matrix, split: int) -> BlendedDataset:
+        blended = BlendedDataset(datasets, weights, size, self.cfg.data_cache_path)
+        short = blended.oversampled()
+        if short:
+            # Megatron raises IndexError here (issues #705, PR #1007). The blend's indices depend only
+            # on the weights and size, so building the short datasets a little longer fixes it.
+            for p, needed in short.items():
+                log.warning("%s split: the blend takes %d samples from %s, which has %d; building it with "
+                            "%d samples", SPLIT_NAMES[split], needed, prefixes[p], len(datasets[p]), needed)
+                datasets[p] = self.gpt(prefixes[p], matrix, split, needed)
+            blended = BlendedDataset(datasets, weights, size, self.cfg.data_cache_path)
+            assert not blended.oversampled()
+        self.progress(f"{SPLIT_NAMES[split]} blend of {len(datasets)}")
+        return blended
+
+
+def build_train_valid_test_datasets(
+    cfg: DataConfig,
+    tokenizer,
+    num_samples: Sequence[Optional[int]],
+    progress: Optional[Callable[[str], None]] = None,
+) -> list:
+    """[train, valid, test] datasets (GPTDataset, BlendedDataset or None) for `num_samples` per split."""
+    b = _Builder(cfg, tokenizer, progress)
+    sizes = list(num_samples)
+    if cfg.blend is not None:
+        prefixes, weights = cfg.blend
+        if len(prefixes) == 1 and weights is None:
+            return b.gpt_splits(prefixes[0], cfg.split_matrix, sizes)
+        return b.blend_splits(cfg.blend, cfg.split_matrix, sizes)
+    out = []
+    for i, blend in enumerate(cfg.blend_per_split):
+        if blend is None:
+            out.append(None)
+            continue
+        matrix = [None] * 3
+        matrix[i] = FULL_RANGE
+        only = [None] * 3
+        only[i] = sizes[i]
+        prefixes, _ = blend
+        if len(prefixes) == 1:
+            out.append(b.gpt(prefixes[0], matrix, i, sizes[i]))
+        else:
+            out.append(b.blend_splits(blend, matrix, only)[i])
+    return out
+
+
+def count_builds(cfg: DataConfig) -> int:
+    """How many datasets `build_train_valid_test_datasets` builds (for a progress bar)."""
+    if cfg.blend is not None:
+        prefixes, weights = cfg.blend
+        splits = sum(m is not None for m in cfg.split_matrix)
+        if len(prefixes) == 1 and weights is None:
+            return splits
+        return splits * (len(prefixes) + 1)
+    return sum(1 if len(b[0]) == 1 else len(b[0]) + 1 for b in cfg.blend_per_split if b is not None)

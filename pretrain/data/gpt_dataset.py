@@ -1,0 +1,255 @@
+"""GPTDataset: fixed-length samples over an IndexedDataset split, in Megatron's exact order.
+
+Index arithmetic (specs/megatron-data.md §3): the split's sequences are repeated for E epochs and
+shuffled jointly (document index, int32), cut into samples of S + x tokens that overlap by x
+(sample index, numba kernel), and the samples are shuffled (shuffle index). All randomness comes
+from one `numpy.random.RandomState(seed)` consumed in Megatron's order, so the three arrays equal
+megatron-core's for the same inputs, values and dtypes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+
+from pretrain.data import helpers
+from pretrain.data.cache import load_or_build
+from pretrain.data.config import DataConfig
+from pretrain.errors import UserError
+
+log = logging.getLogger(__name__)
+
+PAD_TOKEN_ID = -1  # Megatron's pad id when the tokenizer has none (never a real token)
+SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
+
+
+def split_ranges(num_sequences: int, matrix) -> list[Optional[np.ndarray]]:
+    """Sequence ids of each split: arange(round(lo*n), round(hi*n)) as int32 (round half to even)."""
+    out = []
+    for bounds in matrix:
+        if bounds is None:
+            out.append(None)
+        else:
+            lo, hi = bounds
+            out.append(np.arange(int(round(lo * num_sequences)), int(round(hi * num_sequences)), dtype=np.int32))
+    return out
+
+
+@dataclass(frozen=True)
+class EpochPlan:
+    tokens_per_epoch: int
+    num_epochs: int
+    separate_final_epoch: bool
+    num_samples_sans_final_epoch: int  # meaningful only when separate_final_epoch
+
+
+def plan_epochs(tokens_per_epoch: int, num_samples: Optional[int], seq_length: int, extra_token: int) -> EpochPlan:
+    """Fewest epochs that hold num_samples; whether the last epoch is shuffled on its own (the 0.80 rule)."""
+    if num_samples is None:
+        return EpochPlan(tokens_per_epoch, 1, False, 0)
+    needed = num_samples * seq_length + extra_token
+    num_epochs = max(1, -(-needed // tokens_per_epoch))
+    if num_epochs == 1:
+        return EpochPlan(tokens_per_epoch, 1, False, 0)
+    sans_final = ((num_epochs - 1) * tokens_per_epoch - extra_token) // seq_length
+    from_final = num_samples - sans_final
+    per_epoch = (tokens_per_epoch - extra_token) // seq_length
+    assert 0 <= from_final <= per_epoch + 1, (from_final, per_epoch)
+    separate = from_final < int(SEPARATE_FINAL_EPOCH_THRESHOLD * per_epoch)
+    return EpochPlan(tokens_per_epoch, num_epochs, separate, sans_final)
+
+
+def _document_index(indices: np.ndarray, num_epochs: int, rng: np.random.RandomState) -> np.ndarray:
+    doc_idx = np.tile(indices.astype(np.int32), num_epochs)
+    rng.shuffle(doc_idx)
+    return doc_idx
+
+
+def shuffle_index_dtype(total: int) -> type:
+    return np.int64 if total >= np.iinfo(np.uint32).max - 1 else np.uint32
+
+
+def _shuffle_index(first_block: int, total: int, rng: np.random.RandomState) -> np.ndarray:
+    dtype = shuffle_index_dtype(total)
+    first = np.arange(first_block, dtype=dtype)
+    rng.shuffle(first)
+    if first_block == total:
+        return first
+    last = np.arange(first_block, total, dtype=dtype)
+    rng.shuffle(last)
+    return np.concatenate((first, last))
+
+
+def build_indices(
+    sequence_lengths: np.ndarray,
+    indices: np.ndarray,
+    plan: EpochPlan,
+    seq_length: int,
+    seed: int,
+    extra_token: int = 1,
+    drop_last: bool = True,
+) -> dict[str, np.ndarray]:
+    """document_index, sample_index and shuffle_index; RNG calls in Megatron's order."""
+    rng = np.random.RandomState(seed)
+    if plan.separate_final_epoch:
+        doc_idx = np.concatenate((_document_index(indices, plan.num_epochs - 1, rng),
+                                  _document_index(indices, 1, rng)))
+    else:
+        doc_idx = _document_index(indices, plan.num_epochs, rng)
+    sample_idx = helpers.build_sample_index(sequence_lengths, doc_idx, seq_length, plan.num_epochs,
+                                            plan.tokens_per_epoch, drop_last, extra_token)
+    total = sample_idx.shape[0] - 1
+    first_block = plan.num_samples_sans_final_epoch if plan.separate_final_epoch else total
+    shuffle_idx = _shuffle_index(first_block, total, rng)
+    return {"document_index": doc_idx, "sample_index": sample_idx, "shuffle_index": shuffle_idx}
+
+
+def expected_index_layout(sequence_lengths, num_indices: int, plan: EpochPlan, seq_length: int,
+                          extra_token: int, drop_last: bool):
+    """(dtype, shape) of each index array, known before building: how a cache is validated."""
+    doc_len = plan.num_epochs * num_indices
+    num_samples = helpers.num_samples_in_sample_index(plan.num_epochs, plan.tokens_per_epoch, seq_length,
+                                                      drop_last, extra_token)
+    largest = max(doc_len, int(sequence_lengths.max()) if len(sequence_lengths) else 0)
+    sample_dtype = np.int32 if largest <= helpers.INT32_MAX else np.int64
+    return {
+        "document_index": (np.dtype(np.int32), (doc_len,)),
+        "sample_index": (np.dtype(sample_dtype), (num_samples + 1, 2)),
+        "shuffle_index": (np.dtype(shuffle_index_dtype(num_samples)), (num_samples,)),
+    }
+
+
+def resolve_pad_id(tokenizer, allow_ambiguous: bool) -> int:
+    """tokenizer.pad, unless missing or equal to EOD (then -1, never a real token), as Megatron."""
+    pad = getattr(tokenizer, "pad", None)
+    if pad is None:
+        return PAD_TOKEN_ID
+    if pad == getattr(tokenizer, "eod", None) and not allow_ambiguous:
+        log.warning("the tokenizer's pad id %d equals its EOD id; padding with %d instead "
+                    "(--allow-ambiguous-pad-tokens keeps it)", pad, PAD_TOKEN_ID)
+        return PAD_TOKEN_ID
+    return pad
+
+
+def _segment_starts(tokens: torch.Tensor, eod: int) -> torch.Tensor:
+    """For each position, the first position of its document: one past the last EOD before it."""
+    n = tokens.numel()
+    starts = torch.zeros(n, dtype=torch.long)
+    after_eod = torch.nonzero(tokens[:-1] == eod).flatten() + 1
+    starts[after_eod] = after_eod
+    return torch.cummax(starts, dim=0).values
+
+
+def masks_and_position_ids(tokens: torch.Tensor, eod: int, cfg: DataConfig):
+    """(attention_mask [1,S,S] bool True=masked or None, loss_mask float32 [S], position_ids int64 [S])."""
+    n = tokens.numel()
+    loss_mask = torch.ones(n, dtype=torch.float32)
+    if cfg.eod_mask_loss:
+        loss_mask[tokens == eod] = 0.0
+    positions = torch.arange(n, dtype=torch.long)
+    starts = _segment_starts(tokens, eod) if (cfg.reset_position_ids or cfg.reset_attention_mask) else None
+    position_ids = positions - starts if cfg.reset_position_ids else positions
+    attention_mask = None
+    if cfg.create_attention_mask:
+        visible = positions[None, :] <= positions[:, None]
+        if cfg.reset_attention_mask:
+            visible &= positions[None, :] >= starts[:, None]
+        attention_mask = (~visible).unsqueeze(0)
+    return attention_mask, loss_mask, position_ids
+
+
+class GPTDataset(torch.utils.data.Dataset):
+    """Samples of seq_length tokens from the sequences `indices` of an IndexedDataset."""
+
+    def __init__(self, indexed, dataset_path: str, indices: np.ndarray, num_samples: Optional[int],
+                 index_split: str, cfg: DataConfig, tokenizer, extra_token: int = 1,
+                 drop_last: bool = True):
+        self.indexed = indexed
+        self.dataset_path = dataset_path
+        self.indices = indices
+        self.num_samples = num_samples
+        self.index_split = index_split
+        self.cfg = cfg
+        self.extra_token = extra_token
+        self.eod = tokenizer.eod
+        self.pad = resolve_pad_id(tokenizer, cfg.allow_ambiguous_pad_tokens)
+
+        self.unique_identifiers = OrderedDict([
+            ("class", "GPTDataset"), ("dataset_path", dataset_path), ("num_samples", num_samples),
+            ("index_split", index_split), ("random_seed", cfg.seed), ("sequence_length", cfg.seq_length),
+            ("split", cfg.split), ("split_matrix", cfg.split_matrix),
+            ("tokenizer", getattr(tokenizer, "unique_identifiers", None)),
+        ])
+        self.unique_description = json.dumps(self.unique_identifiers, indent=4)
+        self.unique_description_hash = hashlib.md5(self.unique_description.encode("utf-8")).hexdigest()
+
+        lengths = indexed.sequence_lengths
+        tokens_per_epoch = int(np.sum(lengths[indices], dtype=np.int64))
+        if tokens_per_epoch <= extra_token:
+            raise UserError(f"{dataset_path}: the {index_split} split has {tokens_per_epoch} tokens, too few for "
+                            f"one sample (change --split or use more data)")
+        plan = plan_epochs(tokens_per_epoch, num_samples, cfg.seq_length, extra_token)
+        expect = expected_index_layout(lengths, len(indices), plan, cfg.seq_length, extra_token, drop_last)
+        cache_dir = cfg.data_cache_path or os.path.join(dataset_path, "cache", "GPTDataset_indices")
+        arrays = load_or_build(
+            cache_dir, f"{self.unique_description_hash}-GPTDataset-{index_split}", self.unique_description,
+            expect, lambda: build_indices(lengths, indices, plan, cfg.seq_length, cfg.seed, extra_token, drop_last),
+        )
+        self.document_index = arrays["document_index"]
+        self.sample_index = arrays["sample_index"]
+        self.shuffle_index = arrays["shuffle_index"]
+        self._cacheable = not (cfg.reset_position_ids or cfg.reset_attention_mask or cfg.eod_mask_loss)
+        self._cached_masks = None
+
+    def __len__(self) -> int:
+        return self.sample_index.shape[0] - 1
+
+    def sample_tokens(self, idx: int) -> np.ndarray:
+        """The S + x token ids of sample idx (int64), padded with the pad id at the data's end."""
+        j = int(self.shuffle_index[idx])
+        d0, o0 = (int(v) for v in self.sample_index[j])
+        d1, o1 = (int(v) for v in self.sample_index[j + 1])
+        x = self.extra_token
+        if d0 == d1:
+            parts = [self.indexed.get(int(self.document_index[d0]), offset=o0, length=o1 - o0 + x)]
+        else:
+            parts = [self.indexed.get(int(self.document_index[d0]), offset=o0)]
+            parts += [self.indexed.get(int(self.document_index[d])) for d in range(d0 + 1, d1)]
+            parts.append(self.indexed.get(int(self.document_index[d1]), offset=0, length=o1 + x))
+        want = self.cfg.seq_length + x
+        have = sum(len(p) for p in parts)
+        if have < want:
+            parts.append(np.full(want - have, self.pad, dtype=np.int64))
+        return np.concatenate(parts, dtype=np.int64)
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+        text = torch.from_numpy(self.sample_tokens(idx))
+        if self.extra_token:
+            tokens, labels = text[:-1].clone(), text[1:].clone()
+        else:
+            tokens, labels = text, torch.roll(text, shifts=-1)
+            labels[-1] = self.pad
+        if self._cacheable and self._cached_masks is not None:
+            attention_mask, loss_mask, position_ids = self._cached_masks
+            loss_mask = loss_mask.clone()
+        else:
+            attention_mask, loss_mask, position_ids = masks_and_position_ids(tokens, self.eod, self.cfg)
+            if self._cacheable:
+                self._cached_masks = (attention_mask, loss_mask.clone(), position_ids)
+        loss_mask[labels == self.pad] = 0.0
+        tokens[tokens == self.pad] = 0
+        labels[labels == self.pad] = 0
+        sample = {"tokens": tokens, "labels": labels}
+        if attention_mask is not None:
+            sample["attention_mask"] = attention_mask
+        sample["loss_mask"] = loss_mask
+        sample["position_ids"] = position_ids
+        return sample
