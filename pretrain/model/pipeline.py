@@ -1,0 +1,110 @@
+"""The GPT of `pretrain.model.gpt` as a DeepSpeed `PipelineModule` (pipeline parallelism).
+
+The same three parts, in the same order, become pipeline layers:
+
+    index 0          EmbeddingPipe       (GPTModel's `embedding.*`)
+    index 1 .. L     TransformerLayerPipe (GPTModel's `layers.<i>.*`, i = index - 1)
+    index L + 1      HeadPipe            (GPTModel's `head.*`: the final norm, plus the output
+                                          layer when embeddings are untied)
+    index L + 2      tied embedding copy (tied embeddings only; not a GPTModel parameter)
+
+DeepSpeed splits the transformer layers evenly over stages (`type:TransformerLayerPipe`); the
+first stage also holds the embedding, the last the head and the loss. With tied embeddings the
+last stage holds a second `EmbeddingPipe` under the same `TiedLayerSpec` key whose forward is the
+LM head (hidden @ word_embeddings^T); DeepSpeed sums the two copies' gradients every step, so
+both stay equal, and marks the copy `ds_pipe_replicated`. We also mark it `shared`, so our global
+gradient norm counts it once. Every part initialises from its GPTModel name, so both copies and
+every layer start from the one-process model's weights at any layout.
+
+Activations between stages are tuples (hidden [b,s,h], position_ids [b,s] int64 [, attention
+mask [b,1,s,s] bool]). The loss is the masked mean over the micro-batch's tokens, as at PP = 1.
+"""
+
+from __future__ import annotations
+
+import torch
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+from pretrain.model.config import ModelConfig
+from pretrain.model.gpt import Embedding, FinalNormAndHead, TransformerLayer
+from pretrain.parallel.cross_entropy import vocab_parallel_cross_entropy
+from pretrain.parallel.layers import column_parallel_linear
+
+TIED_KEY = "embed"
+TIED_WEIGHT = "word_embeddings.weight"
+
+
+def _split(inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    hidden, position_ids = inputs[0], inputs[1]
+    return hidden, position_ids, inputs[2] if len(inputs) > 2 else None
+
+
+def _pack(hidden, position_ids, attention_mask):
+    return (hidden, position_ids) if attention_mask is None else (hidden, position_ids, attention_mask)
+
+
+class EmbeddingPipe(Embedding):
+    def forward(self, inputs):
+        tokens, position_ids, attention_mask = _split(inputs)
+        return _pack(super().forward(tokens, position_ids), position_ids, attention_mask)
+
+
+def tied_lm_head(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
+    """Forward of the last stage's embedding copy: the LM head with the word-embedding weight."""
+    return column_parallel_linear(hidden, embedding.word_embeddings.weight)
+
+
+class TransformerLayerPipe(TransformerLayer):
+    def forward(self, inputs):
+        hidden, position_ids, attention_mask = _split(inputs)
+        return _pack(super().forward(hidden, position_ids, attention_mask), position_ids, attention_mask)
+
+
+class HeadPipe(FinalNormAndHead):
+    """Final norm, then the untied output layer; with tied embeddings the norm only (the tied copy
+    that follows computes the logits)."""
+
+    def forward(self, inputs):
+        hidden = self.final_norm(inputs[0])
+        return hidden if self.output_layer is None else self.output_layer(hidden)
+
+
+def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Mean loss over the micro-batch's unmasked tokens (Megatron's default normalisation)."""
+    loss_mask = loss_mask.to(per_token_loss.dtype)
+    return (per_token_loss * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
+
+
+def pipeline_loss(logits: torch.Tensor, labels_and_mask: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    labels, loss_mask = labels_and_mask
+    return masked_mean_loss(vocab_parallel_cross_entropy(logits, labels), loss_mask)
+
+
+def layer_name_prefix(index: int, num_layers: int) -> str | None:
+    """GPTModel state-dict prefix of pipeline layer `index` (None for the tied copy)."""
+    if index == 0:
+        return "embedding."
+    if index <= num_layers:
+        return f"layers.{index - 1}."
+    if index == num_layers + 1:
+        return "head."
+    return None
+
+
+def build_pipeline_model(config: ModelConfig, pp: int, tp: int, dp: int) -> PipelineModule:
+    tied = not config.untie_embeddings_and_output_weights
+    specs = [TiedLayerSpec(TIED_KEY, EmbeddingPipe, config, tied_weight_attr=[TIED_WEIGHT]) if tied
+             else LayerSpec(EmbeddingPipe, config)]
+    specs += [LayerSpec(TransformerLayerPipe, config, i) for i in range(config.num_layers)]
+    specs.append(LayerSpec(HeadPipe, config))
+    if tied:
+        specs.append(TiedLayerSpec(TIED_KEY, EmbeddingPipe, config, forward_fn=tied_lm_head,
+                                   tied_weight_attr=[TIED_WEIGHT]))
+    topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
+    model = PipelineModule(layers=specs, loss_fn=pipeline_loss, topology=topology,
+                           partition_method="type:TransformerLayerPipe", activation_checkpoint_interval=0)
+    for param in model.parameters():
+        if getattr(param, "ds_pipe_replicated", False):
+            param.shared = True
+    return model

@@ -1,0 +1,206 @@
+"""Checkpoints: DeepSpeed's files plus what DeepSpeed leaves out, committed atomically.
+
+Layout (details in docs/CHECKPOINTS.md):
+
+    <save>/latest                                   "global_step<N>", written last (rename)
+    <save>/latest_checkpointed_iteration.txt        "<N>" (Megatron's name, same commit point)
+    <save>/global_step<N>/                          DeepSpeed's files for every rank
+    <save>/global_step<N>/rng_state_<rank>.pt       python/numpy/torch/CUDA/TP-dropout RNG per rank
+    <save>/global_step<N>/pretrain_meta.json        our metadata (model, layout, iteration, samples)
+
+Commit protocol: every rank writes its DeepSpeed files and RNG state, all ranks meet at a
+barrier, rank 0 writes `pretrain_meta.json` and then replaces `latest` (write to a temporary
+name, fsync, rename). A process killed at any point before the rename leaves `latest` naming the
+previous complete checkpoint, which is what `--load` reads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import random
+import signal
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pretrain.arguments import Config
+from pretrain.errors import UserError
+from pretrain.parallel.random import get_tensor_parallel_rng
+from pretrain.training.engine import Engine
+from pretrain.training.logging import logger
+
+FORMAT_VERSION = 1
+META_FILE = "pretrain_meta.json"
+LATEST_FILE = "latest"
+MEGATRON_LATEST_FILE = "latest_checkpointed_iteration.txt"
+CONVERTER = "tools/convert_to_hf.py"
+# Test hook: kill this process with SIGKILL after the checkpoint files are written and before
+# `latest` is replaced, the worst moment for a crash (see tests/test_training_checkpoint.py).
+CRASH_BEFORE_COMMIT_ENV = "PRETRAIN_TEST_SIGKILL_BEFORE_COMMIT"
+
+
+@dataclass
+class TrainState:
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+
+
+def tag_for(iteration: int) -> str:
+    return f"global_step{iteration}"
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _rng_state() -> dict:
+    rng = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+           "tensor_parallel": get_tensor_parallel_rng().get_state()}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    return rng
+
+
+def _set_rng_state(rng: dict) -> None:
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    get_tensor_parallel_rng().set_state(rng["tensor_parallel"])
+    if torch.cuda.is_available() and "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"])
+
+
+def _json_safe(value):
+    if isinstance(value, torch.dtype):
+        return str(value).replace("torch.", "")
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    return value
+
+
+def build_metadata(cfg: Config, engine: Engine, ts: TrainState) -> dict:
+    par = cfg.parallel
+    return {
+        "format_version": FORMAT_VERSION,
+        "iteration": ts.iteration,
+        "consumed_train_samples": ts.consumed_train_samples,
+        "consumed_valid_samples": ts.consumed_valid_samples,
+        "model": _json_safe(dataclasses.asdict(cfg.model)),
+        "padded_vocab_size": engine.padded_vocab_size,
+        "parallel": {"tensor_model_parallel_size": par.tensor_model_parallel_size,
+                     "pipeline_model_parallel_size": par.pipeline_model_parallel_size,
+                     "data_parallel_size": par.data_parallel_size, "world_size": par.world_size,
+                     "zero_stage": par.zero_stage, "pipeline_engine": engine.pipeline},
+        "tokenizer": _json_safe(dataclasses.asdict(cfg.tokenizer)),
+        "data": _json_safe(dataclasses.asdict(cfg.data)),
+        "training": {k: v for k, v in dataclasses.asdict(cfg.training).items() if k != "deepspeed_config"},
+        "deepspeed_config": engine.ds_config,
+        "argv": list(cfg.argv),
+    }
+
+
+def save_checkpoint(cfg: Config, engine: Engine, ts: TrainState) -> str:
+    save_dir, tag = cfg.checkpoint.save, tag_for(ts.iteration)
+    rank = torch.distributed.get_rank()
+    client_state = dataclasses.asdict(ts)
+    engine.ds.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
+    torch.save(_rng_state(), os.path.join(save_dir, tag, f"rng_state_{rank}.pt"))
+    torch.distributed.barrier()
+    if os.environ.get(CRASH_BEFORE_COMMIT_ENV) == str(ts.iteration) and rank == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    if rank == 0:
+        _atomic_write_text(os.path.join(save_dir, tag, META_FILE),
+                           json.dumps(build_metadata(cfg, engine, ts), indent=2, default=str))
+        _atomic_write_text(os.path.join(save_dir, LATEST_FILE), tag)
+        _atomic_write_text(os.path.join(save_dir, MEGATRON_LATEST_FILE), str(ts.iteration))
+    torch.distributed.barrier()
+    logger.info(f"saved checkpoint at iteration {ts.iteration:8d} to {os.path.join(save_dir, tag)}")
+    return tag
+
+
+def read_latest(load_dir: str) -> tuple[str, dict] | None:
+    """(tag, metadata) of the newest complete checkpoint in `load_dir`, or None if there is none."""
+    path = os.path.join(load_dir, LATEST_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        tag = f.read().strip()
+    meta_path = os.path.join(load_dir, tag, META_FILE)
+    if not os.path.isfile(meta_path):
+        raise UserError(f"{path} names {tag}, but {meta_path} is missing (not a checkpoint written by "
+                        f"pretrain_gpt.py; point --load at one that is)")
+    with open(meta_path) as f:
+        return tag, json.load(f)
+
+
+MODEL_KEYS_THAT_MUST_MATCH = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                              "ffn_hidden_size", "kv_channels", "position_embedding_type", "normalization",
+                              "swiglu", "add_bias_linear", "untie_embeddings_and_output_weights", "vocab_size")
+
+
+def check_compatible(cfg: Config, meta: dict, path: str) -> None:
+    saved_model, ours = meta["model"], _json_safe(dataclasses.asdict(cfg.model))
+    for key in MODEL_KEYS_THAT_MUST_MATCH:
+        if saved_model.get(key) != ours.get(key):
+            raise UserError(f"--load {path}: the checkpoint has {key}={saved_model.get(key)} but the flags give "
+                            f"{ours.get(key)} (use the checkpoint's model flags)")
+    saved, par = meta["parallel"], cfg.parallel
+    for key, flag in (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+                      ("pipeline_model_parallel_size", "--pipeline-model-parallel-size")):
+        if saved[key] != getattr(par, key):
+            raise UserError(
+                f"--load {path}: the checkpoint was written with {flag} {saved[key]}, this run uses "
+                f"{getattr(par, key)}; DeepSpeed checkpoints are split per TP/PP rank: export it with "
+                f"{CONVERTER} and re-import it at the new layout (docs/CHECKPOINTS.md, 'Changing the "
+                f"layout'), or run with {flag} {saved[key]}")
+    loads_optimizer = not (cfg.checkpoint.finetune or cfg.checkpoint.no_load_optim)
+    if saved["data_parallel_size"] != par.data_parallel_size and par.zero_stage > 0 and (
+            loads_optimizer or saved["zero_stage"] == 3 or par.zero_stage == 3):
+        raise UserError(
+            f"--load {path}: the checkpoint's ZeRO-{saved['zero_stage']} optimizer state is split over "
+            f"{saved['data_parallel_size']} data-parallel ranks, this run has {par.data_parallel_size}: resume with "
+            f"--finetune (weights only) or convert it with DeepSpeed's ds_to_universal.py, or launch "
+            f"{saved['data_parallel_size'] * par.tensor_model_parallel_size * par.pipeline_model_parallel_size} ranks")
+
+
+def load_checkpoint(cfg: Config, engine: Engine) -> TrainState:
+    """Resume from `--load` (its `latest`); a fresh TrainState when there is nothing to load."""
+    ck = cfg.checkpoint
+    found = read_latest(ck.load)
+    if found is None:
+        if ck.finetune:
+            raise UserError(f"--finetune --load {ck.load}: no `{LATEST_FILE}` file there (point --load at a "
+                            f"checkpoint directory)")
+        logger.warning(f"WARNING: no checkpoint in {ck.load} (no `{LATEST_FILE}` file); starting from scratch")
+        return TrainState()
+    tag, meta = found
+    check_compatible(cfg, meta, ck.load)
+    load_path, client_state = engine.ds.load_checkpoint(
+        ck.load, tag=tag, load_optimizer_states=not (ck.finetune or ck.no_load_optim),
+        load_lr_scheduler_states=not ck.finetune, load_module_only=ck.finetune)
+    if load_path is None:
+        raise UserError(f"--load {ck.load}: DeepSpeed could not load {tag} (files missing; see the warnings above)")
+    if ck.finetune:
+        logger.info(f"loaded weights from {os.path.join(ck.load, tag)} (--finetune: iteration and data restart at 0)")
+        return TrainState()
+    ts = TrainState(**{f.name: int(client_state[f.name]) for f in dataclasses.fields(TrainState)})
+    rng_path = os.path.join(ck.load, tag, f"rng_state_{torch.distributed.get_rank()}.pt")
+    if not ck.no_load_rng:
+        if os.path.isfile(rng_path):
+            _set_rng_state(torch.load(rng_path, weights_only=False))
+        else:
+            logger.warning(f"WARNING: {rng_path} missing (different world size?); RNG states not restored")
+    logger.info(f"loaded checkpoint {os.path.join(ck.load, tag)} at iteration {ts.iteration} "
+                f"({ts.consumed_train_samples} samples consumed)")
+    return ts

@@ -1,0 +1,139 @@
+"""What a training run prints and records: Megatron's log line, the start-up banner, scalars.
+
+Only global rank 0 logs at INFO; other ranks log warnings and errors only. The iteration line is
+Megatron-LM's, field for field (`iteration N/ M | consumed samples: ... | lm loss: 1.234567E+00 |
+...`), so existing log parsers keep working; our throughput fields come after Megatron's.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import sys
+from dataclasses import dataclass
+
+logger = logging.getLogger("pretrain")
+
+
+def setup_logging(rank: int) -> None:
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.handlers[:] = [handler]
+    logger.propagate = False
+    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    # DeepSpeed's own INFO chatter would interleave with our lines on every rank.
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+
+
+@dataclass
+class IterationStats:
+    iteration: int
+    train_iters: int
+    consumed_samples: int
+    elapsed_ms: float  # per iteration, averaged over the log interval
+    learning_rate: float
+    global_batch_size: int
+    lm_loss: float
+    loss_scale: float
+    grad_norm: float | None
+    skipped_iterations: int
+    nan_iterations: int
+    tokens_per_second: float
+    tflops_per_device: float
+    mfu: float | None  # fraction of peak, None when the peak is unknown
+
+
+def format_iteration_line(s: IterationStats) -> str:
+    line = f" iteration {s.iteration:8d}/{s.train_iters:8d} |"
+    line += f" consumed samples: {s.consumed_samples:12d} |"
+    line += f" elapsed time per iteration (ms): {s.elapsed_ms:.1f} |"
+    line += f" throughput per GPU (TFLOP/s/GPU): {s.tflops_per_device:.3f} |"
+    line += f" learning rate: {s.learning_rate:.6E} |"
+    line += f" global batch size: {s.global_batch_size:5d} |"
+    line += f" lm loss: {s.lm_loss:.6E} |"
+    line += f" loss scale: {s.loss_scale:.1f} |"
+    if s.grad_norm is not None:
+        line += f" grad norm: {s.grad_norm:.3f} |"
+    line += f" number of skipped iterations: {s.skipped_iterations:3d} |"
+    line += f" number of nan iterations: {s.nan_iterations:3d} |"
+    line += f" tokens per second: {s.tokens_per_second:.1f} |"
+    if s.mfu is not None:
+        line += f" MFU: {100 * s.mfu:.2f}% |"
+    return line
+
+
+def format_eval_line(iteration: int, loss: float) -> str:
+    ppl = math.exp(min(20.0, loss))
+    text = f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
+    bar = "-" * len(text)
+    return f"{bar}\n{text}\n{bar}"
+
+
+class ScalarWriter:
+    """TensorBoard (`--tensorboard-dir`), wandb (`--wandb-project`, if installed) and a JSON-lines file.
+
+    The JSON-lines file (`--metrics-file`) holds full-precision loss, grad norm and lr per iteration,
+    for scripts and tests that compare runs (the log line rounds the grad norm, as Megatron's does).
+    """
+
+    def __init__(self, rank: int, tensorboard_dir: str | None, wandb_project: str | None,
+                 wandb_exp_name: str | None, metrics_file: str | None, run_config: dict):
+        self.active = rank == 0
+        self.tb = self.wandb = self.metrics = None
+        if not self.active:
+            return
+        if tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=tensorboard_dir)
+        if wandb_project:
+            try:
+                import wandb
+            except ImportError:
+                logger.warning("--wandb-project given but wandb is not installed (pip install wandb); skipping")
+            else:
+                self.wandb = wandb.init(project=wandb_project, name=wandb_exp_name, config=run_config)
+        if metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
+            self.metrics = open(metrics_file, "a", buffering=1)
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        if not self.active:
+            return
+        if self.tb is not None:
+            for key, value in scalars.items():
+                if value is not None:
+                    self.tb.add_scalar(key, value, step)
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in scalars.items() if v is not None}, step=step)
+        if self.metrics is not None:
+            self.metrics.write(json.dumps({"iteration": step, **scalars}) + "\n")
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def banner(*, tp: int, pp: int, dp: int, zero: int, world: int, launcher: str, backend: str, device: str,
+           params_total: int, tokens_per_iteration: int, global_batch: int, micro_batch: int,
+           num_microbatches: int, precision: str, save: str | None, load: str | None,
+           flops_per_iteration: float, threads: int) -> str:
+    lines = [
+        "=" * 78,
+        f" pretrain_gpt.py  |  {world} rank(s) via {launcher}, backend {backend}, device {device}, "
+        f"{threads} thread(s)/rank",
+        f" layout           |  TP={tp}  PP={pp}  DP={dp}  ZeRO-{zero}  ({precision})",
+        f" parameters       |  {params_total:,} ({params_total / 1e6:.2f} M)",
+        f" batch            |  global {global_batch} = micro {micro_batch} x {num_microbatches} micro-batches "
+        f"x DP {dp}; {tokens_per_iteration:,} tokens/iteration",
+        f" FLOPs/iteration  |  {flops_per_iteration:.4g} (Megatron formula, see README)",
+        f" checkpoints      |  save: {save or '(none)'}  load: {load or '(none)'}",
+        "=" * 78,
+    ]
+    return "\n".join(lines)

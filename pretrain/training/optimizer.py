@@ -1,0 +1,60 @@
+"""AdamW with Megatron's parameter groups, and clipping by the true global gradient norm.
+
+Megatron applies no weight decay to biases and 1-D parameters (norm weights). At ZeRO-0 in fp32
+DeepSpeed would clip with a norm that, in a pipeline grid, counts replicated parameters on the
+first stage only (specs/deepspeed-cpu.md); `ClippedAdamW` instead computes the norm with
+`pretrain.parallel.grad_norm.global_grad_norm` (TP shards once, replicated parameters once, tied
+copies once, summed over TP x PP) right before the update, after DeepSpeed has averaged the
+gradients over data-parallel ranks and summed the tied embedding's. The engine reads the norm
+from `_global_grad_norm` (DeepSpeed's convention) for logging.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from pretrain.parallel.grad_norm import global_grad_norm
+
+
+def param_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for name, param in named_params:
+        if not param.requires_grad:
+            continue
+        (no_decay if name.endswith(".bias") or param.dim() == 1 else decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+class ClippedAdamW(torch.optim.AdamW):
+    """AdamW whose step first clips all gradients to `clip_grad` by the true global L2 norm."""
+
+    def __init__(self, params, *, clip_grad: float, model_parallel_group=None, **adamw_kwargs):
+        super().__init__(params, **adamw_kwargs)
+        self.clip_grad = clip_grad
+        self.model_parallel_group = model_parallel_group
+        self._global_grad_norm = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
+        norm = global_grad_norm(params, self.model_parallel_group)
+        self._global_grad_norm = float(norm)
+        if self.clip_grad > 0:
+            coeff = self.clip_grad / (norm + 1e-6)
+            if coeff < 1.0:
+                torch._foreach_mul_([p.grad for p in params], coeff)
+        return super().step(closure)
+
+
+def build_optimizer(named_params, *, lr: float, weight_decay: float, betas: tuple[float, float], eps: float,
+                    clip_grad: float | None, model_parallel_group=None) -> torch.optim.Optimizer:
+    """`clip_grad=None`: plain AdamW (DeepSpeed's ZeRO/bf16/fp16 optimizer clips)."""
+    groups = param_groups(named_params, weight_decay)
+    if clip_grad is None:
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    return ClippedAdamW(groups, clip_grad=clip_grad, model_parallel_group=model_parallel_group,
+                        lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)

@@ -1,0 +1,19 @@
+"""Pretrain a GPT with Megatron-LM flags: `deepspeed pretrain_gpt.py --tensor-model-parallel-size 2 ...`.
+
+Also runs under torchrun, Slurm's srun, or plain `python pretrain_gpt.py ...` (one process).
+`python pretrain_gpt.py --help` lists every flag; docs/TRAINING.md explains them.
+"""
+
+import sys
+
+from pretrain.errors import exit_on_user_error
+from pretrain.training.run import pretrain
+
+
+@exit_on_user_error
+def main() -> None:
+    pretrain(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Shared pieces of the training tests: a tiny corpus, tiny-model flags, launching real ranks.
+
+Every launch runs in its own process group with a hard timeout; on timeout the whole group is
+killed and the test fails with the captured output.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
+BIN = Path(PYTHON).parent
+VOCAB = 100  # NullTokenizer ids 0..99, eod = 100; padded to 128 (x TP)
+
+
+def make_corpus(prefix: Path, num_docs: int = 200, seed: int = 0) -> str:
+    """A tiny NullTokenizer corpus: documents of 5-60 random ids, each ending with eod."""
+    from pretrain.data.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
+
+    rng = np.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(get_bin_path(str(prefix)), dtype=np.uint16)
+    for _ in range(num_docs):
+        doc = rng.integers(0, VOCAB, size=int(rng.integers(5, 60)))
+        builder.add_item(np.append(doc, VOCAB))
+        builder.end_document()
+    builder.finalize(get_idx_path(str(prefix)))
+    return str(prefix)
+
+
+def model_flags(flavour: str, layers: int = 4, hidden: int = 32) -> list[str]:
+    common = ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", "4",
+              "--seq-length", "16", "--attention-dropout", "0", "--hidden-dropout", "0"]
+    if flavour == "gpt2":
+        return common
+    if flavour == "llama":
+        return common + ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+                         "--ffn-hidden-size", "64", "--group-query-attention", "--num-query-groups", "2",
+                         "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+    raise ValueError(flavour)
+
+
+def train_flags(data_prefix: str, iters: int = 6, gbs: int = 8, mbs: int = 2) -> list[str]:
+    return ["--micro-batch-size", str(mbs), "--global-batch-size", str(gbs), "--train-iters", str(iters),
+            "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine",
+            "--clip-grad", "0.05", "--weight-decay", "0.1", "--seed", "7",
+            "--data-path", data_prefix, "--split", "90,10,0", "--tokenizer-type", "NullTokenizer",
+            "--vocab-size", str(VOCAB), "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0",
+            "--num-workers", "0", "--distributed-backend", "gloo"]
+
+
+def layout_flags(tp: int, pp: int, zero: int) -> list[str]:
+    return ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
+            "--zero-stage", str(zero)]
+
+
+def test_env(**extra) -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE"):
+        env.pop(key, None)
+    env.update(extra)
+    return env
+
+
+def run(cmd: list[str], timeout: float, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """Run `cmd` in a new session; kill the whole process group on timeout."""
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env or test_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        raise AssertionError(f"timed out after {timeout} s: {' '.join(cmd)}\n{out[-6000:]}")
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def deepspeed_cmd(nproc: int, args: list[str]) -> list[str]:
+    return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(_free_port()),
+            str(REPO / "pretrain_gpt.py"), *args]
+
+
+def torchrun_cmd(nproc: int, args: list[str], *extra: str) -> list[str]:
+    return [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), *extra, str(REPO / "pretrain_gpt.py"), *args]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_metrics(path: Path) -> dict[int, dict]:
+    """iteration -> metrics; a later line for the same iteration (a resumed run) replaces an earlier one."""
+    out = {}
+    for line in Path(path).read_text().splitlines():
+        record = json.loads(line)
+        out[record["iteration"]] = record
+    return out
+
+
+LOG_LINE = re.compile(r" iteration\s+(\d+)/\s*(\d+) \| consumed samples:\s+(\d+) \| .* lm loss: ([0-9.E+-]+) \|")
+
+
+def logged_losses(output: str) -> dict[int, float]:
+    return {int(m.group(1)): float(m.group(4)) for m in LOG_LINE.finditer(output)}
