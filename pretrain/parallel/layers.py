@@ -27,7 +27,7 @@ from pretrain.parallel.mappings import (
     scatter_to_tensor_model_parallel_region,
 )
 from pretrain.parallel.random import init_normal_
-from pretrain.parallel.sharding import mark_tensor_parallel
+from pretrain.parallel.sharding import mark_tensor_parallel, merge_shards
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -67,7 +67,11 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = column_parallel_linear(x, self.weight, self.bias)
-        return gather_from_tensor_model_parallel_region(y) if self.gather_output else y
+        if not self.gather_output:
+            return y
+        gathered = gather_from_tensor_model_parallel_region(y)  # rank order: [shard_0, shard_1, ...]
+        world = state.get_tensor_model_parallel_world_size()
+        return merge_shards(list(gathered.chunk(world, dim=-1)), -1, self.weight.partition_stride)
 
 
 class RowParallelLinear(nn.Module):

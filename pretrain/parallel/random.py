@@ -120,18 +120,36 @@ def parameter_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
+ROWS_PER_DRAW = 64
+
+
+def draw_full_normal(shape: list[int] | torch.Size, name: str, seed: int, std: float) -> torch.Tensor:
+    """The full fp32 N(0, std) tensor for parameter `name`, drawn on the CPU.
+
+    Rows (dim 0) are drawn in blocks of ROWS_PER_DRAW, each from its own generator, so a row's value
+    does not depend on how many rows there are: the true vocabulary rows of an embedding are the same
+    whatever the padding (which grows with TP).
+    """
+    rows, rest = (shape[0], list(shape[1:])) if len(shape) > 0 else (1, [])
+    blocks = []
+    for start in range(0, rows, ROWS_PER_DRAW):
+        generator = torch.Generator().manual_seed(parameter_seed(seed, f"{name}#{start}"))
+        block = torch.empty([ROWS_PER_DRAW] + rest, dtype=torch.float32).normal_(0.0, std, generator=generator)
+        blocks.append(block[: min(ROWS_PER_DRAW, rows - start)])
+    return torch.cat(blocks).reshape(shape)
+
+
 @torch.no_grad()
 def init_normal_(param: torch.Tensor, name: str, seed: int, std: float) -> torch.Tensor:
-    """Fill `param` with its shard of the full N(0, std) tensor drawn for `name`.
+    """Fill `param` with its TP shard of the full N(0, std) tensor drawn for `name`.
 
-    The full tensor is drawn in fp32 on the CPU (so CPU and GPU runs agree), then cast.
+    The full tensor is drawn in fp32 on the CPU (so CPU and GPU runs agree), then sharded and cast.
     """
     world = state.get_tensor_model_parallel_world_size() if is_tensor_parallel(param) else 1
     shape = list(param.shape)
     if world > 1:
         shape[param.partition_dim] *= world
-    generator = torch.Generator().manual_seed(parameter_seed(seed, name))
-    full = torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+    full = draw_full_normal(shape, name, seed, std)
     if world > 1:
         full = shard_tensor(full, param.partition_dim, state.get_tensor_model_parallel_rank(), world,
                             param.partition_stride)
