@@ -1,0 +1,204 @@
+"""GPTDataset: split arithmetic, epochs, and the index arrays and samples against megatron-core's
+GPTDataset (test-only oracle) on the same .bin/.idx, seed and flags."""
+
+import os
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from pretrain.data.config import DataConfig, split_matrix
+from pretrain.data.gpt_dataset import GPTDataset, masks_and_position_ids, plan_epochs, split_ranges
+from pretrain.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from pretrain.tokenizer import NullTokenizer
+
+VOCAB = 1000
+TOKENIZER = NullTokenizer(VOCAB)  # eod = 1000, no pad id -> pad -1
+
+
+def write_corpus(prefix, lengths, seed=0, eod=TOKENIZER.eod, eod_every=0, dtype=np.uint16):
+    """One sequence per document with the given lengths; last token of each is EOD, plus an EOD every
+    `eod_every` tokens inside (to exercise the reset flags)."""
+    rng = np.random.default_rng(seed)
+    b = IndexedDatasetBuilder(prefix + ".bin", dtype=dtype)
+    for n in lengths:
+        t = rng.integers(0, VOCAB, n)
+        t[-1] = eod
+        if eod_every:
+            t[::eod_every] = eod
+        b.add_document(t, [n])
+    b.finalize(prefix + ".idx")
+    return prefix
+
+
+def random_lengths(n, seed, lo=1, hi=60):
+    return np.random.default_rng(seed).integers(lo, hi, n).tolist()
+
+
+class MegatronView:
+    """Our tokenizer as megatron-core reads it: megatron pads with `tokenizer.pad` verbatim, so a
+    tokenizer without a pad id must say -1 (its _PAD_TOKEN_ID) rather than None."""
+
+    def __init__(self, tok):
+        self.eod = tok.eod
+        self.pad = -1 if tok.pad is None else tok.pad
+        self.vocab_size = tok.vocab_size
+        self.unique_identifiers = tok.unique_identifiers
+
+
+def megatron_gpt():
+    warnings.filterwarnings("ignore")
+    mg = pytest.importorskip("megatron.core.datasets.gpt_dataset")
+    from megatron.core.datasets.indexed_dataset import IndexedDataset as MIndexed
+    from megatron.core.datasets.utils import Split
+    return mg, MIndexed, Split
+
+
+def assert_same_arrays(ours, theirs, names):
+    for name in names:
+        a, b = np.asarray(getattr(ours, name)), np.asarray(getattr(theirs, name))
+        assert a.dtype == b.dtype, (name, a.dtype, b.dtype)
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def assert_same_samples(ours, theirs, indices):
+    for k in indices:
+        s1, s2 = ours[k], theirs[k]
+        assert list(s1) == list(s2)
+        for key in s1:
+            v1, v2 = s1[key], s2[key]
+            if isinstance(v2, torch.Tensor):
+                assert v1.dtype == v2.dtype and v1.shape == v2.shape, key
+                assert torch.equal(v1, v2), (k, key)
+            else:
+                assert int(v1) == int(v2), (k, key)
+
+
+# ---- split and epoch arithmetic -----------------------------------------------------------------
+
+def test_split_example_from_spec():
+    r = split_ranges(12345, split_matrix("949,50,1"))
+    assert [(int(a[0]), int(a[-1]) + 1) for a in r] == [(0, 11715), (11715, 12333), (12333, 12345)]
+    assert all(a.dtype == np.int32 for a in r)
+
+
+def test_split_rounds_half_to_even_and_drops_empty():
+    # 0.5 * 5 = 2.5 -> 2 (half to even), 0.5 * 3 = 1.5 -> 2
+    assert len(split_ranges(5, split_matrix("1,1"))[0]) == 2
+    assert len(split_ranges(3, split_matrix("1,1"))[0]) == 2
+    assert split_matrix("1,1")[2] is None and split_matrix("1")[1:] == [None, None]
+    assert split_matrix("949,50,1")[0][0] == 0 and isinstance(split_matrix("949,50,1")[0][0], int)
+
+
+def test_epochs_and_separate_final_epoch_rule():
+    # T = 101 tokens, S = 10, x = 1: 10 samples per epoch
+    assert plan_epochs(101, None, 10, 1).num_epochs == 1
+    assert plan_epochs(101, 10, 10, 1).num_epochs == 1
+    p = plan_epochs(101, 11, 10, 1)  # 2 epochs, 1 sample from the last: < int(0.8 * 10) -> separate
+    assert (p.num_epochs, p.separate_final_epoch, p.num_samples_sans_final_epoch) == (2, True, 10)
+    p = plan_epochs(101, 17, 10, 1)  # 7 from the last epoch < 8 -> separate
+    assert p.separate_final_epoch
+    p = plan_epochs(101, 18, 10, 1)  # 8 is not < 8 -> shuffled jointly
+    assert (p.num_epochs, p.separate_final_epoch) == (2, False)
+
+
+# ---- arrays and samples equal megatron-core's --------------------------------------------------------
+
+CASES = [
+    # (num_samples, split index, flags, extra_token, drop_last)
+    (None, 0, {}, 1, True),
+    (40, 0, {}, 1, True),
+    ("one_past_epoch", 0, {}, 1, True),     # 2 epochs, separate final epoch
+    ("most_of_epoch", 0, {}, 1, True),      # 2 epochs, shuffled jointly
+    (300, 0, {"eod_mask_loss": True, "reset_position_ids": True, "reset_attention_mask": True}, 1, True),
+    (60, 1, {"create_attention_mask": False}, 1, False),  # partial final sample: padded
+    (80, 0, {"reset_position_ids": True}, 0, True),      # add_extra_token_to_sequence = False
+    (30, 1, {"eod_mask_loss": True}, 0, False),
+]
+
+
+@pytest.mark.parametrize("num_samples,split,flags,extra_token,drop_last", CASES)
+def test_indices_and_samples_equal_megatron(tmp_path, num_samples, split, flags, extra_token, drop_last):
+    mg, MIndexed, Split = megatron_gpt()
+    prefix = write_corpus(str(tmp_path / "corpus"), random_lengths(120, seed=split + 7), eod_every=13)
+    S, seed, split_str = 32, 4321, "90,8,2"
+    indexed = IndexedDataset(prefix)
+    indices = split_ranges(len(indexed), split_matrix(split_str))[split]
+    per_epoch = (int(indexed.sequence_lengths[indices].sum()) - extra_token) // S
+    if num_samples == "one_past_epoch":
+        num_samples = per_epoch + 1
+    elif num_samples == "most_of_epoch":
+        num_samples = per_epoch + int(0.8 * per_epoch) + 1
+    cfg = DataConfig(seq_length=S, seed=seed, blend=([prefix], None), split=split_str,
+                     data_cache_path=str(tmp_path / "ours"), **flags)
+    split_name = ["train", "valid", "test"][split]
+    ours = GPTDataset(indexed, prefix, indices, num_samples, split_name, cfg, TOKENIZER,
+                      extra_token=extra_token, drop_last=drop_last)
+    mcfg = mg.GPTDatasetConfig(
+        random_seed=seed, sequence_length=S, blend=([prefix], None), split=split_str,
+        path_to_cache=str(tmp_path / "theirs"), tokenizer=MegatronView(TOKENIZER),
+        reset_position_ids=flags.get("reset_position_ids", False),
+        reset_attention_mask=flags.get("reset_attention_mask", False),
+        eod_mask_loss=flags.get("eod_mask_loss", False),
+        create_attention_mask=flags.get("create_attention_mask", True),
+        add_extra_token_to_sequence=bool(extra_token), drop_last_partial_validation_sequence=drop_last,
+    )
+    assert drop_last or split == 1  # megatron applies drop_last=False to the valid split only
+    theirs = mg.GPTDataset(MIndexed(prefix), prefix, indices, num_samples, Split(split), mcfg)
+    assert ours.unique_description == theirs.unique_description
+    assert ours.unique_description_hash == theirs.unique_description_hash
+    assert_same_arrays(ours, theirs, ["document_index", "sample_index", "shuffle_index"])
+    assert len(ours) == len(theirs)
+    assert_same_samples(ours, theirs, range(len(ours)))
+    # same cache file names, same bytes in the arrays
+    assert {f for f in os.listdir(tmp_path / "theirs")} == {
+        f for f in os.listdir(tmp_path / "ours") if not f.endswith(".lock")}
+    for f in os.listdir(tmp_path / "theirs"):
+        if f.endswith(".npy"):
+            a, b = np.load(tmp_path / "ours" / f), np.load(tmp_path / "theirs" / f)
+            assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def test_default_cache_dir_is_beside_the_prefix_and_reloads_by_mmap(tmp_path):
+    prefix = write_corpus(str(tmp_path / "c"), random_lengths(30, seed=1))
+    indexed = IndexedDataset(prefix)
+    cfg = DataConfig(seq_length=16, blend=([prefix], None), split="1")
+    first = GPTDataset(indexed, prefix, np.arange(30, dtype=np.int32), 50, "train", cfg, TOKENIZER)
+    cache_dir = os.path.join(prefix, "cache", "GPTDataset_indices")
+    assert sorted(os.listdir(cache_dir))[0].startswith(first.unique_description_hash)
+    again = GPTDataset(indexed, prefix, np.arange(30, dtype=np.int32), 50, "train", cfg, TOKENIZER)
+    assert isinstance(again.sample_index, np.memmap)
+    np.testing.assert_array_equal(first.shuffle_index, again.shuffle_index)
+
+
+def test_masks_and_position_ids_by_hand():
+    eod = 9
+    tokens = torch.tensor([1, 9, 2, 3, 9, 4])
+    cfg = DataConfig(seq_length=6, blend=(["p"], None), split="1", eod_mask_loss=True,
+                     reset_position_ids=True, reset_attention_mask=True)
+    mask, loss_mask, pos = masks_and_position_ids(tokens, eod, cfg)
+    assert pos.tolist() == [0, 1, 0, 1, 2, 0]
+    assert loss_mask.tolist() == [1, 0, 1, 1, 0, 1]
+    visible = (~mask[0]).int().tolist()
+    assert visible == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [0, 0, 1, 0, 0, 0],
+        [0, 0, 1, 1, 0, 0],
+        [0, 0, 1, 1, 1, 0],
+        [0, 0, 0, 0, 0, 1],
+    ]
+    cfg = DataConfig(seq_length=6, blend=(["p"], None), split="1")
+    mask, loss_mask, pos = masks_and_position_ids(tokens, eod, cfg)
+    assert pos.tolist() == list(range(6)) and loss_mask.tolist() == [1] * 6
+    assert mask.shape == (1, 6, 6) and mask.dtype == torch.bool
+    assert torch.equal(~mask[0], torch.ones(6, 6).tril().bool())
+
+
+def test_too_small_split_is_a_user_error(tmp_path):
+    from pretrain.errors import UserError
+    prefix = write_corpus(str(tmp_path / "c"), [1, 1])
+    cfg = DataConfig(seq_length=16, blend=([prefix], None), split="1", data_cache_path=str(tmp_path / "x"))
+    with pytest.raises(UserError, match="too few"):
+        GPTDataset(IndexedDataset(prefix), prefix, np.array([0], np.int32), 5, "train", cfg, TOKENIZER)
