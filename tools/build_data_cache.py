@@ -1,0 +1,73 @@
+#!/usr/bin/env python
+"""Build every dataset index cache a training run needs, before the run.
+
+Put this script in front of your training arguments; it reads only the data, tokenizer and
+sample-count flags and ignores the rest:
+
+    python tools/build_data_cache.py --data-path data/shakespeare_text_document --split 949,50,1 \\
+        --seq-length 1024 --train-iters 2000 --global-batch-size 16 --eval-interval 200 --eval-iters 10 \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file data/gpt2/vocab.json --merge-file data/gpt2/merges.txt \\
+        [--data-cache-path DIR] [... any other training flags ...]
+
+Training started with the same flags finds the caches and loads them (memory-mapped) instead of
+building. With a node-local --data-cache-path, run it once per node (or let training build it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tqdm import tqdm  # noqa: E402
+
+from pretrain.data.builder import build_train_valid_test_datasets, count_builds  # noqa: E402
+from pretrain.data.config import (SPLIT_NAMES, DataConfig, add_data_args, add_sample_count_args,  # noqa: E402
+                                  train_valid_test_num_samples)
+from pretrain.errors import exit_on_user_error  # noqa: E402
+from pretrain.tokenizer import TokenizerConfig, add_tokenizer_args, build_tokenizer  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # allow_abbrev=False: an unknown training flag must never be taken for an abbreviation of ours
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    add_data_args(parser)
+    add_sample_count_args(parser)
+    add_tokenizer_args(parser)
+    return parser
+
+
+@exit_on_user_error
+def main(argv=None) -> int:
+    ns, ignored = build_parser().parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    cfg = DataConfig.from_args(ns)
+    tokenizer = build_tokenizer(TokenizerConfig.from_args(ns))
+    counts = train_valid_test_num_samples(ns.train_iters, ns.train_samples, ns.eval_interval, ns.eval_iters,
+                                          ns.global_batch_size)
+    if ignored:
+        print(f"ignoring {len([a for a in ignored if a.startswith('--')])} non-data flags", file=sys.stderr)
+    start = time.time()
+    with tqdm(total=count_builds(cfg), desc="index caches", unit="dataset") as bar:
+        def progress(what: str) -> None:
+            bar.set_postfix_str(what[-60:])
+            bar.update()
+
+        datasets = build_train_valid_test_datasets(cfg, tokenizer, counts, progress=progress)
+    for name, requested, ds in zip(SPLIT_NAMES, counts, datasets):
+        if ds is None:
+            print(f"{name:5s}: not built (empty split)")
+        else:
+            print(f"{name:5s}: {type(ds).__name__} with {len(ds)} samples (requested {requested})")
+    where = cfg.data_cache_path or "PREFIX/cache/GPTDataset_indices beside each prefix"
+    print(f"caches ready in {where} ({time.time() - start:.1f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
