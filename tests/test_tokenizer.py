@@ -77,15 +77,6 @@ def test_gpt2_equals_transformers_on_awkward_text(gpt2, hf_reference):
         assert gpt2.detokenize(ids) == text
 
 
-def test_gpt2_multi_megabyte_document(gpt2, hf_reference):
-    rng = random.Random(1)
-    # short awkward pieces between ordinary words (BPE cost grows with the length of a pre-token)
-    words = [t[:12] for t in awkward_texts(seed=2, n=30)] + ["the", "quick", "brown", "fox", "\n\n", "  "] * 60
-    text = " ".join(rng.choice(words) for _ in range(450000))
-    assert len(text.encode("utf-8")) > 2_000_000
-    assert gpt2.tokenize(text) == hf_reference(text).input_ids
-
-
 def test_tiktoken_cl100k(tmp_path):
     import tiktoken
 

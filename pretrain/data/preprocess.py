@@ -1,0 +1,224 @@
+"""`tools/preprocess_data.py`: corpus -> `{prefix}_{key}_{document|sentence}.bin/.idx`, Megatron's bytes.
+
+The parent process reads raw records in small batches and hands them to a pool of worker
+processes (`pretrain.data.encoder`), at most a few batches ahead, and writes the results strictly
+in input order as they come back. So memory stays flat in corpus size, the output bytes do not
+depend on `--workers`, and nothing final-named appears before the run is complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import multiprocessing
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+from pretrain.data.corpus import expand_inputs, iter_record_batches, total_input_bytes
+from pretrain.data.encoder import EncodeOptions, Encoder, encode_in_worker, init_worker, share_with_forked_workers
+from pretrain.data.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
+from pretrain.errors import UserError, data_error
+from pretrain.tokenizer import TokenizerConfig, add_tokenizer_args
+
+_MAX_REPORTED_SKIPS = 20
+
+
+@dataclass
+class PreprocessConfig:
+    inputs: list[str]
+    output_prefix: str
+    tokenizer: TokenizerConfig
+    json_keys: list[str] = field(default_factory=lambda: ["text"])
+    split_sentences: bool = False
+    keep_newlines: bool = False
+    lang: str = "english"
+    append_eod: bool = False
+    workers: int = 1
+    log_interval: int = 1000
+    skip_bad_lines: bool = False
+    batch_bytes: int = 1 << 20
+
+    @classmethod
+    def from_args(cls, ns: argparse.Namespace) -> "PreprocessConfig":
+        if ns.workers < 1:
+            raise UserError(f"--workers {ns.workers}: must be at least 1")
+        if ns.partitions < 1:
+            raise UserError(f"--partitions {ns.partitions}: must be at least 1")
+        if len(set(ns.json_keys)) != len(ns.json_keys):
+            raise UserError(f"--json-keys {' '.join(ns.json_keys)}: a key is repeated (name each key once)")
+        return cls(
+            inputs=ns.input,
+            output_prefix=ns.output_prefix,
+            tokenizer=TokenizerConfig.from_args(ns),
+            json_keys=ns.json_keys,
+            split_sentences=ns.split_sentences,
+            keep_newlines=ns.keep_newlines,
+            lang=ns.lang,
+            append_eod=ns.append_eod,
+            workers=ns.workers,
+            log_interval=ns.log_interval,
+            skip_bad_lines=ns.skip_bad_lines,
+        )
+
+    @property
+    def level(self) -> str:
+        return "sentence" if self.split_sentences else "document"
+
+    def output_prefixes(self) -> list[str]:
+        return [f"{self.output_prefix}_{key}_{self.level}" for key in self.json_keys]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Tokenize a corpus into Megatron-LM's mmap dataset format (.bin/.idx), byte for byte "
+        "what Megatron's tools/preprocess_data.py writes, in parallel and streaming.",
+    )
+    g = p.add_argument_group("input")
+    g.add_argument("--input", nargs="+", required=True,
+                   help=".jsonl/.json (optionally .gz/.zst), .parquet, a save_to_disk folder, a directory or a glob; "
+                   "several inputs become one output, in the order given")
+    g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract; one output per key (default: text)")
+    g.add_argument("--split-sentences", action="store_true", help="split texts into sentences (pysbd, offline)")
+    g.add_argument("--keep-newlines", action="store_true", help="with --split-sentences: keep newlines in sentences")
+    g.add_argument("--lang", default="english", help="sentence-splitting language (NLTK name or ISO code)")
+    g.add_argument("--skip-bad-lines", action="store_true",
+                   help="skip and count malformed lines instead of stopping at the first one")
+    add_tokenizer_args(p)
+    g = p.add_argument_group("output")
+    g.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_{document|sentence}.bin/.idx")
+    g.add_argument("--append-eod", action="store_true", help="append the end-of-document id to every non-empty document")
+    g = p.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes (default: all cores)")
+    g.add_argument("--partitions", type=int, default=1,
+                   help="accepted for Megatron compatibility; the output never depends on it (input order is kept)")
+    g.add_argument("--keep-sequential-samples", action="store_true",
+                   help="accepted for Megatron compatibility; documents always keep the input order")
+    g.add_argument("--log-interval", type=int, default=1000, help="documents between progress lines when stderr is not a terminal")
+    return p
+
+
+@dataclass
+class Summary:
+    documents: int = 0
+    sequences: int = 0
+    tokens: int = 0
+    skipped: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    outputs: list[str] = field(default_factory=list)
+
+    def line(self) -> str:
+        s = max(self.seconds, 1e-9)
+        return (
+            f"{self.documents:,} documents, {self.sequences:,} sequences, {self.tokens:,} tokens, "
+            f"{self.skipped:,} skipped lines, {self.bytes / 1e6:,.1f} MB in {self.seconds:.1f} s "
+            f"({self.bytes / 1e6 / s:.2f} MB/s, {self.tokens / s:,.0f} tokens/s)"
+        )
+
+
+def _ordered_results(pool, batches, window: int):
+    """Apply the encoder to batches in the pool, at most `window` in flight; yield in input order."""
+    pending = collections.deque()
+    for batch in batches:
+        pending.append(pool.apply_async(encode_in_worker, (batch,)))
+        if len(pending) >= window:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+class _Progress:
+    def __init__(self, total_bytes: int | None, log_interval: int):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, file=sys.stderr, disable=None,
+                        desc="preprocess", dynamic_ncols=True)
+        self.log_interval, self.next_log, self.start = log_interval, log_interval, time.monotonic()
+
+    def update(self, summary: Summary, nbytes: int) -> None:
+        elapsed = max(time.monotonic() - self.start, 1e-9)
+        rates = (f"{summary.documents / elapsed:,.0f} docs/s, {summary.bytes / 1e6 / elapsed:.2f} MB/s, "
+                 f"{summary.tokens / elapsed:,.0f} tokens/s")
+        if not self.bar.disable:
+            self.bar.update(nbytes)
+            self.bar.set_postfix_str(rates, refresh=False)
+        elif summary.documents >= self.next_log:
+            print(f"processed {summary.documents:,} documents ({rates})", file=sys.stderr, flush=True)
+            self.next_log = summary.documents + self.log_interval
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def _report_bad(cfg: PreprocessConfig, summary: Summary, source: str, bad) -> None:
+    for line, what, fix in bad:
+        err = data_error(source, line, what, fix)
+        if not cfg.skip_bad_lines:
+            raise err
+        if summary.skipped < _MAX_REPORTED_SKIPS:
+            print(f"warning: skipped {err}", file=sys.stderr)
+        elif summary.skipped == _MAX_REPORTED_SKIPS:
+            print("warning: further skipped lines are only counted", file=sys.stderr)
+        summary.skipped += 1
+
+
+def _open_builders(cfg: PreprocessConfig, dtype) -> list[IndexedDatasetBuilder]:
+    out_dir = os.path.dirname(os.path.abspath(cfg.output_prefix))
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"--output-prefix {cfg.output_prefix}: cannot create {out_dir} ({err.strerror})") from None
+    if not os.access(out_dir, os.W_OK):
+        raise UserError(f"--output-prefix {cfg.output_prefix}: directory {out_dir} is not writable (choose another prefix)")
+    return [IndexedDatasetBuilder(get_bin_path(p), dtype) for p in cfg.output_prefixes()]
+
+
+def run(cfg: PreprocessConfig) -> Summary:
+    sources = expand_inputs(cfg.inputs)
+    opts = EncodeOptions(cfg.tokenizer, cfg.json_keys, cfg.append_eod, cfg.split_sentences, cfg.lang,
+                         cfg.keep_newlines)
+    # Build here first: bad flags fail before the pool starts (a worker that fails to start is
+    # respawned forever), and forked workers inherit this encoder instead of rebuilding it.
+    encoder = Encoder(opts)
+    summary = Summary()
+    start = time.monotonic()
+    builders = _open_builders(cfg, encoder.dtype)
+    progress = _Progress(total_input_bytes(sources), cfg.log_interval)
+    finished = False
+    try:
+        ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+        share_with_forked_workers(encoder)
+        with ctx.Pool(cfg.workers, initializer=init_worker, initargs=(opts,)) as pool:
+            batches = iter_record_batches(sources, cfg.json_keys, cfg.batch_bytes)
+            for encoded in _ordered_results(pool, batches, window=2 * cfg.workers + 2):
+                _report_bad(cfg, summary, encoded.source, encoded.bad)
+                for builder, key in zip(builders, encoded.keys):
+                    builder.add_document_batch(key.tokens, key.lengths, key.sequences_per_document)
+                    summary.sequences += len(key.lengths)
+                    summary.tokens += len(key.tokens)
+                summary.documents += encoded.documents
+                summary.bytes += encoded.nbytes
+                progress.update(summary, encoded.nbytes)
+        for builder, prefix in zip(builders, cfg.output_prefixes()):
+            builder.finalize(get_idx_path(prefix))
+        finished = True
+    finally:
+        progress.close()
+        share_with_forked_workers(None)
+        if not finished:
+            for builder in builders:
+                builder.abort()
+    summary.seconds = time.monotonic() - start
+    summary.outputs = cfg.output_prefixes()
+    return summary
+
+
+def main(argv: list[str] | None = None) -> Summary:
+    cfg = PreprocessConfig.from_args(build_parser().parse_args(argv))
+    summary = run(cfg)
+    print(f"done: {summary.line()}")
+    for prefix in summary.outputs:
+        print(f"wrote {prefix}.bin and {prefix}.idx")
+    return summary
