@@ -1,0 +1,66 @@
+#!/usr/bin/env python
+"""Summarise a Megatron .bin/.idx dataset (sequences, documents, tokens, dtype, length percentiles)
+and decode documents back to text: `--document I` with the tokenizer flags used to preprocess it
+(without them the ids are printed)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+
+from pretrain.data.indexed_dataset import IndexedDataset  # noqa: E402
+from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
+from pretrain.tokenizer import TokenizerConfig, add_tokenizer_args, build_tokenizer  # noqa: E402
+
+PERCENTILES = (0, 50, 90, 99, 100)
+
+
+def summary(ds: IndexedDataset) -> dict:
+    lengths = ds.sequence_lengths
+    per_doc = np.diff(ds.document_indices)
+    pct = np.percentile(lengths, PERCENTILES).round().astype(int).tolist() if len(lengths) else [0] * len(PERCENTILES)
+    return {
+        "sequences": len(ds),
+        "documents": ds.num_documents,
+        "empty_documents": int((per_doc == 0).sum()),
+        "tokens": int(lengths.sum(dtype=np.int64)),
+        "dtype": ds.dtype.name,
+        "sequence_length_percentiles": dict(zip((f"p{p}" for p in PERCENTILES), pct)),
+    }
+
+
+def document_tokens(ds: IndexedDataset, index: int) -> list[np.ndarray]:
+    if not 0 <= index < ds.num_documents:
+        raise UserError(f"--document {index}: out of range (the dataset has {ds.num_documents} documents)")
+    start, end = int(ds.document_indices[index]), int(ds.document_indices[index + 1])
+    return [ds[i] for i in range(start, end)]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--input", required=True, help="dataset prefix (PREFIX.bin / PREFIX.idx)")
+    p.add_argument("--document", type=int, action="append", default=[], help="decode document I (repeatable)")
+    add_tokenizer_args(p)
+    args = p.parse_args(argv)
+    ds = IndexedDataset(args.input)
+    info = summary(ds)
+    pct = ", ".join(f"{k} {v:,}" for k, v in info["sequence_length_percentiles"].items())
+    print(f"{args.input}: {info['sequences']:,} sequences, {info['documents']:,} documents "
+          f"({info['empty_documents']:,} empty), {info['tokens']:,} tokens, dtype {info['dtype']}")
+    print(f"sequence length: {pct}")
+    tokenizer = build_tokenizer(TokenizerConfig.from_args(args)) if args.tokenizer_type else None
+    for index in args.document:
+        sequences = document_tokens(ds, index)
+        print(f"--- document {index}: {len(sequences)} sequences, {sum(len(s) for s in sequences):,} tokens")
+        for seq in sequences:
+            print(tokenizer.detokenize(seq) if tokenizer else " ".join(map(str, seq.tolist())))
+    return info
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main)()

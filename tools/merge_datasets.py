@@ -1,0 +1,84 @@
+#!/usr/bin/env python
+"""Merge Megatron .bin/.idx datasets into one: `--input DIR` (Megatron's flag: every pair in DIR, in
+lexicographic order) or `--prefixes P1 P2 ...` (in the order given). The `.bin` files are copied
+verbatim and the index shifted, so the result equals preprocessing the concatenated inputs."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pretrain.data.indexed_dataset import (  # noqa: E402
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    get_bin_path,
+    get_idx_path,
+)
+from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
+
+
+def prefixes_in_dir(directory: str) -> list[str]:
+    """Every `.bin/.idx` pair in `directory`, sorted; any other file is an error (as in Megatron)."""
+    if not os.path.isdir(directory):
+        raise UserError(f"--input {directory}: not a directory (pass a folder of .bin/.idx pairs)")
+    names = sorted(f for f in os.listdir(directory) if os.path.isfile(os.path.join(directory, f)))
+    stems = {}
+    for name in names:
+        stem, ext = os.path.splitext(name)
+        if ext not in (".bin", ".idx"):
+            raise UserError(f"{os.path.join(directory, name)}: not a .bin/.idx file (move it out of --input)")
+        stems.setdefault(stem, set()).add(ext)
+    for stem, exts in stems.items():
+        if exts != {".bin", ".idx"}:
+            missing = ({".bin", ".idx"} - exts).pop()
+            raise UserError(f"{os.path.join(directory, stem)}{missing}: missing (each dataset needs .bin and .idx)")
+    if not stems:
+        raise UserError(f"--input {directory}: no .bin/.idx pairs found")
+    return [os.path.join(directory, s) for s in sorted(stems)]
+
+
+def merge(prefixes: list[str], output_prefix: str) -> IndexedDataset:
+    from tqdm import tqdm
+
+    first = IndexedDataset(prefixes[0])
+    out_dir = os.path.dirname(os.path.abspath(output_prefix))
+    os.makedirs(out_dir, exist_ok=True)
+    builder = IndexedDatasetBuilder(get_bin_path(output_prefix), first.dtype)
+    try:
+        for prefix in tqdm(prefixes, desc="merge", unit="dataset", file=sys.stderr, disable=None):
+            builder.add_index(prefix)
+        builder.finalize(get_idx_path(output_prefix))
+    except BaseException:
+        builder.abort()
+        raise
+    return IndexedDataset(output_prefix)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--input", help="directory holding only .bin/.idx pairs (merged in lexicographic order)")
+    src.add_argument("--prefixes", nargs="+", help="dataset prefixes, merged in the order given")
+    p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    return p
+
+
+def main(argv: list[str] | None = None) -> IndexedDataset:
+    args = build_parser().parse_args(argv)
+    prefixes = prefixes_in_dir(args.input) if args.input else args.prefixes
+    out_abs = os.path.abspath(args.output_prefix)
+    if any(os.path.abspath(p) == out_abs for p in prefixes):
+        raise UserError(f"--output-prefix {args.output_prefix}: is also an input (choose another name)")
+    ds = merge(prefixes, args.output_prefix)
+    tokens = int(ds.sequence_lengths.sum(dtype="int64"))
+    print(f"merged {len(prefixes)} datasets: {len(ds):,} sequences, {ds.num_documents:,} documents, "
+          f"{tokens:,} tokens ({ds.dtype.name})")
+    print(f"wrote {args.output_prefix}.bin and {args.output_prefix}.idx")
+    return ds
+
+
+if __name__ == "__main__":
+    exit_on_user_error(main)()
