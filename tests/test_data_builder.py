@@ -142,3 +142,19 @@ def test_missing_prefix_is_a_user_error(tmp_path):
     cfg = DataConfig(seq_length=8, blend=([str(tmp_path / "nope")], None), split="1")
     with pytest.raises(UserError, match="no .*nope.bin"):
         build_train_valid_test_datasets(cfg, TOKENIZER, [10, 0, 0])
+
+
+def test_empty_split_is_skipped_with_a_warning_not_a_hang(tmp_path, caplog):
+    # 20 sequences, 949,50,1: test = [round(0.999*20), 20) = [20, 20) is empty (megatron loops forever)
+    prefix = write_corpus(str(tmp_path / "small"), random_lengths(20, seed=4))
+    other = write_corpus(str(tmp_path / "big"), random_lengths(2000, seed=5, hi=10))
+    cfg = DataConfig(seq_length=8, blend=([prefix], None), split="949,50,1", data_cache_path=str(tmp_path / "c"))
+    train, valid, test = build_train_valid_test_datasets(cfg, TOKENIZER, [20, 4, 2])
+    assert isinstance(train, GPTDataset) and isinstance(valid, GPTDataset) and test is None
+    assert "the test split gets 0 of 20 sequences" in caplog.text
+    # in a blend the empty member is left out of that split only
+    cfg = DataConfig(seq_length=8, blend=([prefix, other], [0.5, 0.5]), split="949,50,1",
+                     data_cache_path=str(tmp_path / "c"))
+    train, valid, test = build_train_valid_test_datasets(cfg, TOKENIZER, [20, 4, 2])
+    assert len(train.datasets) == 2 and len(test.datasets) == 1
+    assert test.datasets[0].dataset_path == other and len(test) == 1  # ceil(2 * 0.5)

@@ -161,6 +161,8 @@ def test_exhaustive_blending_matches_reference_and_megatron(sizes):
     assert di.tolist() == ref_di and dsi.tolist() == ref_dsi
     # every sample of every dataset exactly once
     assert np.bincount(di, minlength=len(sizes)).tolist() == sizes
+    if 0 in sizes:
+        return  # megatron never passes an empty dataset here (it asserts weights > 0); its C++ would overrun
     m_di = np.zeros(sum(sizes), np.int16)
     m_dsi = np.zeros(sum(sizes), np.int64)
     helpers_cpp.build_exhaustive_blending_indices(m_di, m_dsi, np.array(sizes, np.int64), len(sizes))

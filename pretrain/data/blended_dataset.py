@@ -35,7 +35,8 @@ class BlendedDataset(torch.utils.data.Dataset):
             raise UserError(f"{len(datasets)} datasets in one blend; at most {MAX_DATASETS - 1} are supported "
                             "(merge small prefixes with tools/merge_datasets.py)")
         if any(not w > 0 for w in weights):
-            raise UserError(f"blend weights must all be > 0, got {list(weights)}")
+            raise UserError(f"{datasets[0].index_split} blend: weights must all be > 0, got {list(weights)} "
+                            "(unweighted blends weigh prefixes by their sample counts; use more data or another --split)")
         if len({d.index_split for d in datasets}) != 1:
             raise ValueError("all blended datasets must come from the same split")
         self.datasets = datasets

@@ -49,6 +49,12 @@ class _Builder:
             return None
         indexed = self.indexed(prefix)
         indices = split_ranges(len(indexed), matrix)[split]
+        if len(indices) == 0:
+            # Megatron loops forever here (no tokens can never reach the requested samples)
+            log.warning("%s: the %s split gets 0 of %d sequences with --split %s; it is not built",
+                        prefix, SPLIT_NAMES[split], len(indexed), self.cfg.split)
+            self.progress(f"{SPLIT_NAMES[split]} {prefix} (empty)")
+            return None
         ds = GPTDataset(indexed, prefix, indices, num_samples, SPLIT_NAMES[split], self.cfg, self.tokenizer)
         self.progress(f"{SPLIT_NAMES[split]} {prefix}")
         return ds
@@ -70,18 +76,21 @@ class _Builder:
             per_prefix = list(pool.map(lambda pb: self.gpt_splits(pb[0], matrix, pb[1]), zip(prefixes, buffered)))
         out = []
         for i in range(3):
-            datasets = [per_prefix[p][i] for p in range(len(prefixes))]
-            if datasets[0] is None:
+            present = [p for p in range(len(prefixes)) if per_prefix[p][i] is not None]
+            if not present:  # the split is empty in the split string, or in every prefix
                 out.append(None)
                 continue
+            if weights is None:  # blended by size: a prefix whose split holds no full sample adds nothing
+                present = [p for p in present if len(per_prefix[p][i]) > 0] or present
+            datasets = [per_prefix[p][i] for p in present]
             if weights is not None:
                 if sizes[i] is None:
                     raise ValueError("a weighted blend needs a sample count for every split it builds")
-                w, size = weights, sum(t[i] for t in targets)
+                w, size = [weights[p] for p in present], sum(targets[p][i] for p in present)
             else:
                 w = [len(d) for d in datasets]
                 size = None if sizes[i] is None else min(sizes[i], sum(w))  # None: every sample once
-            out.append(self.blended(datasets, w, size, prefixes, matrix, i))
+            out.append(self.blended(datasets, w, size, [prefixes[p] for p in present], matrix, i))
         return out
 
     def blended(self, datasets, weights, size, prefixes, matrix, split: int) -> BlendedDataset:
