@@ -1,0 +1,133 @@
+"""Hugging Face model folders: write one from our weights, read one into our weights.
+
+A folder holds `config.json`, `model.safetensors` (or shards + `model.safetensors.index.json`),
+`generation_config.json` and the tokenizer files, so that `AutoModelForCausalLM.from_pretrained`
+and `AutoTokenizer.from_pretrained` load it without a network.
+
+Tokenizers: a GPT-2 BPE tokenizer (vocab.json + merges.txt) becomes `GPT2Tokenizer` files with
+`<|endoftext|>` as bos/eos/unk; a Hugging Face tokenizer.json keeps its file and gets its end-of-
+document token as eos. NullTokenizer (test ids) and TikTokenizer have no HF tokenizer files to
+write: the model is exported without them and the CLI says so.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+import transformers
+
+from pretrain.convert.hf_adapter import from_hf_config, from_hf_state_dict, to_hf_config, to_hf_state_dict
+from pretrain.errors import UserError
+from pretrain.model.config import ModelConfig
+from pretrain.tokenizer import Tokenizer, TokenizerConfig, build_tokenizer
+
+EXPORTABLE_TOKENIZERS = ("GPT2BPETokenizer", "HuggingFaceTokenizer")
+
+
+@dataclass
+class SpecialTokens:
+    bos: int | None
+    eos: int | None
+    pad: int | None
+
+
+def special_tokens(cfg: TokenizerConfig, tokenizer: Tokenizer) -> SpecialTokens:
+    eos = tokenizer.eod
+    bos = eos if cfg.tokenizer_type == "GPT2BPETokenizer" else None  # GPT-2 uses <|endoftext|> for both
+    return SpecialTokens(bos=bos, eos=eos, pad=getattr(tokenizer, "pad", None))
+
+
+def build_tokenizer_from_checkpoint(cfg: TokenizerConfig) -> Tokenizer:
+    try:
+        return build_tokenizer(cfg)
+    except UserError as err:
+        raise UserError(f"the checkpoint's tokenizer cannot be loaded: {err} (the paths in pretrain_meta.json are "
+                        f"the ones given to pretrain_gpt.py; run from the same directory, or restore the files)") \
+            from None
+
+
+def save_hf_tokenizer(cfg: TokenizerConfig, tokenizer: Tokenizer, out_dir: str) -> bool:
+    """Write HF tokenizer files to out_dir; False (nothing written) for tokenizers HF cannot load."""
+    if cfg.tokenizer_type not in EXPORTABLE_TOKENIZERS:
+        return False
+    tokenizer.save_pretrained(out_dir)  # vocab.json + merges.txt + tokenizer.json, or tokenizer.json (+ config)
+    eos_text = tokenizer.detokenize([tokenizer.eod])
+    if cfg.tokenizer_type == "GPT2BPETokenizer":
+        hf_tokenizer = transformers.GPT2Tokenizer(vocab_file=os.path.join(out_dir, "vocab.json"),
+                                                  merges_file=os.path.join(out_dir, "merges.txt"),
+                                                  bos_token=eos_text, eos_token=eos_text, unk_token=eos_text)
+    else:
+        hf_tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=os.path.join(out_dir, "tokenizer.json"),
+                                                            eos_token=eos_text)
+    hf_tokenizer.save_pretrained(out_dir)
+    return True
+
+
+def build_hf_model(ours: dict[str, torch.Tensor], config: ModelConfig, specials: SpecialTokens,
+                   dtype: torch.dtype) -> transformers.PreTrainedModel:
+    """The transformers model holding `ours` (full, unpadded), in `dtype`."""
+    hf_config = to_hf_config(config, bos=specials.bos, eos=specials.eos, pad=specials.pad)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    weights = {k: v.to(dtype) for k, v in to_hf_state_dict(ours, config).items()}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    tied_head = [] if config.untie_embeddings_and_output_weights else ["lm_head.weight"]
+    if unexpected or set(missing) - set(tied_head):
+        raise RuntimeError(f"HF state dict mismatch: missing {missing}, unexpected {unexpected}")
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=specials.bos, eos_token_id=specials.eos, pad_token_id=specials.pad)
+    return model.eval()
+
+
+def _read_weights(folder: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        paths = [os.path.join(folder, name) for name in files]
+    elif os.path.isfile(os.path.join(folder, "model.safetensors")):
+        paths = [os.path.join(folder, "model.safetensors")]
+    else:
+        paths = sorted(glob.glob(os.path.join(folder, "pytorch_model*.bin")))
+        if not paths:
+            raise UserError(f"{folder}: no model.safetensors, model.safetensors.index.json or pytorch_model*.bin "
+                            f"(not a Hugging Face model folder)")
+    missing = [p for p in paths if not os.path.isfile(p)]
+    if missing:
+        raise UserError(f"{folder}: missing weight shard(s) {', '.join(map(os.path.basename, missing))} "
+                        f"named by model.safetensors.index.json (copy the whole folder)")
+    weights = {}
+    for path in paths:
+        try:
+            weights.update(load_file(path) if path.endswith(".safetensors")
+                           else torch.load(path, map_location="cpu", weights_only=True))
+        except Exception as err:  # noqa: BLE001 - a damaged file
+            raise UserError(f"{path}: cannot be read ({type(err).__name__}: {err})") from None
+    return weights
+
+
+def _with_gpt2_prefix(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Base-model GPT-2 files (e.g. OpenAI's) name tensors `h.0...` instead of `transformer.h.0...`."""
+    if "transformer.wte.weight" in weights or "wte.weight" not in weights:
+        return weights
+    return {(k if k.startswith("lm_head.") else "transformer." + k): v for k, v in weights.items()}
+
+
+def read_hf_folder(folder: str, seq_length: int | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """(our ModelConfig, our full unpadded state dict) of a local HF GPT-2 / Llama folder."""
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise UserError(f"{folder}: no config.json (point --load at a local Hugging Face model folder)")
+    try:
+        hf_config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise UserError(f"{folder}/config.json: cannot be read by transformers ({err})") from None
+    config = from_hf_config(hf_config, seq_length)
+    weights = _read_weights(folder)
+    if hf_config.model_type == "gpt2":
+        weights = _with_gpt2_prefix(weights)
+    return config, from_hf_state_dict(weights, config)
