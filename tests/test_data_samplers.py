@@ -110,6 +110,9 @@ def test_loader_resume_continues_exact_sequence(tmp_path):
     assert batch["labels"].dtype == torch.int64 and batch["position_ids"].dtype == torch.int64
     assert batch["loss_mask"].dtype == torch.float32
     assert batch["attention_mask"].shape == (mbs, 1, 16, 16) and batch["attention_mask"].dtype == torch.bool
+    causal_masked = ~torch.ones(16, 16).tril().bool()
+    assert all(torch.equal(batch["attention_mask"][i, 0], causal_masked) for i in range(mbs))
+    assert torch.equal(batch["position_ids"], torch.arange(16).expand(mbs, 16))
     # micro-batch m on rank r is samples consumed + m*mbs*dp + r*mbs + [0, mbs)
     assert torch.equal(full[1][3]["tokens"], torch.stack([ds[3 * 4 + 2]["tokens"], ds[3 * 4 + 3]["tokens"]]))
     consumed = 5 * mbs * dp

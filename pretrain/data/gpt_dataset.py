@@ -9,6 +9,7 @@ megatron-core's for the same inputs, values and dtypes.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -148,6 +149,15 @@ def _segment_starts(tokens: torch.Tensor, eod: int) -> torch.Tensor:
     return torch.cummax(starts, dim=0).values
 
 
+@functools.lru_cache(maxsize=4)
+def _plain_masks(seq_length: int, create_attention_mask: bool):
+    """The sample-independent causal mask and positions (no reset flags), shared process-wide so
+    that every sample of every dataset holds the same tensors and batches can expand, not copy."""
+    positions = torch.arange(seq_length, dtype=torch.long)
+    mask = (positions[None, :] > positions[:, None]).unsqueeze(0) if create_attention_mask else None
+    return mask, positions
+
+
 def masks_and_position_ids(tokens: torch.Tensor, eod: int, cfg: DataConfig):
     """(attention_mask [1,S,S] bool True=masked or None, loss_mask float32 [S], position_ids int64 [S])."""
     n = tokens.numel()
@@ -206,8 +216,8 @@ class GPTDataset(torch.utils.data.Dataset):
         self.document_index = arrays["document_index"]
         self.sample_index = arrays["sample_index"]
         self.shuffle_index = arrays["shuffle_index"]
+        # without these flags masks and positions do not depend on the sample (Megatron caches them too)
         self._cacheable = not (cfg.reset_position_ids or cfg.reset_attention_mask or cfg.eod_mask_loss)
-        self._cached_masks = None
 
     def __len__(self) -> int:
         return self.sample_index.shape[0] - 1
@@ -237,16 +247,16 @@ class GPTDataset(torch.utils.data.Dataset):
         else:
             tokens, labels = text, torch.roll(text, shifts=-1)
             labels[-1] = self.pad
-        if self._cacheable and self._cached_masks is not None:
-            attention_mask, loss_mask, position_ids = self._cached_masks
-            loss_mask = loss_mask.clone()
+        if self._cacheable:
+            attention_mask, position_ids = _plain_masks(len(tokens), self.cfg.create_attention_mask)
+            loss_mask = torch.ones(len(tokens), dtype=torch.float32)
         else:
             attention_mask, loss_mask, position_ids = masks_and_position_ids(tokens, self.eod, self.cfg)
-            if self._cacheable:
-                self._cached_masks = (attention_mask, loss_mask.clone(), position_ids)
-        loss_mask[labels == self.pad] = 0.0
-        tokens[tokens == self.pad] = 0
-        labels[labels == self.pad] = 0
+        # Padding sits at the end; a pad of -1 is no real token, so an unpadded sample needs no scan.
+        if self.pad != PAD_TOKEN_ID or not self.extra_token or text[-1] == self.pad:
+            loss_mask[labels == self.pad] = 0.0
+            tokens[tokens == self.pad] = 0
+            labels[labels == self.pad] = 0
         sample = {"tokens": tokens, "labels": labels}
         if attention_mask is not None:
             sample["attention_mask"] = attention_mask

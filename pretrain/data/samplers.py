@@ -100,6 +100,23 @@ class PretrainingRandomSampler:
                 yield order[k:k + self.mbs]
 
 
+def collate_samples(samples: list[dict]) -> dict:
+    """Stack each key into a batch. A tensor that every sample shares (the cached causal mask and
+    position ids when no reset flag is set) is expanded, not copied: a [b,1,S,S] mask costs no
+    memory or inter-process traffic beyond one [1,S,S] (treat batches as read-only)."""
+    batch = {}
+    for key in samples[0]:
+        values = [s[key] for s in samples]
+        first = values[0]
+        if not isinstance(first, torch.Tensor):
+            batch[key] = torch.as_tensor(values)
+        elif all(v is first for v in values[1:]):
+            batch[key] = first.unsqueeze(0).expand(len(values), *first.shape)
+        else:
+            batch[key] = torch.stack(values)
+    return batch
+
+
 def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int,
                                   dp_size: int, cfg: DataConfig) -> torch.utils.data.DataLoader:
     """A DataLoader yielding one micro-batch (dict of stacked tensors) per step for this DP rank."""
@@ -111,6 +128,6 @@ def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_si
     else:
         raise UserError(f"--dataloader-type {cfg.dataloader_type}: choose single or cyclic")
     return torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, num_workers=cfg.num_workers,
+        dataset, batch_sampler=sampler, num_workers=cfg.num_workers, collate_fn=collate_samples,
         pin_memory=torch.cuda.is_available(), persistent_workers=cfg.num_workers > 0,
     )
