@@ -56,5 +56,14 @@ preprocess: install
 	$(PY) tools/preprocess_data.py --input $(CORPUS) --output-prefix $(OUTPUT) --workers $(WORKERS) \
 		--append-eod $(TOKENIZER_ARGS)
 
+# export a checkpoint to Hugging Face format (`make convert-hf [CKPT=dir] [OUT=dir] [ITERATION=n]`)
+CKPT ?= checkpoints/demo
+OUT ?= hf_export/demo
+ITERATION ?=
+
+convert-hf: install
+	$(PY) tools/convert_to_hf.py --load $(CKPT) --output-dir $(OUT) $(if $(ITERATION),--iteration $(ITERATION)) \
+		--verify --overwrite
+
 clean:
 	rm -rf runs checkpoints hf_export bench/results

@@ -34,6 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="checkpoint directory (pretrain_gpt.py --save DIR), or one of its global_step<N> folders")
     p.add_argument("--iteration", type=int, help="which global_step<N> to export (default: the one `latest` names)")
     p.add_argument("--output-dir", required=True, help="the Hugging Face folder to create (must not exist, or be empty)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing --output-dir, once the new export is complete (and verified)")
     p.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="weight dtype in the export (auto: as stored in the checkpoint)")
     p.add_argument("--max-shard-size", default="5GB", help="split model.safetensors into shards of at most this size")
@@ -45,10 +47,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _check_output_dir(out_dir: str) -> None:
-    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+def _check_output_dir(out_dir: str, overwrite: bool) -> None:
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"--output-dir {out_dir} is a file (choose a folder name; nothing was written)")
+    if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
         raise UserError(f"--output-dir {out_dir} exists and is not an empty folder (choose a new one or remove it; "
-                        f"nothing was written)")
+                        f"or pass --overwrite; nothing was written)")
+
+
+def _move_into_place(tmp: str, out_dir: str) -> None:
+    """Rename the complete export to out_dir; an existing out_dir (--overwrite) is removed only after."""
+    old = None
+    if os.path.isdir(out_dir):
+        old = f"{tmp}.old"
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    if old is not None:
+        shutil.rmtree(old)
 
 
 def _verify(ck, tmp: str, tokenizer, has_tokenizer: bool, args) -> None:
@@ -77,7 +92,7 @@ def _verify(ck, tmp: str, tokenizer, has_tokenizer: bool, args) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    _check_output_dir(args.output_dir)
+    _check_output_dir(args.output_dir, args.overwrite)
     from pretrain.convert.checkpoint_reader import read_checkpoint
     from pretrain.convert.hf_adapter import HF_CLASSES, hf_flavour
     from pretrain.convert.hf_folder import (build_hf_model, build_tokenizer_from_checkpoint, save_hf_tokenizer,
@@ -99,12 +114,11 @@ def main(argv=None) -> None:
         del model
         has_tokenizer = save_hf_tokenizer(ck.tokenizer, tokenizer, tmp)
         if not has_tokenizer:
-            print(f"note: {ck.tokenizer.tokenizer_type} has no Hugging Face tokenizer files; exported the model only")
+            what = ck.tokenizer.tokenizer_type or "the checkpoint records no tokenizer and"
+            print(f"note: {what} has no Hugging Face tokenizer files; exported the model only")
         if args.verify:
             _verify(ck, tmp, tokenizer, has_tokenizer, args)
-        if os.path.isdir(args.output_dir):
-            os.rmdir(args.output_dir)  # empty, checked above
-        os.replace(tmp, args.output_dir)
+        _move_into_place(tmp, args.output_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

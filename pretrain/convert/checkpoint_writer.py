@@ -41,7 +41,8 @@ def finetune_flags(config: ModelConfig) -> list[str]:
     flags = ["--num-layers", config.num_layers, "--hidden-size", config.hidden_size,
              "--num-attention-heads", config.num_attention_heads, "--max-position-embeddings", config.max_positions,
              "--norm-epsilon", config.norm_epsilon, "--normalization", config.normalization,
-             "--position-embedding-type", config.position_embedding_type]
+             "--position-embedding-type", config.position_embedding_type,
+             "--make-vocab-size-divisible-by", config.make_vocab_size_divisible_by]
     if config.num_query_groups is not None:
         flags += ["--group-query-attention", "--num-query-groups", config.num_query_groups]
     if config.ffn_hidden_size is not None:

@@ -12,6 +12,7 @@ write: the model is exported without them and the CLI says so.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import os
@@ -35,13 +36,18 @@ class SpecialTokens:
     pad: int | None
 
 
-def special_tokens(cfg: TokenizerConfig, tokenizer: Tokenizer) -> SpecialTokens:
+def special_tokens(cfg: TokenizerConfig, tokenizer: Tokenizer | None) -> SpecialTokens:
+    if tokenizer is None:
+        return SpecialTokens(None, None, None)
     eos = tokenizer.eod
     bos = eos if cfg.tokenizer_type == "GPT2BPETokenizer" else None  # GPT-2 uses <|endoftext|> for both
     return SpecialTokens(bos=bos, eos=eos, pad=getattr(tokenizer, "pad", None))
 
 
-def build_tokenizer_from_checkpoint(cfg: TokenizerConfig) -> Tokenizer:
+def build_tokenizer_from_checkpoint(cfg: TokenizerConfig) -> Tokenizer | None:
+    """The checkpoint's tokenizer; None when it records none (e.g. imported from a folder without one)."""
+    if cfg.tokenizer_type is None:
+        return None
     try:
         return build_tokenizer(cfg)
     except UserError as err:
@@ -50,9 +56,9 @@ def build_tokenizer_from_checkpoint(cfg: TokenizerConfig) -> Tokenizer:
             from None
 
 
-def save_hf_tokenizer(cfg: TokenizerConfig, tokenizer: Tokenizer, out_dir: str) -> bool:
+def save_hf_tokenizer(cfg: TokenizerConfig, tokenizer: Tokenizer | None, out_dir: str) -> bool:
     """Write HF tokenizer files to out_dir; False (nothing written) for tokenizers HF cannot load."""
-    if cfg.tokenizer_type not in EXPORTABLE_TOKENIZERS:
+    if tokenizer is None or cfg.tokenizer_type not in EXPORTABLE_TOKENIZERS:
         return False
     tokenizer.save_pretrained(out_dir)  # vocab.json + merges.txt + tokenizer.json, or tokenizer.json (+ config)
     eos_text = tokenizer.detokenize([tokenizer.eod])
@@ -118,7 +124,15 @@ def _with_gpt2_prefix(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return {(k if k.startswith("lm_head.") else "transformer." + k): v for k, v in weights.items()}
 
 
-def read_hf_folder(folder: str, seq_length: int | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def hf_folder_tokenizer(folder: str) -> TokenizerConfig | None:
+    """The folder's tokenizer as our HuggingFaceTokenizer config, if it has a tokenizer.json."""
+    if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+        return None
+    return TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=os.path.abspath(folder))
+
+
+def read_hf_folder(folder: str, seq_length: int | None = None,
+                   make_vocab_size_divisible_by: int = 128) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(our ModelConfig, our full unpadded state dict) of a local HF GPT-2 / Llama folder."""
     if not os.path.isfile(os.path.join(folder, "config.json")):
         raise UserError(f"{folder}: no config.json (point --load at a local Hugging Face model folder)")
@@ -126,7 +140,8 @@ def read_hf_folder(folder: str, seq_length: int | None = None) -> tuple[ModelCon
         hf_config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError) as err:
         raise UserError(f"{folder}/config.json: cannot be read by transformers ({err})") from None
-    config = from_hf_config(hf_config, seq_length)
+    config = dataclasses.replace(from_hf_config(hf_config, seq_length),
+                                 make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     weights = _read_weights(folder)
     if hf_config.model_type == "gpt2":
         weights = _with_gpt2_prefix(weights)
