@@ -94,6 +94,8 @@ class RowParallelLinear(nn.Module):
                 self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if state.get_tensor_model_parallel_world_size() == 1:  # nothing to reduce: one fused addmm
+            return F.linear(x, self.weight, self.bias)
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x)
         y = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight))
