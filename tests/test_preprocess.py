@@ -230,6 +230,18 @@ def test_bad_line_stops_with_file_and_line_and_no_output(tmp_path, bad, message)
     assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]
 
 
+def test_corrupt_compressed_input_is_a_clear_error(tmp_path):
+    import zstandard
+
+    data = b'{"text": "fine"}\n' * 2000
+    (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(data)[:-30])
+    (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(data)[:-30] + b"junk")
+    for name in ("c.jsonl.gz", "c.jsonl.zst"):
+        with pytest.raises(UserError, match=f"{name}: cannot read"):
+            preprocess([tmp_path / name], tmp_path / "o", workers=1)
+    assert not [f for f in os.listdir(tmp_path) if f.startswith("o_")]
+
+
 def test_skip_bad_lines_counts_and_keeps_the_good_ones(tmp_path, hf_gpt2):
     good = [{"text": f"line {i} 😀"} for i in range(5)]
     lines = [json.dumps(g).encode() for g in good]

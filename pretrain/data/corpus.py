@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass
 from typing import Iterator
 
+import zstandard
+
 from pretrain.errors import UserError
 
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -89,13 +91,53 @@ def expand_inputs(inputs: list[str]) -> list[str]:
     return out
 
 
+class _ZstdReader(io.RawIOBase):
+    """Decompress a (multi-frame) .zst file; a truncated last frame is an error, not a silent EOF
+    (zstandard's stream_reader just stops there)."""
+
+    def __init__(self, path: str):
+        self._file = open(path, "rb")
+        self._chunks = self._decompressed()
+        self._buf, self._pos = memoryview(b""), 0
+
+    def _decompressed(self):
+        dctx = zstandard.ZstdDecompressor()
+        frame, fed = dctx.decompressobj(), False
+        while chunk := self._file.read(1 << 20):
+            while chunk:
+                fed = True
+                yield frame.decompress(chunk)
+                chunk = b""
+                if frame.eof:  # the frame ended inside this chunk: the rest starts the next frame
+                    chunk = frame.unused_data
+                    frame, fed = dctx.decompressobj(), False
+        if fed and not frame.eof:
+            raise EOFError("the zstd stream ends inside a frame")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while self._pos >= len(self._buf):
+            try:
+                self._buf, self._pos = memoryview(next(self._chunks)), 0
+            except StopIteration:
+                return 0
+        n = min(len(b), len(self._buf) - self._pos)
+        b[:n] = self._buf[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def close(self) -> None:
+        self._file.close()
+        super().close()
+
+
 def _open_binary(path: str):
     if path.lower().endswith(".gz"):
         return gzip.open(path, "rb")
     if path.lower().endswith(".zst"):
-        import zstandard
-
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
+        return io.BufferedReader(_ZstdReader(path), buffer_size=1 << 20)
     return open(path, "rb", buffering=1 << 20)
 
 
@@ -116,12 +158,8 @@ def _json_batches(path: str, batch_bytes: int, max_records: int) -> Iterator[Rec
                 if size >= batch_bytes or len(raw) >= max_records:
                     yield RecordBatch(path, lines, raw=raw)
                     lines, raw, size = [], [], 0
-    except (OSError, EOFError) as err:  # bad gzip/zstd stream, unreadable file
+    except (OSError, EOFError, zstandard.ZstdError) as err:  # unreadable file, bad gzip/zstd stream
         raise UserError(f"{path}: cannot read ({err}; check the file is complete and not corrupt)") from None
-    except Exception as err:  # zstandard raises its own ZstdError
-        if type(err).__name__ == "ZstdError":
-            raise UserError(f"{path}: cannot read ({err}; check the file is complete and not corrupt)") from None
-        raise
     if raw:
         yield RecordBatch(path, lines, raw=raw)
 
