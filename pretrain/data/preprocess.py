@@ -14,6 +14,8 @@ import multiprocessing
 import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 from pretrain.data.corpus import expand_inputs, iter_record_batches, total_input_bytes
@@ -121,12 +123,15 @@ class Summary:
 def _ordered_results(pool, batches, window: int):
     """Apply the encoder to batches in the pool, at most `window` in flight; yield in input order."""
     pending = collections.deque()
-    for batch in batches:
-        pending.append(pool.apply_async(encode_in_worker, (batch,)))
-        if len(pending) >= window:
-            yield pending.popleft().get()
-    while pending:
-        yield pending.popleft().get()
+    try:
+        for batch in batches:
+            pending.append(pool.submit(encode_in_worker, batch))
+            if len(pending) >= window:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+    except BrokenProcessPool:
+        raise UserError("a tokenizer worker process died (out of memory? try fewer --workers)") from None
 
 
 class _Progress:
@@ -190,7 +195,9 @@ def run(cfg: PreprocessConfig) -> Summary:
     try:
         ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
         share_with_forked_workers(encoder)
-        with ctx.Pool(cfg.workers, initializer=init_worker, initargs=(opts,)) as pool:
+        # ProcessPoolExecutor, not multiprocessing.Pool: a worker that dies raises instead of hanging
+        pool = ProcessPoolExecutor(cfg.workers, mp_context=ctx, initializer=init_worker, initargs=(opts,))
+        try:
             batches = iter_record_batches(sources, cfg.json_keys, cfg.batch_bytes)
             for encoded in _ordered_results(pool, batches, window=2 * cfg.workers + 2):
                 _report_bad(cfg, summary, encoded.source, encoded.bad)
@@ -201,6 +208,8 @@ def run(cfg: PreprocessConfig) -> Summary:
                 summary.documents += encoded.documents
                 summary.bytes += encoded.nbytes
                 progress.update(summary, encoded.nbytes)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
         for builder, prefix in zip(builders, cfg.output_prefixes()):
             builder.finalize(get_idx_path(prefix))
         finished = True
