@@ -198,3 +198,15 @@ def test_all_problems_in_one_error():
     with pytest.raises(UserError) as err:
         config.validate(3)
     assert "--hidden-size 30" in str(err.value) and "--tensor-model-parallel-size 3" in str(err.value)
+
+
+@pytest.mark.parametrize("config", [GPT2, LLAMA], ids=["gpt2", "llama"])
+def test_bf16_model_runs_and_tracks_fp32(config):
+    tokens, labels = batch()
+    fp32 = GPTModel(config)(tokens, labels=labels)
+    model = GPTModel(dataclasses.replace(config, params_dtype=torch.bfloat16))
+    loss = model(tokens, labels=labels)
+    assert loss.dtype == torch.float32 and model(tokens).dtype == torch.bfloat16
+    torch.testing.assert_close(loss, fp32, rtol=0.0, atol=0.05)
+    loss.mean().backward()
+    assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in model.parameters())

@@ -14,6 +14,19 @@ Every parameter is initialised from the layout-independent name it has in GPTMod
 (`embedding.*`, `layers.<i>.*`, `head.*`), so a pipeline stage built from the parts, or a TP=k
 rank, starts from exactly the TP=1 model's weights.
 
+State-dict names (h = hidden, nh heads, ng query groups, d head dim, f ffn, V padded vocab; the
+shapes are TP=1's, TP shards split the dimension noted by `partition_dim`):
+    embedding.word_embeddings.weight        [V, h]
+    embedding.position_embeddings.weight    [max_positions, h]        learned_absolute only
+    layers.<i>.input_norm.{weight,bias}     [h]                       bias: LayerNorm only
+    layers.<i>.attention.qkv.{weight,bias}  [(nh + 2 ng) d, h]        bias: add_bias_linear
+    layers.<i>.attention.proj.{weight,bias} [h, nh d]
+    layers.<i>.post_attention_norm.{weight,bias}
+    layers.<i>.mlp.fc1.{weight,bias}        [2f or f, h]
+    layers.<i>.mlp.fc2.{weight,bias}        [h, f]
+    head.final_norm.{weight,bias}
+    head.output_layer.weight                [V, h]                    untied only
+
 Layouts (the conversion contract):
 - attention.qkv.weight [(nh + 2 ng) d / tp, h]: per query group g, its nh/ng query heads' rows,
   then its key rows, then its value rows (MHA: per head [q; k; v]). A contiguous TP slice holds
