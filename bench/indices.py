@@ -158,7 +158,8 @@ def main():
     if helpers_cpp is not None:
         def megatron_sample_index(s, d, S_, E, T_, drop, x):
             return helpers_cpp.build_sample_idx_int32(s, d, S_, E, T_, drop, x)
-        t_m, m_arrays = timed(lambda: with_sample_index(megatron_sample_index, sizes, indices, plan, S, args.seed))
+        t_m, m_arrays = timed(lambda: with_sample_index(megatron_sample_index, sizes, indices, plan, S, args.seed),
+                             repeat=2)
         t_mk, _ = timed(lambda: helpers_cpp.build_sample_idx_int32(sizes, ours["document_index"], S,
                                                                    plan.num_epochs, T, True, 1), repeat=2)
         for k in ours:

@@ -9,8 +9,9 @@ data-parallel rank has its own loader, so the comparison is per loader. Override
 --need-samples-per-s.
 
 Measured in the same run: the loader with the attention mask built in the loader (Megatron's
-default) and without it (--no-create-attention-mask-in-dataloader, for causal kernels), and the
-raw single-process gather rate (token slices from the mmap, no tensors) as a ceiling.
+default) and without it (--no-create-attention-mask-in-dataloader, for causal kernels), the same
+in the main process (num_workers 0: one core's capacity), and the raw single-process gather rate
+(token slices from the mmap, no tensors) as a ceiling.
 The last line printed is one JSON object; "ratio" = loader samples/s (no mask) / need.
 
     .venv/bin/python bench/loader.py [--seq-length 2048] [--micro-batch-size 8] [--num-workers 2]
@@ -94,24 +95,28 @@ def main():
             write_prefix(p, args.tokens_per_prefix, tok.eod, seed=i)
         n_train = (args.batches + 10) * mbs
         rates = {}
-        for mask in (True, False):
+        for mask, workers in ((True, args.num_workers), (False, args.num_workers), (False, 0)):
             cfg = DataConfig(seq_length=S, blend=(prefixes, [0.7, 0.3]), split="98,2,0",
                              data_cache_path=os.path.join(d, "cache"), create_attention_mask=mask,
-                             num_workers=args.num_workers)
+                             num_workers=workers)
             train, _, _ = build_train_valid_test_datasets(cfg, tok, [n_train, 0, 0])
-            rates[mask] = loader_rate(train, cfg, mbs, args.batches)
+            rates[mask, workers] = loader_rate(train, cfg, mbs, args.batches)
         raw = gather_rate(train, min(len(train), 2000))
 
     print(f"need (stated, GPT-2 124M on one H100 at 50% MFU, seq {S}): {need:.0f} samples/s")
-    print(f"loader, attention mask in loader:  {rates[True]:,.0f} samples/s ({rates[True] / need:.1f}x need)")
-    print(f"loader, no attention mask:         {rates[False]:,.0f} samples/s ({rates[False] / need:.1f}x need)")
-    print(f"raw token gather, one process:     {raw:,.0f} samples/s")
+    w = args.num_workers
+    with_mask, no_mask, in_process = rates[True, w], rates[False, w], rates[False, 0]
+    print(f"loader ({w} workers), attention mask in loader: {with_mask:,.0f} samples/s ({with_mask / need:.1f}x need)")
+    print(f"loader ({w} workers), no attention mask:        {no_mask:,.0f} samples/s ({no_mask / need:.1f}x need)")
+    print(f"loader (in process), no attention mask:        {in_process:,.0f} samples/s ({in_process / need:.1f}x need)")
+    print(f"raw token gather, one process:                 {raw:,.0f} samples/s")
     print(json.dumps({
-        "bench": "loader", "seq_length": S, "micro_batch_size": mbs, "num_workers": args.num_workers,
-        "need_samples_per_s": round(need, 1), "loader_samples_per_s_no_mask": round(rates[False], 1),
-        "loader_samples_per_s_with_mask": round(rates[True], 1), "raw_gather_samples_per_s": round(raw, 1),
-        "ratio": round(rates[False] / need, 2), "ratio_with_mask": round(rates[True] / need, 2),
-        "ratio_definition": "loader samples/s without the in-loader attention mask / stated need",
+        "bench": "loader", "seq_length": S, "micro_batch_size": mbs, "num_workers": w,
+        "need_samples_per_s": round(need, 1), "loader_samples_per_s_no_mask": round(no_mask, 1),
+        "loader_samples_per_s_with_mask": round(with_mask, 1), "in_process_samples_per_s": round(in_process, 1),
+        "raw_gather_samples_per_s": round(raw, 1), "ratio": round(no_mask / need, 2),
+        "ratio_with_mask": round(with_mask / need, 2), "ratio_in_process": round(in_process / need, 2),
+        "ratio_definition": "loader samples/s (num_workers workers, no in-loader attention mask) / stated need",
     }))
 
 

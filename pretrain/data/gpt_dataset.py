@@ -243,7 +243,8 @@ class GPTDataset(torch.utils.data.Dataset):
     def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
         text = torch.from_numpy(self.sample_tokens(idx))
         if self.extra_token:
-            tokens, labels = text[:-1].clone(), text[1:].clone()
+            # views of one fresh array (as Megatron): zeroing pads below touches only pad positions
+            tokens, labels = text[:-1], text[1:]
         else:
             tokens, labels = text, torch.roll(text, shifts=-1)
             labels[-1] = self.pad
