@@ -36,9 +36,9 @@ def make_corpus(prefix: Path, num_docs: int = 200, seed: int = 0) -> str:
     return str(prefix)
 
 
-def model_flags(flavour: str, layers: int = 4, hidden: int = 32) -> list[str]:
+def model_flags(flavour: str, layers: int = 2, hidden: int = 32) -> list[str]:
     common = ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", "4",
-              "--seq-length", "16", "--attention-dropout", "0", "--hidden-dropout", "0"]
+              "--seq-length", "16", "--make-vocab-size-divisible-by", "64", "--attention-dropout", "0", "--hidden-dropout", "0"]
     if flavour == "gpt2":
         return common
     if flavour == "llama":
@@ -48,7 +48,7 @@ def model_flags(flavour: str, layers: int = 4, hidden: int = 32) -> list[str]:
     raise ValueError(flavour)
 
 
-def train_flags(data_prefix: str, iters: int = 6, gbs: int = 8, mbs: int = 2) -> list[str]:
+def train_flags(data_prefix: str, iters: int = 5, gbs: int = 8, mbs: int = 2) -> list[str]:
     return ["--micro-batch-size", str(mbs), "--global-batch-size", str(gbs), "--train-iters", str(iters),
             "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine",
             "--clip-grad", "0.05", "--weight-decay", "0.1", "--seed", "7",
@@ -84,9 +84,15 @@ def run(cmd: list[str], timeout: float, env: dict | None = None, cwd: Path = REP
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
-def deepspeed_cmd(nproc: int, args: list[str]) -> list[str]:
+def deepspeed_cmd(nproc: int, args: list[str], script: str = "pretrain_gpt.py") -> list[str]:
     return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(_free_port()),
-            str(REPO / "pretrain_gpt.py"), *args]
+            str(REPO / script), *args]
+
+
+def multirun_cmd(nproc: int, runs: list[list[str]], runs_file: Path) -> list[str]:
+    """The deepspeed launcher running tests/training_multirun.py over several argv lists."""
+    runs_file.write_text(json.dumps(runs))
+    return deepspeed_cmd(nproc, [str(runs_file)], script="tests/training_multirun.py")
 
 
 def torchrun_cmd(nproc: int, args: list[str], *extra: str) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Sequence
 
 import torch
@@ -41,8 +42,11 @@ def pretrain(argv: Sequence[str]) -> None:
     prepare_process_environment(cfg.launch)
     setup_logging(cfg.launch.rank)
     backend = choose_backend(cfg.parallel.distributed_backend)
+    owns_process_group = not torch.distributed.is_initialized()
     device = init_distributed(cfg.launch, backend, cfg.parallel.distributed_timeout_minutes)
 
+    # DeepSpeed broadcasts the tied embedding through autograd once at start-up; harmless.
+    warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel was not registered")
     # DeepSpeed picks its accelerator when first imported: only after the environment is set.
     from pretrain.training.checkpointing import TrainState, load_checkpoint
     from pretrain.training.engine import build_engine
@@ -79,6 +83,9 @@ def pretrain(argv: Sequence[str]) -> None:
     finally:
         writer.close()
     torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    engine.ds.destroy()
+    state.destroy_model_parallel()
+    if owns_process_group:  # a caller that brought its own group may run again in this process
+        torch.distributed.destroy_process_group()
     logger.info(f"done: {ts.iteration} iterations, {ts.consumed_train_samples} samples"
                 + (f"; checkpoints in {os.path.abspath(cfg.checkpoint.save)}" if cfg.checkpoint.save else ""))
