@@ -65,5 +65,12 @@ convert-hf: install
 	$(PY) tools/convert_to_hf.py --load $(CKPT) --output-dir $(OUT) $(if $(ITERATION),--iteration $(ITERATION)) \
 		--verify --overwrite
 
+# build the dataset index caches ahead of training: `make cache [DATA_PREFIX=...] [CACHE_ARGS=...]`
+# (CACHE_ARGS takes the training flags; tools/build_data_cache.py reads the data ones and ignores the rest)
+DATA_PREFIX ?= $(OUTPUT)_text_document
+CACHE_ARGS ?= --split 949,50,1 --seq-length 1024 --train-iters 2000 --global-batch-size 16 --eval-interval 200 --eval-iters 10
+cache: install
+	$(PY) tools/build_data_cache.py --data-path $(DATA_PREFIX) $(CACHE_ARGS) $(TOKENIZER_ARGS)
+
 clean:
 	rm -rf runs checkpoints hf_export bench/results
