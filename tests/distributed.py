@@ -30,23 +30,34 @@ def _free_port() -> int:
 def _worker(fn, rank: int, world_size: int, port: int, args: tuple, results) -> None:
     os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
     try:
-        import datetime
-
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=60))
-        try:
-            value = fn(rank, world_size, *args)
-        finally:
-            dist.destroy_process_group()
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+        value = fn(rank, world_size, *args)
         # plain pickle copies tensors by value (no shared-memory handles that die with this process)
         results.put((rank, True, pickle.dumps(value)))
     except BaseException:  # noqa: BLE001 - report anything, including assertion failures, to the parent
+        # report before tearing the group down: peers then fail with "connection closed", later
         results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+_PEER_SYMPTOMS = ("Connection closed by peer", "Connection reset by peer")
+
+
+def _root_cause(failures: list[tuple[int, str]]) -> tuple[int, str]:
+    """The first failure that is not just a peer's disappearance."""
+    for rank, trace in failures:
+        if not any(symptom in trace for symptom in _PEER_SYMPTOMS):
+            return rank, trace
+    return failures[0]
 
 
 def run_on_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0) -> list:
@@ -59,6 +70,7 @@ def run_on_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0) 
         proc.start()
     outcome: dict[int, object] = {}
     deadline = time.monotonic() + timeout
+    finished = False
     try:
         while len(outcome) < world_size:
             remaining = deadline - time.monotonic()
@@ -74,11 +86,24 @@ def run_on_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0) 
                                          f"{procs[dead[0]].exitcode} before reporting")
                 continue
             if not ok:
-                raise AssertionError(f"rank {rank} of {world_size} failed in {fn.__name__}:\n{payload}")
+                failures = [(rank, payload)]
+                grace = time.monotonic() + 2.0  # let the other ranks' reports arrive, to find the cause
+                while len(failures) + len(outcome) < world_size and time.monotonic() < grace:
+                    try:
+                        other_rank, other_ok, other_payload = results.get(timeout=0.2)
+                    except queue.Empty:
+                        continue
+                    if not other_ok:
+                        failures.append((other_rank, other_payload))
+                rank, trace = _root_cause(failures)
+                others = sorted(r for r, _ in failures if r != rank)
+                also = f" (ranks {others} failed too)" if others else ""
+                raise AssertionError(f"rank {rank} of {world_size} failed in {fn.__name__}{also}:\n{trace}")
             outcome[rank] = pickle.loads(payload)
+        finished = True
     finally:
-        for proc in procs:
-            proc.join(timeout=5)
+        for proc in procs:  # after a failure the other ranks may wait in a collective: end them now
+            proc.join(timeout=10 if finished else 0)
             if proc.is_alive():
                 proc.kill()
                 proc.join()

@@ -206,3 +206,32 @@ def test_single_process_defaults_without_initialisation():
     torch.manual_seed(0)
     logits, target = torch.randn(3, 10), torch.randint(0, 10, (3,))
     assert torch.allclose(vocab_parallel_cross_entropy(logits, target), F.cross_entropy(logits, target, reduction="none"))
+
+
+def fails_on_rank_1(rank: int, world: int) -> int:
+    if rank == 1:
+        raise ValueError("boom on purpose")
+    dist.barrier()  # rank 0 would wait here forever: the helper must end it
+    return rank
+
+
+def hangs(rank: int, world: int) -> int:
+    if rank == 0:
+        dist.barrier()  # rank 1 never joins
+    else:
+        import time
+
+        time.sleep(120)
+    return rank
+
+
+@pytest.mark.timeout(120)
+def test_run_on_ranks_reports_the_failing_rank_and_enforces_the_timeout():
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"(?s)rank 1 of 2 failed in fails_on_rank_1.*boom on purpose"):
+        run_on_ranks(fails_on_rank_1, 2, timeout=60)
+    with pytest.raises(TimeoutError, match=r"hangs on 2 ranks did not finish in 12 s"):
+        run_on_ranks(hangs, 2, timeout=12)
+    assert time.monotonic() - start < 60

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import random
 
+import numpy as np
 import torch
 import torch.utils.checkpoint
 
@@ -92,10 +94,6 @@ def tensor_parallel_rng():
 def seed_everything(seed: int) -> int:
     """Megatron's seeding: seed + 100 * pp_rank for the default generators (identical on TP and DP
     peers), seed' + 2718 + tp_rank for TP-region dropout. Returns seed'."""
-    import random
-
-    import numpy as np
-
     stage_seed = seed + PIPELINE_SEED_STRIDE * state.get_pipeline_model_parallel_rank()
     random.seed(stage_seed)
     np.random.seed(stage_seed)
