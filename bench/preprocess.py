@@ -7,7 +7,8 @@ sum over the process tree (RSS and PSS, which counts pages shared by forked work
 ceiling is `tokenizers.Tokenizer.encode_batch_fast` in one process with N Rayon threads on the same
 texts, timing only the encode calls (texts read beforehand, batch by batch). Throughput is in MB of
 UTF-8 text per second for both. The last line printed is one JSON object; `ratio` = ours / ceiling
-throughput at the largest size.
+throughput at the largest size (wall clock); `cpu_ratio` = ceiling CPU seconds / ours (all processes)
+for the same work, which load from other jobs does not distort.
 """
 
 from __future__ import annotations
@@ -37,6 +38,13 @@ def build_corpus(src: str, dest: str, target_mb: float) -> tuple[int, int, int]:
     return total, texts, docs
 
 
+def _children_cpu() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_ours(corpus: str, prefix: str, workers: int) -> dict:
     import psutil
 
@@ -45,6 +53,7 @@ def run_ours(corpus: str, prefix: str, workers: int) -> dict:
            "GPT2BPETokenizer", "--vocab-file", os.path.join(REPO, "data/gpt2/vocab.json"),
            "--merge-file", os.path.join(REPO, "data/gpt2/merges.txt")]
     peak = {"rss": 0, "pss": 0}
+    cpu_before = _children_cpu()
     start = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     parent = psutil.Process(proc.pid)
@@ -65,13 +74,14 @@ def run_ours(corpus: str, prefix: str, workers: int) -> dict:
     sampler.start()
     out, _ = proc.communicate()
     seconds = time.monotonic() - start
+    cpu = _children_cpu() - cpu_before  # the CLI and its workers (reaped, so counted)
     sampler.join()
     if proc.returncode != 0:
         raise SystemExit(f"preprocess_data.py failed with status {proc.returncode}")
     tokens = int(out.split(" tokens,")[0].split()[-1].replace(",", ""))
     for ext in (".bin", ".idx"):
         os.remove(f"{prefix}_text_document{ext}")
-    return {"seconds": seconds, "tokens": tokens, "peak_rss_mb": peak["rss"] / 1e6, "peak_pss_mb": peak["pss"] / 1e6}
+    return {"seconds": seconds, "cpu_seconds": cpu, "tokens": tokens, "peak_rss_mb": peak["rss"] / 1e6, "peak_pss_mb": peak["pss"] / 1e6}
 
 
 def run_ceiling(corpus: str, workers: int, batch_docs: int = 64) -> dict:
@@ -81,13 +91,14 @@ def run_ceiling(corpus: str, workers: int, batch_docs: int = 64) -> dict:
 
     backend = GPT2BPETokenizer(os.path.join(REPO, "data/gpt2/vocab.json"),
                                os.path.join(REPO, "data/gpt2/merges.txt"))._backend
-    seconds, tokens, batch = 0.0, 0, []
+    seconds, cpu, tokens, batch = 0.0, 0.0, 0, []
 
     def encode():
-        nonlocal seconds, tokens
-        t = time.monotonic()
+        nonlocal seconds, cpu, tokens
+        t, c = time.monotonic(), time.process_time()
         encodings = backend.encode_batch_fast(batch)
         seconds += time.monotonic() - t
+        cpu += time.process_time() - c  # all threads of this process
         tokens += sum(len(e.ids) for e in encodings)
 
     with open(corpus, "rb") as f:
@@ -98,7 +109,7 @@ def run_ceiling(corpus: str, workers: int, batch_docs: int = 64) -> dict:
                 batch = []
     if batch:
         encode()
-    return {"seconds": seconds, "tokens": tokens}
+    return {"seconds": seconds, "cpu_seconds": cpu, "tokens": tokens}
 
 
 def main() -> None:
@@ -144,6 +155,10 @@ def main() -> None:
         "peak_pss_mb": {k: round(v["ours"]["peak_pss_mb"]) for k, v in results.items()},
         "peak_rss_sum_mb": {k: round(v["ours"]["peak_rss_mb"]) for k, v in results.items()},
         "memory_growth": round(largest["ours"]["peak_pss_mb"] / smallest["ours"]["peak_pss_mb"], 3),
+        "ours_cpu_s": round(largest["ours"]["cpu_seconds"], 1),
+        "ceiling_cpu_s": round(largest["ceiling"]["cpu_seconds"], 1),
+        # wall time is noisy on a shared machine; CPU seconds for the same work are not
+        "cpu_ratio": round(largest["ceiling"]["cpu_seconds"] / largest["ours"]["cpu_seconds"], 3),
         "ratio": round(largest["ours"]["mb_s"] / largest["ceiling"]["mb_s"], 3),
     }
     print(json.dumps(summary))
