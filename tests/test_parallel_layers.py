@@ -1,4 +1,4 @@
-"""Tensor-parallel layers, collectives, cross entropy, groups and RNG on real gloo ranks.
+"""Tensor-parallel layers, collectives, cross entropy, groups, grad norm and RNG on real gloo ranks.
 
 One 4-rank world runs every check at TP=4 (dp=1) and TP=2 (dp=2); each layer is compared with
 its torch.nn counterpart built from the same full weights: outputs, input grads, weight and bias
@@ -16,9 +16,10 @@ from distributed import run_on_ranks
 from pretrain.errors import UserError
 from pretrain.parallel import state
 from pretrain.parallel.cross_entropy import vocab_parallel_cross_entropy
+from pretrain.parallel.grad_norm import global_grad_norm
 from pretrain.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from pretrain.parallel.random import seed_everything, tensor_parallel_rng
-from pretrain.parallel.sharding import merge_shards, shard_tensor
+from pretrain.parallel.sharding import mark_tensor_parallel, merge_shards, shard_tensor
 
 TOL = 1e-6
 
@@ -164,6 +165,26 @@ def check_tp_rng(tp: int) -> None:
         assert all(matches) if should_match else not any(matches)
 
 
+def check_grad_norm_over_tp_and_pp() -> None:
+    """Each stage p holds a TP-sharded grad (full values G_p), a replicated grad R_p and a `shared`
+    copy; the norm counts G_p and R_p exactly once per stage and skips the shared copy."""
+    p, tp_rank = state.get_pipeline_model_parallel_rank(), state.get_tensor_model_parallel_rank()
+    tp = state.get_tensor_model_parallel_world_size()
+    full = torch.arange(8.0) + 10 * p
+    sharded = torch.nn.Parameter(torch.zeros(8 // tp))
+    mark_tensor_parallel(sharded, 0)
+    sharded.grad = shard_tensor(full, 0, tp_rank, tp).clone()
+    replicated = torch.nn.Parameter(torch.zeros(3))
+    replicated.grad = torch.full((3,), float(p + 1))
+    shared = torch.nn.Parameter(torch.zeros(2))
+    shared.grad, shared.shared = torch.full((2,), 100.0), True
+    no_grad = torch.nn.Parameter(torch.zeros(2))
+    expected = sum((torch.arange(8.0) + 10 * q).pow(2).sum() + 3 * (q + 1) ** 2
+                   for q in range(state.get_pipeline_model_parallel_world_size())).sqrt()
+    norm = global_grad_norm([sharded, replicated, shared, no_grad])
+    torch.testing.assert_close(norm, expected.float(), rtol=1e-6, atol=0.0)
+
+
 def layers_world(rank: int, world: int) -> list[str]:
     done = []
     with pytest.raises(UserError, match=r"world size 4 is not divisible by tensor-parallel size 3"):
@@ -171,6 +192,7 @@ def layers_world(rank: int, world: int) -> list[str]:
     for tp, pp in ((4, 1), (2, 1), (2, 2), (1, 2)):
         state.initialize_model_parallel(tp, pp)
         check_groups(rank, world, tp, pp)
+        check_grad_norm_over_tp_and_pp()
         if pp == 1:
             for gather_output in (False, True):
                 for stride in (1, 2):
