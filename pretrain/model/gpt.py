@@ -186,6 +186,7 @@ class TransformerLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_number: int):
         super().__init__()
+        config.validate(tp=state.get_tensor_model_parallel_world_size())  # built alone as a pipeline stage, too
         self.layer_number = layer_number
         self.dropout = config.hidden_dropout
         self.recompute = config.recompute_activations
