@@ -295,3 +295,29 @@ def test_cli_summary_and_kill_minus_nine(tmp_path, corpus):
     for key in ("text", "title"):
         assert same_files(f"{prefix}_{key}_document", ref[1][key])
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
+
+
+def test_input_errors_name_the_input(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from pretrain.data.corpus import expand_inputs, iter_record_batches
+
+    (tmp_path / "notes.txt").write_text("x")
+    (tmp_path / "empty").mkdir()
+    pq.write_table(pa.table({"body": ["a"]}), tmp_path / "t.parquet")
+    (tmp_path / "dd").mkdir()
+    (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["train"]}')
+    (tmp_path / "dd" / "train").mkdir()
+    cases = [
+        ([tmp_path / "missing.jsonl"], "missing.jsonl: no such file"),
+        ([tmp_path / "notes.txt"], "notes.txt: unsupported file type"),
+        ([tmp_path / "empty"], "empty: directory holds no supported files"),
+        ([tmp_path / "*.jsonl.gz"], "matches no supported files"),
+        ([tmp_path / "dd"], "a DatasetDict with splits \\['train'\\]"),
+    ]
+    for inputs, message in cases:
+        with pytest.raises(UserError, match=message):
+            expand_inputs([str(i) for i in inputs])
+    with pytest.raises(UserError, match="t.parquet: no column 'text'"):
+        list(iter_record_batches([str(tmp_path / "t.parquet")], ["text"]))
