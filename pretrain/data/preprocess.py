@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Tokenize a corpus into Megatron-LM's mmap dataset format (.bin/.idx), byte for byte "
         "what Megatron's tools/preprocess_data.py writes, in parallel and streaming.",
+        epilog="example: tools/preprocess_data.py --input data/shakespeare.jsonl --output-prefix data/shakespeare "
+        "--tokenizer-type GPT2BPETokenizer --vocab-file data/gpt2/vocab.json --merge-file data/gpt2/merges.txt "
+        "--append-eod --workers 2   (writes data/shakespeare_text_document.bin/.idx)",
     )
     g = p.add_argument_group("input")
     g.add_argument("--input", nargs="+", required=True,
