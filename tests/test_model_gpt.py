@@ -210,3 +210,16 @@ def test_bf16_model_runs_and_tracks_fp32(config):
     torch.testing.assert_close(loss, fp32, rtol=0.0, atol=0.05)
     loss.mean().backward()
     assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in model.parameters())
+
+
+def test_megatron_init_scales_output_projections():
+    config = dataclasses.replace(GPT2, hidden_size=64, num_layers=8, init_method_std=0.05)
+    layer = TransformerLayer(config, 3)
+    output_std = 0.05 / (2 * 8) ** 0.5
+    for weight, std in ((layer.attention.qkv.weight, 0.05), (layer.mlp.fc1.weight, 0.05),
+                        (layer.attention.proj.weight, output_std), (layer.mlp.fc2.weight, output_std)):
+        assert abs(weight.std().item() / std - 1) < 0.1
+    assert torch.equal(layer.attention.qkv.bias, torch.zeros_like(layer.attention.qkv.bias))
+    assert torch.equal(layer.input_norm.weight, torch.ones(64))
+    other = TransformerLayer(config, 4)
+    assert not torch.equal(layer.attention.qkv.weight, other.attention.qkv.weight), "layers get their own draws"
