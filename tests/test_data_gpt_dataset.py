@@ -63,6 +63,14 @@ def assert_same_arrays(ours, theirs, names):
 
 
 def assert_same_samples(ours, theirs, indices):
+    # the batched path the DataLoader uses equals megatron's samples stacked
+    head = list(indices)[:6]
+    batch = ours.__getitems__(head)
+    expected = [theirs[k] for k in head]
+    assert list(batch) == list(expected[0])
+    for key in batch:
+        want = torch.stack([torch.as_tensor(e[key]).to(batch[key].dtype) for e in expected])
+        assert batch[key].shape == want.shape and torch.equal(batch[key], want), key
     for k in indices:
         s1, s2 = ours[k], theirs[k]
         assert list(s1) == list(s2)
@@ -168,7 +176,11 @@ def test_default_cache_dir_is_beside_the_prefix_and_reloads_by_mmap(tmp_path):
     cache_dir = os.path.join(prefix, "cache", "GPTDataset_indices")
     assert sorted(os.listdir(cache_dir))[0].startswith(first.unique_description_hash)
     again = GPTDataset(indexed, prefix, np.arange(30, dtype=np.int32), 50, "train", cfg, TOKENIZER)
-    assert isinstance(again.sample_index, np.memmap)
+    # loaded from the cache: read-only views of the mapped files, not in-memory copies
+    assert first.sample_index.flags.owndata  # just built: in memory
+    for name in ("document_index", "sample_index", "shuffle_index"):
+        arr = getattr(again, name)
+        assert not arr.flags.writeable and not arr.flags.owndata
     np.testing.assert_array_equal(first.shuffle_index, again.shuffle_index)
 
 

@@ -78,6 +78,15 @@ class BlendedDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return self.dataset_index.shape[0]
 
+    def __getitems__(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """A whole micro-batch; all blended datasets share one config and tokenizer."""
+        first = self.datasets[0]
+        ids = self.dataset_index[indices].tolist()
+        samples = self.dataset_sample_index[indices].tolist()
+        text = np.empty((len(indices), first.cfg.seq_length + first.extra_token), dtype=np.int64)
+        for row, (d, k) in enumerate(zip(ids, samples)):
+            self.datasets[d].sample_tokens(k, out=text[row])
+        return {"dataset_id": torch.tensor(ids, dtype=torch.int64), **first.tensors(text)}
+
     def __getitem__(self, idx: int) -> dict:
-        dataset_id = int(self.dataset_index[idx])
-        return {"dataset_id": dataset_id, **self.datasets[dataset_id][int(self.dataset_sample_index[idx])]}
+        return {k: v[0] for k, v in self.__getitems__([idx]).items()}

@@ -213,20 +213,21 @@ class GPTDataset(torch.utils.data.Dataset):
             cache_dir, f"{self.unique_description_hash}-GPTDataset-{index_split}", self.unique_description,
             expect, lambda: build_indices(lengths, indices, plan, cfg.seq_length, cfg.seed, extra_token, drop_last),
         )
-        self.document_index = arrays["document_index"]
-        self.sample_index = arrays["sample_index"]
-        self.shuffle_index = arrays["shuffle_index"]
+        # plain ndarray views of the (possibly memory-mapped) arrays: indexing an np.memmap costs a
+        # subclass construction per access, which shows in __getitem__
+        self.document_index = np.asarray(arrays["document_index"])
+        self.sample_index = np.asarray(arrays["sample_index"])
+        self.shuffle_index = np.asarray(arrays["shuffle_index"])
         # without these flags masks and positions do not depend on the sample (Megatron caches them too)
         self._cacheable = not (cfg.reset_position_ids or cfg.reset_attention_mask or cfg.eod_mask_loss)
 
     def __len__(self) -> int:
         return self.sample_index.shape[0] - 1
 
-    def sample_tokens(self, idx: int) -> np.ndarray:
+    def sample_tokens(self, idx: int, out: Optional[np.ndarray] = None) -> np.ndarray:
         """The S + x token ids of sample idx (int64), padded with the pad id at the data's end."""
         j = int(self.shuffle_index[idx])
-        d0, o0 = (int(v) for v in self.sample_index[j])
-        d1, o1 = (int(v) for v in self.sample_index[j + 1])
+        (d0, o0), (d1, o1) = self.sample_index[j:j + 2].tolist()
         x = self.extra_token
         if d0 == d1:
             parts = [self.indexed.get(int(self.document_index[d0]), offset=o0, length=o1 - o0 + x)]
@@ -238,29 +239,49 @@ class GPTDataset(torch.utils.data.Dataset):
         have = sum(len(p) for p in parts)
         if have < want:
             parts.append(np.full(want - have, self.pad, dtype=np.int64))
-        return np.concatenate(parts, dtype=np.int64)
+        if out is None:
+            return np.concatenate(parts, dtype=np.int64)
+        return np.concatenate(parts, out=out)
 
-    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
-        text = torch.from_numpy(self.sample_tokens(idx))
+    def tensors(self, text: np.ndarray) -> dict[str, torch.Tensor]:
+        """[b, S + x] token ids -> the batch: tokens, labels, (attention_mask), loss_mask, position_ids."""
+        b = text.shape[0]
+        text = torch.from_numpy(text)
         if self.extra_token:
-            # views of one fresh array (as Megatron): zeroing pads below touches only pad positions
-            tokens, labels = text[:-1], text[1:]
+            tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
         else:
-            tokens, labels = text, torch.roll(text, shifts=-1)
-            labels[-1] = self.pad
+            tokens, labels = text, torch.roll(text, shifts=-1, dims=1)
+            labels[:, -1] = self.pad
+        S = tokens.shape[1]
         if self._cacheable:
-            attention_mask, position_ids = _plain_masks(len(tokens), self.cfg.create_attention_mask)
-            loss_mask = torch.ones(len(tokens), dtype=torch.float32)
+            mask, positions = _plain_masks(S, self.cfg.create_attention_mask)
+            # one shared tensor expanded over the batch, not b copies (4 MB each at S = 2048)
+            attention_mask = None if mask is None else mask.unsqueeze(0).expand(b, 1, S, S)
+            position_ids = positions.expand(b, S)
+            loss_mask = torch.from_numpy(np.ones((b, S), dtype=np.float32))  # cheaper than torch.ones
         else:
-            attention_mask, loss_mask, position_ids = masks_and_position_ids(tokens, self.eod, self.cfg)
-        # Padding sits at the end; a pad of -1 is no real token, so an unpadded sample needs no scan.
-        if self.pad != PAD_TOKEN_ID or not self.extra_token or text[-1] == self.pad:
+            rows = [masks_and_position_ids(tokens[i], self.eod, self.cfg) for i in range(b)]
+            attention_mask = torch.stack([r[0] for r in rows]) if self.cfg.create_attention_mask else None
+            loss_mask = torch.stack([r[1] for r in rows])
+            position_ids = torch.stack([r[2] for r in rows])
+        # Padding sits at the end; a pad of -1 is no real token, so unpadded samples need no scan.
+        if self.pad != PAD_TOKEN_ID or not self.extra_token or bool((text[:, -1] == self.pad).any()):
             loss_mask[labels == self.pad] = 0.0
             tokens[tokens == self.pad] = 0
             labels[labels == self.pad] = 0
-        sample = {"tokens": tokens, "labels": labels}
+        batch = {"tokens": tokens, "labels": labels}
         if attention_mask is not None:
-            sample["attention_mask"] = attention_mask
-        sample["loss_mask"] = loss_mask
-        sample["position_ids"] = position_ids
-        return sample
+            batch["attention_mask"] = attention_mask
+        batch["loss_mask"] = loss_mask
+        batch["position_ids"] = position_ids
+        return batch
+
+    def __getitems__(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        """A whole micro-batch at once (torch's DataLoader calls this with the sampler's indices)."""
+        text = np.empty((len(indices), self.cfg.seq_length + self.extra_token), dtype=np.int64)
+        for row, idx in enumerate(indices):
+            self.sample_tokens(idx, out=text[row])
+        return self.tensors(text)
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+        return {k: v[0] for k, v in self.__getitems__([idx]).items()}

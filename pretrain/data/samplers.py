@@ -100,21 +100,9 @@ class PretrainingRandomSampler:
                 yield order[k:k + self.mbs]
 
 
-def collate_samples(samples: list[dict]) -> dict:
-    """Stack each key into a batch. A tensor that every sample shares (the cached causal mask and
-    position ids when no reset flag is set) is expanded, not copied: a [b,1,S,S] mask costs no
-    memory or inter-process traffic beyond one [1,S,S] (treat batches as read-only)."""
-    batch = {}
-    for key in samples[0]:
-        values = [s[key] for s in samples]
-        first = values[0]
-        if not isinstance(first, torch.Tensor):
-            batch[key] = torch.as_tensor(values)
-        elif all(v is first for v in values[1:]):
-            batch[key] = first.unsqueeze(0).expand(len(values), *first.shape)
-        else:
-            batch[key] = torch.stack(values)
-    return batch
+def collate_samples(data):
+    """Our datasets build whole micro-batches (`__getitems__`); anything else is stacked by torch."""
+    return data if isinstance(data, dict) else torch.utils.data.default_collate(data)
 
 
 def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int,
