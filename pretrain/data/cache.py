@@ -24,7 +24,7 @@ import tempfile
 from typing import Callable, Optional
 
 import numpy as np
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 from pretrain.errors import UserError
 
@@ -94,7 +94,11 @@ def load_or_build(
     try:
         os.makedirs(directory, exist_ok=True)
         lock = FileLock(f"{base}.lock")
-        lock.acquire()
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            log.info("waiting for another process to finish building %s", base)
+            lock.acquire()
     except OSError as err:
         raise UserError(f"cannot write the index cache in {directory} ({err.strerror}); pass "
                         "--data-cache-path DIR pointing to a writable directory (node-local is fine)") from err
