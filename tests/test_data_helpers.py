@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from pretrain.data import helpers
 
-helpers_cpp = pytest.importorskip("megatron.core.datasets.helpers_cpp")
+from megatron.core.datasets import helpers_cpp  # test-only oracle (dev dependency)
 
 
 # ---- pure-Python references, transcribed from specs/megatron-data.md §3/§4 pseudocode ----------
