@@ -4,7 +4,6 @@ megatron-core's compiled helpers (a test-only oracle), on random inputs."""
 import math
 
 import numpy as np
-import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
