@@ -37,9 +37,12 @@ ITERATION = 0  # --finetune restarts at iteration 0 whatever the tag says
 
 
 def finetune_flags(config: ModelConfig) -> list[str]:
-    """The pretrain_gpt.py model flags that build exactly `config` (what --finetune checks)."""
+    """The pretrain_gpt.py model flags that build exactly `config` (what --finetune checks, plus the
+    sequence length and dropout the model was configured with)."""
     flags = ["--num-layers", config.num_layers, "--hidden-size", config.hidden_size,
-             "--num-attention-heads", config.num_attention_heads, "--max-position-embeddings", config.max_positions,
+             "--num-attention-heads", config.num_attention_heads, "--seq-length", config.seq_length,
+             "--max-position-embeddings", config.max_positions, "--hidden-dropout", config.hidden_dropout,
+             "--attention-dropout", config.attention_dropout,
              "--norm-epsilon", config.norm_epsilon, "--normalization", config.normalization,
              "--position-embedding-type", config.position_embedding_type,
              "--make-vocab-size-divisible-by", config.make_vocab_size_divisible_by]

@@ -83,7 +83,8 @@ def to_hf_config(config: ModelConfig, bos: int | None = None, eos: int | None = 
     if hf_flavour(config) == GPT2:
         return transformers.GPT2Config(
             vocab_size=config.vocab_size, n_positions=config.max_positions, n_embd=config.hidden_size,
-            n_layer=config.num_layers, n_head=config.num_attention_heads, n_inner=config.ffn_size,
+            n_layer=config.num_layers, n_head=config.num_attention_heads,
+            n_inner=None if config.ffn_size == 4 * config.hidden_size else config.ffn_size,
             activation_function="gelu", layer_norm_epsilon=config.norm_epsilon,
             resid_pdrop=config.hidden_dropout, embd_pdrop=config.hidden_dropout,
             attn_pdrop=config.attention_dropout, initializer_range=config.init_method_std,
