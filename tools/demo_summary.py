@@ -1,0 +1,93 @@
+"""Summarise a `make demo` run from its training log, as any Megatron log parser would read it.
+
+    python tools/demo_summary.py --log runs/demo/train.log --checkpoint checkpoints/demo \
+        --hf-export hf_export/demo --dataset data/shakespeare_text_document
+
+Reads the Megatron-format iteration lines (`iteration N/ M | consumed samples: ... | lm loss: ...`),
+so it doubles as a check that the log format stays parseable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
+
+ITERATION_LINE = re.compile(r"^\s*iteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
+FIELD = re.compile(r"\s*([^|:]+?):\s*([^|]+?)\s*\|")
+
+
+def parse_log(path: Path) -> list[dict[str, str]]:
+    """One dict per iteration line: field name -> value text, plus `iteration` and `train_iters`."""
+    rows = []
+    for line in path.read_text(errors="replace").splitlines():
+        match = ITERATION_LINE.match(line)
+        if not match:
+            continue
+        row = dict(FIELD.findall(match.group(3) + "|"))
+        row["iteration"], row["train_iters"] = match.group(1), match.group(2)
+        rows.append(row)
+    return rows
+
+
+def human_size(num_bytes: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if num_bytes < 1024 or unit == "GB":
+            return f"{num_bytes:.1f} {unit}" if unit != "B" else f"{num_bytes} B"
+        num_bytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def tree_size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+@exit_on_user_error
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--log", type=Path, required=True, help="training log (rank 0's stdout)")
+    parser.add_argument("--seq-length", type=int, required=True, help="tokens per sample, as trained")
+    parser.add_argument("--checkpoint", type=Path, required=True)
+    parser.add_argument("--hf-export", type=Path, required=True)
+    parser.add_argument("--dataset", required=True, help="dataset prefix (PREFIX.bin/.idx)")
+    args = parser.parse_args()
+
+    if not args.log.is_file():
+        raise UserError(f"{args.log}: no training log (run `make demo` or `make train` first)")
+    rows = parse_log(args.log)
+    if not rows:
+        raise UserError(f"{args.log}: no Megatron-format iteration lines found (did training run?)")
+    first, last = rows[0], rows[-1]
+    consumed = int(last["consumed samples"])
+    tokens_per_s = [float(r["tokens per second"]) for r in rows if "tokens per second" in r]
+
+    print("=" * 78)
+    print(" make demo: done")
+    print("=" * 78)
+    print(" files produced:")
+    for path in (Path(args.dataset + ".bin"), Path(args.dataset + ".idx"), args.checkpoint, args.hf_export):
+        if path.exists():
+            print(f"   {str(path):<48} {human_size(tree_size(path)):>10}")
+    print(f" tokens seen:     {consumed * args.seq_length:,} ({consumed:,} samples x {args.seq_length})")
+    print(f" lm loss:         {float(first['lm loss']):.4f} at iteration {first['iteration']}"
+          f" -> {float(last['lm loss']):.4f} at iteration {last['iteration']}")
+    if tokens_per_s:
+        print(f" throughput:      {sum(tokens_per_s) / len(tokens_per_s):,.0f} tokens/s"
+              f" (mean of {len(tokens_per_s)} log lines; CPU, gloo)")
+    print(" next:")
+    print(f"   training log        {args.log}")
+    print(f"   TensorBoard         .venv/bin/tensorboard --logdir {args.checkpoint}/tensorboard")
+    print(f"   Hugging Face model  AutoModelForCausalLM.from_pretrained({str(args.hf_export)!r})")
+    print("   your own corpus     make preprocess CORPUS=path/to/corpus.jsonl, then README 'Training'")
+    print("=" * 78)
+
+
+if __name__ == "__main__":
+    main()
