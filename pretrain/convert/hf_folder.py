@@ -63,8 +63,8 @@ def save_hf_tokenizer(cfg: TokenizerConfig, tokenizer: Tokenizer | None, out_dir
     tokenizer.save_pretrained(out_dir)  # vocab.json + merges.txt + tokenizer.json, or tokenizer.json (+ config)
     eos_text = tokenizer.detokenize([tokenizer.eod])
     if cfg.tokenizer_type == "GPT2BPETokenizer":
-        hf_tokenizer = transformers.GPT2Tokenizer(vocab_file=os.path.join(out_dir, "vocab.json"),
-                                                  merges_file=os.path.join(out_dir, "merges.txt"),
+        hf_tokenizer = transformers.GPT2Tokenizer(os.path.join(out_dir, "vocab.json"),  # vocab, merges
+                                                  os.path.join(out_dir, "merges.txt"),
                                                   bos_token=eos_text, eos_token=eos_text, unk_token=eos_text)
     else:
         hf_tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=os.path.join(out_dir, "tokenizer.json"),
