@@ -70,7 +70,7 @@ def _rng_state() -> dict:
     return rng
 
 
-def _set_rng_state(rng: dict) -> None:
+def restore_rng_state(rng: dict) -> None:
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
     torch.set_rng_state(rng["torch"])
@@ -174,8 +174,12 @@ def check_compatible(cfg: Config, meta: dict, path: str) -> None:
             f"{saved['data_parallel_size'] * par.tensor_model_parallel_size * par.pipeline_model_parallel_size} ranks")
 
 
-def load_checkpoint(cfg: Config, engine: Engine) -> TrainState:
-    """Resume from `--load` (its `latest`); a fresh TrainState when there is nothing to load."""
+def load_checkpoint(cfg: Config, engine: Engine) -> tuple[TrainState, dict | None]:
+    """Resume from `--load` (its `latest`): (train state, this rank's RNG states or None).
+
+    The caller restores the RNG states with `restore_rng_state` as the last step before training:
+    building data loaders draws from the global torch generator.
+    """
     ck = cfg.checkpoint
     found = read_latest(ck.load)
     if found is None:
@@ -183,7 +187,7 @@ def load_checkpoint(cfg: Config, engine: Engine) -> TrainState:
             raise UserError(f"--finetune --load {ck.load}: no `{LATEST_FILE}` file there (point --load at a "
                             f"checkpoint directory)")
         logger.warning(f"WARNING: no checkpoint in {ck.load} (no `{LATEST_FILE}` file); starting from scratch")
-        return TrainState()
+        return TrainState(), None
     tag, meta = found
     check_compatible(cfg, meta, ck.load)
     load_path, client_state = engine.ds.load_checkpoint(
@@ -193,14 +197,15 @@ def load_checkpoint(cfg: Config, engine: Engine) -> TrainState:
         raise UserError(f"--load {ck.load}: DeepSpeed could not load {tag} (files missing; see the warnings above)")
     if ck.finetune:
         logger.info(f"loaded weights from {os.path.join(ck.load, tag)} (--finetune: iteration and data restart at 0)")
-        return TrainState()
+        return TrainState(), None
     ts = TrainState(**{f.name: int(client_state[f.name]) for f in dataclasses.fields(TrainState)})
     rng_path = os.path.join(ck.load, tag, f"rng_state_{torch.distributed.get_rank()}.pt")
+    rng = None
     if not ck.no_load_rng:
         if os.path.isfile(rng_path):
-            _set_rng_state(torch.load(rng_path, weights_only=False))
+            rng = torch.load(rng_path, weights_only=False)
         else:
             logger.warning(f"WARNING: {rng_path} missing (different world size?); RNG states not restored")
     logger.info(f"loaded checkpoint {os.path.join(ck.load, tag)} at iteration {ts.iteration} "
                 f"({ts.consumed_train_samples} samples consumed)")
-    return ts
+    return ts, rng

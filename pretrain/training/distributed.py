@@ -135,6 +135,18 @@ def choose_backend(requested: str | None) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def _rendezvous(launch: LaunchEnv, timeout: datetime.timedelta) -> dict:
+    """env://, except after a torchrun restart: there the agent's store still holds the previous
+    attempt's keys, and gloo would try to connect to dead ranks' addresses (a hang or a refused
+    connection), so every attempt gets its own key prefix in the agent's store."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {"init_method": "env://"}
+    store = torch.distributed.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
+                                       is_master=False, timeout=timeout)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": torch.distributed.PrefixStore(f"pretrain/attempt_{attempt}/", store)}
+
+
 def init_distributed(launch: LaunchEnv, backend: str, timeout_minutes: float) -> torch.device:
     """env:// process group (gloo on CPU, nccl on GPU) + DeepSpeed's comm wrapper on top of it."""
     disable_deepspeed_shm_allreduce()
@@ -146,8 +158,8 @@ def init_distributed(launch: LaunchEnv, backend: str, timeout_minutes: float) ->
         device = torch.device("cuda", launch.local_rank)
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(backend=backend, init_method="env://", rank=launch.rank,
-                                             world_size=launch.world_size, timeout=timeout)
+        torch.distributed.init_process_group(backend=backend, rank=launch.rank, world_size=launch.world_size,
+                                             timeout=timeout, **_rendezvous(launch, timeout))
     import deepspeed
 
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
@@ -98,14 +98,13 @@ def _all_ranks_agree(flag: bool) -> bool:
     return bool(t.item())
 
 
-def train(cfg: Config, engine: Engine, ts: TrainState, train_batches, make_valid_batches: Callable | None,
+def train(cfg: Config, engine: Engine, ts: TrainState, train_batches, valid_batches,
           writer: ScalarWriter, throughput: Throughput, use_mask: bool, device: torch.device) -> TrainState:
     t, log_cfg, ck = cfg.training, cfg.logging, cfg.checkpoint
     start = time.monotonic()
     interval_loss, interval_iters, interval_time, nan_iters = 0.0, 0, 0.0, 0
     skipped_before = engine.ds.skipped_steps
     last_saved = None
-    valid_batches = None
     while ts.iteration < t.train_iters:
         lr = engine.scheduler.get_lr()[0]
         t0 = time.perf_counter()
@@ -140,9 +139,7 @@ def train(cfg: Config, engine: Engine, ts: TrainState, train_batches, make_valid
                 mfu=None if throughput.peak_tflops is None else tflops / throughput.peak_tflops)))
             interval_loss, interval_iters, interval_time, nan_iters = 0.0, 0, 0.0, 0
             skipped_before = engine.ds.skipped_steps
-        if make_valid_batches is not None and t.eval_iters > 0 and ts.iteration % t.eval_interval == 0:
-            if valid_batches is None:
-                valid_batches = make_valid_batches(ts.consumed_valid_samples)
+        if valid_batches is not None and ts.iteration % t.eval_interval == 0:
             valid_loss = evaluate(engine, valid_batches, t.eval_iters, t.num_microbatches, use_mask, device)
             ts.consumed_valid_samples += t.eval_iters * t.global_batch_size
             writer.write(ts.iteration, {"validation-loss": valid_loss,

@@ -18,8 +18,8 @@ from pretrain.training.distributed import choose_backend, init_distributed, prep
 from pretrain.training.logging import banner, logger, setup_logging
 
 
-def _data_iterators(cfg: Config, consumed_train: int, use_mask: bool, device: torch.device):
-    """(train batches, a function consumed_valid -> valid batches, or None)."""
+def _data_iterators(cfg: Config, consumed_train: int, consumed_valid: int, use_mask: bool, device: torch.device):
+    """(train batches, valid batches or None), positioned after the consumed samples."""
     from pretrain.training.loop import PipelineBatches  # imports deepspeed (see pretrain())
 
     t = cfg.training
@@ -33,8 +33,8 @@ def _data_iterators(cfg: Config, consumed_train: int, use_mask: bool, device: to
         it = iter(loader)
         return PipelineBatches(it, use_mask, device) if cfg.parallel.pipeline_model_parallel_size > 1 else it
 
-    make_valid = None if valid_ds is None else (lambda consumed: batches(valid_ds, consumed))
-    return batches(train_ds, consumed_train), make_valid
+    valid = None if valid_ds is None or t.eval_iters == 0 else batches(valid_ds, consumed_valid)
+    return batches(train_ds, consumed_train), valid
 
 
 def pretrain(argv: Sequence[str]) -> None:
@@ -48,7 +48,7 @@ def pretrain(argv: Sequence[str]) -> None:
     # DeepSpeed broadcasts the tied embedding through autograd once at start-up; harmless.
     warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel was not registered")
     # DeepSpeed picks its accelerator when first imported: only after the environment is set.
-    from pretrain.training.checkpointing import TrainState, load_checkpoint
+    from pretrain.training.checkpointing import TrainState, load_checkpoint, restore_rng_state
     from pretrain.training.engine import build_engine
     from pretrain.training.flops import flops_per_iteration, peak_tflops_per_device
     from pretrain.training.logging import ScalarWriter
@@ -56,11 +56,14 @@ def pretrain(argv: Sequence[str]) -> None:
 
     t, par = cfg.training, cfg.parallel
     engine = build_engine(cfg)
-    ts = load_checkpoint(cfg, engine) if cfg.checkpoint.load else TrainState()
+    ts, rng = load_checkpoint(cfg, engine) if cfg.checkpoint.load else (TrainState(), None)
     # The causal mask is built into attention; a mask tensor is only needed when documents are
     # kept apart (--reset-attention-mask).
     use_mask = cfg.data.reset_attention_mask
-    train_batches, make_valid = _data_iterators(cfg, ts.consumed_train_samples, use_mask, device)
+    train_batches, valid_batches = _data_iterators(cfg, ts.consumed_train_samples, ts.consumed_valid_samples,
+                                                   use_mask, device)
+    if rng is not None:  # last: creating the loaders above draws from the torch generator
+        restore_rng_state(rng)
 
     flops = flops_per_iteration(cfg.model, t.global_batch_size, engine.padded_vocab_size)
     precision = "bf16" if t.bf16 else ("fp16" if t.fp16 else "fp32")
@@ -79,7 +82,7 @@ def pretrain(argv: Sequence[str]) -> None:
     throughput = Throughput(t.global_batch_size * t.seq_length, flops, par.world_size,
                             peak_tflops_per_device(cfg.logging.peak_tflops))
     try:
-        train(cfg, engine, ts, train_batches, make_valid, writer, throughput, use_mask, device)
+        train(cfg, engine, ts, train_batches, valid_batches, writer, throughput, use_mask, device)
     finally:
         writer.close()
     torch.distributed.barrier()
