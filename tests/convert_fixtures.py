@@ -62,20 +62,29 @@ def load_tool(name: str):
     return module
 
 
+# pytest builds a session fixture once per test module that imports it: both conversion test
+# modules share one build through this cache.
+_built: dict[str, object] = {}
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> str:
-    return make_corpus(tmp_path_factory.mktemp("convert_data") / "corpus")
+    if "corpus" not in _built:
+        _built["corpus"] = make_corpus(tmp_path_factory.mktemp("convert_data") / "corpus")
+    return _built["corpus"]
 
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory, corpus) -> dict[tuple[str, str], Path]:
     """(flavour, layout) -> checkpoint directory, layout in {"110", "221", "113"}."""
-    root = tmp_path_factory.mktemp("convert_ckpt")
-    out, runs = {}, []
-    for flavour in FLAVOURS:
-        for name, layout in LAYOUTS.items():
-            out[flavour, name] = root / f"{flavour}_{name}"
-            runs.append(model_flags(flavour) + train_flags(corpus, iters=2) + layout_flags(*layout)
-                        + ["--save", str(out[flavour, name]), "--save-interval", "2"])
-    launch_runs(runs, root)
-    return out
+    if "checkpoints" not in _built:
+        root = tmp_path_factory.mktemp("convert_ckpt")
+        out, runs = {}, []
+        for flavour in FLAVOURS:
+            for name, layout in LAYOUTS.items():
+                out[flavour, name] = root / f"{flavour}_{name}"
+                runs.append(model_flags(flavour) + train_flags(corpus, iters=2) + layout_flags(*layout)
+                            + ["--save", str(out[flavour, name]), "--save-interval", "2"])
+        launch_runs(runs, root)
+        _built["checkpoints"] = out
+    return _built["checkpoints"]

@@ -169,21 +169,30 @@ def test_inexpressible_architecture_is_refused_and_nothing_written(tmp_path, cha
 
 
 def test_cli_reports_user_errors_without_traceback(tmp_path):
-    path, _ = _random_checkpoint(tmp_path / "ck", _gpt2_config(normalization="RMSNorm"))
-    result = run([PYTHON, str(REPO / "tools" / "convert_to_hf.py"), "--load", path, "--output-dir",
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    result = run([PYTHON, str(REPO / "tools" / "convert_to_hf.py"), "--load", str(tmp_path), "--output-dir",
                   str(tmp_path / "out")], timeout=120)
     assert result.returncode == 2, result.stdout
-    assert "error: this model has no Hugging Face equivalent" in result.stdout and "Traceback" not in result.stdout
-    assert not (tmp_path / "out").exists()
+    assert "error: --output-dir" in result.stdout and "--overwrite" in result.stdout
+    assert "Traceback" not in result.stdout
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
 
 
-def test_existing_output_is_refused(tmp_path):
+def test_overwrite_replaces_an_existing_export_only_when_complete(tmp_path):
     path, _ = _random_checkpoint(tmp_path / "ck", _gpt2_config())
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")
     with pytest.raises(UserError, match="not an empty folder"):
         convert_to_hf.main(["--load", path, "--output-dir", str(tmp_path / "out")])
+    broken, _ = _random_checkpoint(tmp_path / "broken", _gpt2_config(normalization="RMSNorm"))
+    with pytest.raises(UserError):
+        convert_to_hf.main(["--load", broken, "--output-dir", str(tmp_path / "out"), "--overwrite"])
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+    convert_to_hf.main(["--load", path, "--output-dir", str(tmp_path / "out"), "--overwrite"])
+    assert "keep.txt" not in {p.name for p in (tmp_path / "out").iterdir()}
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "out").model_type == "gpt2"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "ck", "out"]  # no temporaries left
 
 
 @pytest.mark.parametrize("hf_config, words", [
