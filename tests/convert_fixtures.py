@@ -1,9 +1,9 @@
 """Real checkpoints for the conversion tests, written once per session by real training runs.
 
 One launch of 4 ranks (deepspeed launcher, gloo) trains the tiny GPT-2 and Llama flavours at
-(TP, PP, ZeRO) = (1,1,0) [DP 4], (2,2,1) [DP 1] and (1,1,3) [DP 4] for 2 iterations from the same
-seed and data. The vocabulary has 256 tokens, a multiple of 128 x TP for TP <= 2, so no layout
-pads it differently and all six runs compute the same model: their merged weights must agree.
+(TP, PP, ZeRO) = (1,1,0) [DP 4], (2,2,1) [DP 1] and (1,1,3) [DP 4], and Llama also at (2,1,3)
+[DP 2], for 2 iterations from the same seed and data. The vocabulary has 256 tokens, a multiple of 128 x TP for TP <= 2, so no layout
+pads it differently and all runs compute the same model: their merged weights must agree.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from training_fixtures import REPO, make_corpus, multirun_cmd, run
 
 LAYOUTS = {"110": (1, 1, 0), "221": (2, 2, 1), "113": (1, 1, 3)}
 FLAVOURS = ("gpt2", "llama")
+# plus ZeRO-3 under TP (DP 2), where DeepSpeed's zero_to_fp32 alone would mix the TP ranks' files
+RUNS = [(f, name, layout) for f in FLAVOURS for name, layout in LAYOUTS.items()] + [("llama", "213", (2, 1, 3))]
 WORLD = 4
 NULL_VOCAB = 255  # NullTokenizer: ids 0..254 + eod 255 = 256 tokens
 
@@ -76,15 +78,14 @@ def corpus(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory, corpus) -> dict[tuple[str, str], Path]:
-    """(flavour, layout) -> checkpoint directory, layout in {"110", "221", "113"}."""
+    """(flavour, layout) -> checkpoint directory, layout in {"110", "221", "113"} (+ ("llama", "213"))."""
     if "checkpoints" not in _built:
         root = tmp_path_factory.mktemp("convert_ckpt")
         out, runs = {}, []
-        for flavour in FLAVOURS:
-            for name, layout in LAYOUTS.items():
-                out[flavour, name] = root / f"{flavour}_{name}"
-                runs.append(model_flags(flavour) + train_flags(corpus, iters=2) + layout_flags(*layout)
-                            + ["--save", str(out[flavour, name]), "--save-interval", "2"])
+        for flavour, name, layout in RUNS:
+            out[flavour, name] = root / f"{flavour}_{name}"
+            runs.append(model_flags(flavour) + train_flags(corpus, iters=2) + layout_flags(*layout)
+                        + ["--save", str(out[flavour, name]), "--save-interval", "2"])
         launch_runs(runs, root)
         _built["checkpoints"] = out
     return _built["checkpoints"]
