@@ -2,8 +2,9 @@
 
 One launch of 4 ranks (deepspeed launcher, gloo) trains the tiny GPT-2 and Llama flavours at
 (TP, PP, ZeRO) = (1,1,0) [DP 4], (2,2,1) [DP 1] and (1,1,3) [DP 4], and Llama also at (2,1,3)
-[DP 2], for 2 iterations from the same seed and data. The vocabulary has 256 tokens, a multiple of 128 x TP for TP <= 2, so no layout
-pads it differently and all runs compute the same model: their merged weights must agree.
+[DP 2], for 2 iterations from the same seed and data. The vocabulary has 256 tokens, a multiple
+of 128 x TP for TP <= 2, so no layout pads it differently and all runs compute the same model:
+their merged weights must agree.
 """
 
 from __future__ import annotations

@@ -31,8 +31,8 @@ SPECIALS = dict(bos_token_id=None, eos_token_id=199)  # what the exported tokeni
 HF_MODELS = {
     "gpt2-tied": transformers.GPT2Config(**SPECIALS, vocab_size=200, n_positions=32, n_embd=32, n_layer=2, n_head=4,
                                          activation_function="gelu"),
-    "gpt2-untied": transformers.GPT2Config(**SPECIALS, vocab_size=200, n_positions=32, n_embd=32, n_layer=2, n_head=4, n_inner=48,
-                                           activation_function="gelu", tie_word_embeddings=False),
+    "gpt2-untied": transformers.GPT2Config(**SPECIALS, vocab_size=200, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                                           n_inner=48, activation_function="gelu", tie_word_embeddings=False),
     "llama-gqa-untied": transformers.LlamaConfig(**SPECIALS, vocab_size=200, hidden_size=32, intermediate_size=80,
                                                  num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
                                                  max_position_embeddings=32, rms_norm_eps=1e-6,

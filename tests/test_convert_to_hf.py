@@ -15,7 +15,7 @@ from training_fixtures import PYTHON, REPO, run
 
 from pretrain.convert.checkpoint_reader import read_checkpoint
 from pretrain.convert.checkpoint_writer import write_checkpoint
-from pretrain.convert.hf_adapter import from_hf_config, hf_flavour
+from pretrain.convert.hf_adapter import from_hf_config
 from pretrain.convert.state_dict import parameter_partitions, split_tp
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig

@@ -33,7 +33,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--load", "--checkpoint", dest="load", required=True,
                    help="checkpoint directory (pretrain_gpt.py --save DIR), or one of its global_step<N> folders")
     p.add_argument("--iteration", type=int, help="which global_step<N> to export (default: the one `latest` names)")
-    p.add_argument("--output-dir", required=True, help="the Hugging Face folder to create (must not exist, or be empty)")
+    p.add_argument("--output-dir", required=True,
+                   help="the Hugging Face folder to create (must not exist or be empty, unless --overwrite)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace an existing --output-dir, once the new export is complete (and verified)")
     p.add_argument("--dtype", choices=DTYPES, default="auto",

@@ -91,7 +91,8 @@ def find_checkpoint(load_dir: str, iteration: int | None = None) -> tuple[str, d
         with open(meta_path) as f:
             return step_dir, json.load(f)
     except (OSError, ValueError) as err:
-        raise UserError(f"{meta_path}: unreadable ({err}); the checkpoint is damaged, use another --iteration") from None
+        raise UserError(f"{meta_path}: unreadable ({err}); the checkpoint is damaged, use another --iteration") \
+            from None
 
 
 def _load(path: str) -> dict:
