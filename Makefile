@@ -56,6 +56,23 @@ preprocess: install
 	$(PY) tools/preprocess_data.py --input $(CORPUS) --output-prefix $(OUTPUT) --workers $(WORKERS) \
 		--append-eod $(TOKENIZER_ARGS)
 
+# a small GPT-2-style model on the preprocessed corpus: deepspeed launcher, TP=2 x PP=2 = 4 CPU ranks
+# (`make train [TRAIN_ITERS=n] [SAVE=dir] [TRAIN_ARGS="--more flags"]`; ~0.9 s/iteration on 2 cores)
+TRAIN_DATA ?= data/shakespeare_text_document
+TRAIN_ITERS ?= 300
+SAVE ?= checkpoints/demo
+TRAIN_ARGS ?=
+train: install
+	$(VENV)/bin/deepspeed --num_gpus 4 pretrain_gpt.py \
+		--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
+		--num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 64 \
+		--attention-dropout 0 --hidden-dropout 0 \
+		--micro-batch-size 4 --global-batch-size 8 --train-iters $(TRAIN_ITERS) \
+		--lr 2e-3 --min-lr 2e-4 --lr-warmup-iters 20 --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 \
+		--data-path $(TRAIN_DATA) --split 949,50,1 $(TOKENIZER_ARGS) \
+		--log-interval 10 --eval-interval 100 --eval-iters 5 \
+		--save $(SAVE) --save-interval 100 --tensorboard-dir runs/demo $(TRAIN_ARGS)
+
 # export a checkpoint to Hugging Face format (`make convert-hf [CKPT=dir] [OUT=dir] [ITERATION=n]`)
 CKPT ?= checkpoints/demo
 OUT ?= hf_export/demo

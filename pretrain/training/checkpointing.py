@@ -22,6 +22,7 @@ import os
 import random
 import signal
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -29,14 +30,18 @@ import torch
 from pretrain.arguments import Config
 from pretrain.errors import UserError
 from pretrain.parallel.random import get_tensor_parallel_rng
-from pretrain.training.engine import Engine
 from pretrain.training.logging import logger
+
+if TYPE_CHECKING:  # the engine module imports deepspeed, which must wait for the launch environment
+    from pretrain.training.engine import Engine
 
 FORMAT_VERSION = 1
 META_FILE = "pretrain_meta.json"
 LATEST_FILE = "latest"
 MEGATRON_LATEST_FILE = "latest_checkpointed_iteration.txt"
-CONVERTER = "tools/convert_to_hf.py"
+RELAYOUT_HINT = ("export it with tools/convert_to_hf.py, re-import it with tools/convert_from_hf.py "
+                 "--target-tensor-parallel-size T --target-pipeline-parallel-size P and start with --finetune "
+                 "(docs/CONVERSION.md)")
 # Test hook: kill this process with SIGKILL after the checkpoint files are written and before
 # `latest` is replaced, the worst moment for a crash (see tests/test_training_checkpoint.py).
 CRASH_BEFORE_COMMIT_ENV = "PRETRAIN_TEST_SIGKILL_BEFORE_COMMIT"
@@ -161,9 +166,8 @@ def check_compatible(cfg: Config, meta: dict, path: str) -> None:
         if saved[key] != getattr(par, key):
             raise UserError(
                 f"--load {path}: the checkpoint was written with {flag} {saved[key]}, this run uses "
-                f"{getattr(par, key)}; DeepSpeed checkpoints are split per TP/PP rank: export it with "
-                f"{CONVERTER} and re-import it at the new layout (docs/CHECKPOINTS.md, 'Changing the "
-                f"layout'), or run with {flag} {saved[key]}")
+                f"{getattr(par, key)}; DeepSpeed checkpoints are split per TP/PP rank: {RELAYOUT_HINT}, "
+                f"or run with {flag} {saved[key]}")
     loads_optimizer = not (cfg.checkpoint.finetune or cfg.checkpoint.no_load_optim)
     if saved["data_parallel_size"] != par.data_parallel_size and par.zero_stage > 0 and (
             loads_optimizer or saved["zero_stage"] == 3 or par.zero_stage == 3):
@@ -172,6 +176,13 @@ def check_compatible(cfg: Config, meta: dict, path: str) -> None:
             f"{saved['data_parallel_size']} data-parallel ranks, this run has {par.data_parallel_size}: resume with "
             f"--finetune (weights only) or convert it with DeepSpeed's ds_to_universal.py, or launch "
             f"{saved['data_parallel_size'] * par.tensor_model_parallel_size * par.pipeline_model_parallel_size} ranks")
+
+
+def check_before_launch(cfg: Config) -> None:
+    """Refuse an incompatible `--load` before the process group exists (one line, no hang)."""
+    found = read_latest(cfg.checkpoint.load)
+    if found is not None:
+        check_compatible(cfg, found[1], cfg.checkpoint.load)
 
 
 def load_checkpoint(cfg: Config, engine: Engine) -> tuple[TrainState, dict | None]:
@@ -188,8 +199,7 @@ def load_checkpoint(cfg: Config, engine: Engine) -> tuple[TrainState, dict | Non
                             f"checkpoint directory)")
         logger.warning(f"WARNING: no checkpoint in {ck.load} (no `{LATEST_FILE}` file); starting from scratch")
         return TrainState(), None
-    tag, meta = found
-    check_compatible(cfg, meta, ck.load)
+    tag, _ = found  # compatibility was checked before any process group work (check_before_launch)
     load_path, client_state = engine.ds.load_checkpoint(
         ck.load, tag=tag, load_optimizer_states=not (ck.finetune or ck.no_load_optim),
         load_lr_scheduler_states=not ck.finetune, load_module_only=ck.finetune)

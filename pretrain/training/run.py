@@ -14,6 +14,7 @@ from pretrain.data.config import train_valid_test_num_samples
 from pretrain.data.samplers import build_pretraining_data_loader
 from pretrain.parallel import state
 from pretrain.tokenizer import build_tokenizer
+from pretrain.training.checkpointing import TrainState, check_before_launch, load_checkpoint, restore_rng_state
 from pretrain.training.distributed import choose_backend, init_distributed, prepare_process_environment
 from pretrain.training.logging import banner, logger, setup_logging
 
@@ -39,6 +40,8 @@ def _data_iterators(cfg: Config, consumed_train: int, consumed_valid: int, use_m
 
 def pretrain(argv: Sequence[str]) -> None:
     cfg = parse_args(argv)
+    if cfg.checkpoint.load:
+        check_before_launch(cfg)
     prepare_process_environment(cfg.launch)
     setup_logging(cfg.launch.rank)
     backend = choose_backend(cfg.parallel.distributed_backend)
@@ -48,7 +51,6 @@ def pretrain(argv: Sequence[str]) -> None:
     # DeepSpeed broadcasts the tied embedding through autograd once at start-up; harmless.
     warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel was not registered")
     # DeepSpeed picks its accelerator when first imported: only after the environment is set.
-    from pretrain.training.checkpointing import TrainState, load_checkpoint, restore_rng_state
     from pretrain.training.engine import build_engine
     from pretrain.training.flops import flops_per_iteration, peak_tflops_per_device
     from pretrain.training.logging import ScalarWriter
