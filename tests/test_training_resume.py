@@ -90,6 +90,13 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     assert sorted(again) == [3, 4]
     assert [again[i]["lm-loss"] for i in (3, 4)] == [first[i]["lm-loss"] for i in (3, 4)]
     assert (ckpt / "latest").read_text() == "global_step4"
+    # another TP: refused before any process group work, naming the converters
+    world2 = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29998"}
+    other = run([PYTHON, str(REPO / "pretrain_gpt.py"), *flags, "--load", str(ckpt), "--tensor-model-parallel-size",
+                 "2"], timeout=60, env=clean_env(**world2))
+    assert other.returncode == 2, other.stdout[-3000:]
+    assert "--tensor-model-parallel-size 1, this run uses 2" in other.stdout
+    assert "tools/convert_from_hf.py --target-tensor-parallel-size T" in other.stdout
 
 
 def _worker_pids(parent: int) -> list[int]:
