@@ -53,6 +53,7 @@ data/shakespeare.jsonl data/gpt2/vocab.json:
 	$(PY) tools/make_default_data.py --output-dir data
 
 preprocess: install
+	@mkdir -p $(dir $(OUTPUT))
 	$(PY) tools/preprocess_data.py --input $(CORPUS) --output-prefix $(OUTPUT) --workers $(WORKERS) \
 		--append-eod $(TOKENIZER_ARGS)
 
@@ -60,12 +61,13 @@ preprocess: install
 # (`make train [TRAIN_ITERS=n] [SAVE=dir] [TRAIN_ARGS="--more flags"]`; ~0.9 s/iteration on 2 cores)
 TRAIN_DATA ?= data/shakespeare_text_document
 TRAIN_ITERS ?= 300
+TRAIN_SEQ_LENGTH ?= 64
 SAVE ?= checkpoints/demo
 TRAIN_ARGS ?=
-train: install
+train: install $(TRAIN_DATA).idx
 	$(VENV)/bin/deepspeed --num_gpus 4 pretrain_gpt.py \
 		--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
-		--num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length 64 \
+		--num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length $(TRAIN_SEQ_LENGTH) \
 		--attention-dropout 0 --hidden-dropout 0 \
 		--micro-batch-size 4 --global-batch-size 8 --train-iters $(TRAIN_ITERS) \
 		--lr 2e-3 --min-lr 2e-4 --lr-warmup-iters 20 --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 \
@@ -91,3 +93,16 @@ cache: install
 
 clean:
 	rm -rf runs checkpoints hf_export bench/results
+
+# the default corpus, preprocessed once (what `make train` reads)
+data/shakespeare_text_document.idx: | data/shakespeare.jsonl
+	$(MAKE) --no-print-directory preprocess CORPUS=data/shakespeare.jsonl
+
+# the whole pipeline on the built-in corpus; ends with a summary read from the Megatron-format log
+DEMO_LOG := runs/demo/train.log
+demo: install data
+	rm -rf $(SAVE) runs/demo hf_export/demo && mkdir -p runs/demo
+	set -o pipefail; $(MAKE) --no-print-directory train 2>&1 | tee $(DEMO_LOG)
+	$(MAKE) --no-print-directory convert-hf CKPT=$(SAVE) OUT=hf_export/demo
+	$(PY) tools/demo_summary.py --log $(DEMO_LOG) --seq-length $(TRAIN_SEQ_LENGTH) --checkpoint $(SAVE) \
+		--hf-export hf_export/demo --dataset $(TRAIN_DATA) --tensorboard-dir runs/demo
