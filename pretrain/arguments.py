@@ -94,7 +94,6 @@ class CheckpointConfig:
     save: str | None
     load: str | None
     save_interval: int | None
-    no_save_optim: bool
     no_save_rng: bool
     no_load_optim: bool
     no_load_rng: bool
@@ -222,8 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", help="checkpoint directory to write")
     g.add_argument("--save-interval", "--persistent-save-interval", dest="save_interval", type=int)
     g.add_argument("--load", help="checkpoint directory to resume from (its `latest`)")
-    g.add_argument("--no-save-optim", action="store_true")
-    g.add_argument("--no-save-rng", action="store_true")
+    g.add_argument("--no-save-rng", action="store_true", help="do not save per-rank RNG states")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
     g.add_argument("--finetune", action="store_true",
@@ -437,7 +435,7 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> Config:
             exit_duration_in_mins=ns.exit_duration_in_mins, deepspeed_config=ds_json),
         data=data,
         tokenizer=tok,
-        checkpoint=CheckpointConfig(ns.save, ns.load, ns.save_interval, ns.no_save_optim, ns.no_save_rng,
+        checkpoint=CheckpointConfig(ns.save, ns.load, ns.save_interval, ns.no_save_rng,
                                     ns.no_load_optim, ns.no_load_rng, ns.finetune),
         logging=LoggingConfig(ns.log_interval, ns.tensorboard_dir, ns.tensorboard_log_interval, ns.wandb_project,
                               ns.wandb_exp_name, ns.peak_tflops, ns.metrics_file),

@@ -120,7 +120,8 @@ def save_checkpoint(cfg: Config, engine: Engine, ts: TrainState) -> str:
     rank = torch.distributed.get_rank()
     client_state = dataclasses.asdict(ts)
     engine.ds.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
-    torch.save(_rng_state(), os.path.join(save_dir, tag, f"rng_state_{rank}.pt"))
+    if not cfg.checkpoint.no_save_rng:
+        torch.save(_rng_state(), os.path.join(save_dir, tag, f"rng_state_{rank}.pt"))
     torch.distributed.barrier()
     if os.environ.get(CRASH_BEFORE_COMMIT_ENV) == str(ts.iteration) and rank == 0:
         os.kill(os.getpid(), signal.SIGKILL)
