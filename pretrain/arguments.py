@@ -390,6 +390,8 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> Config:
         raise UserError("give exactly one of --train-iters and --train-samples")
     if ns.bf16 and ns.fp16:
         raise UserError("--bf16 and --fp16 are exclusive (keep one)")
+    if ns.fp16 and not torch.cuda.is_available():
+        raise UserError("--fp16 needs a GPU (DeepSpeed has no fp16 on CPU); use --bf16 or fp32 on CPU")
     if ns.min_lr > ns.lr:
         raise UserError(f"--min-lr {ns.min_lr} is larger than --lr {ns.lr} (lower --min-lr)")
 

@@ -1,8 +1,8 @@
 """Flags -> typed config: Megatron spellings, Megatron-DeepSpeed aliases, validation with the fix,
 the DeepSpeed config, the LR schedule, FLOPs, the log line and launcher detection."""
 
+import dataclasses
 import json
-import math
 import subprocess
 
 import pytest
@@ -79,8 +79,12 @@ def test_deepspeed_config_from_flags(corpus):
                                              env=ONE_RANK))
     assert bf16["bf16"] == {"enabled": True} and bf16["gradient_clipping"] == 0.05
     assert bf16["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
-    fp16 = build_deepspeed_config(parse_args(_args(corpus, "--fp16"), env=ONE_RANK))
+    cfg = parse_args(_args(corpus), env=ONE_RANK)
+    fp16 = build_deepspeed_config(dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, fp16=True)))
     assert fp16["fp16"]["enabled"] and fp16["fp16"]["initial_scale_power"] == 32
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="--fp16 needs a GPU"):
+            parse_args(_args(corpus, "--fp16"), env=ONE_RANK)
 
 
 def test_lr_schedule_in_samples():
