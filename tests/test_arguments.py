@@ -3,6 +3,7 @@ the DeepSpeed config, the LR schedule, FLOPs, the log line and launcher detectio
 
 import dataclasses
 import json
+import os
 import subprocess
 
 import pytest
@@ -178,3 +179,23 @@ def test_validation_errors_through_the_real_cli(corpus, tmp_path):
         lines = [l for l in err.splitlines() if l.startswith("error: ")]
         assert len(lines) == 1 and "Traceback" not in err, err
         assert all(w in lines[0] for w in words), lines[0]
+
+
+def test_cpu_threads_default_to_cores_per_rank():
+    from pretrain.training.distributed import LaunchEnv, default_threads_per_rank, prepare_process_environment
+
+    before = torch.get_num_threads()
+    env = {}
+    try:
+        prepare_process_environment(LaunchEnv(1, 4, 1, 4, "127.0.0.1", 29500, "deepspeed"), env)
+    finally:
+        torch.set_num_threads(before)
+    cores = len(os.sched_getaffinity(0))
+    assert env["OMP_NUM_THREADS"] == str(max(1, cores // 4)) == str(default_threads_per_rank(4))
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("1", "4", "1")
+    kept = {"OMP_NUM_THREADS": "3"}
+    try:
+        prepare_process_environment(LaunchEnv(0, 1, 0, 1, "127.0.0.1", 29500, "python"), kept)
+    finally:
+        torch.set_num_threads(before)
+    assert kept["OMP_NUM_THREADS"] == "3"  # a user's setting wins
