@@ -132,7 +132,7 @@ def banner(*, tp: int, pp: int, dp: int, zero: int, world: int, launcher: str, b
         f" parameters       |  {params_total:,} ({params_total / 1e6:.2f} M)",
         f" batch            |  global {global_batch} = micro {micro_batch} x {num_microbatches} micro-batches "
         f"x DP {dp}; {tokens_per_iteration:,} tokens/iteration",
-        f" FLOPs/iteration  |  {flops_per_iteration:.4g} (Megatron formula, see README)",
+        f" FLOPs/iteration  |  {flops_per_iteration:.4g} (Megatron formula, docs/TRAINING.md)",
         f" checkpoints      |  save: {save or '(none)'}  load: {load or '(none)'}",
         "=" * 78,
     ]
