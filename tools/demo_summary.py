@@ -1,7 +1,8 @@
 """Summarise a `make demo` run from its training log, as any Megatron log parser would read it.
 
     python tools/demo_summary.py --log runs/demo/train.log --checkpoint checkpoints/demo \
-        --hf-export hf_export/demo --dataset data/shakespeare_text_document
+        --hf-export hf_export/demo --dataset data/shakespeare_text_document \
+        --tensorboard-dir runs/demo
 
 Reads the Megatron-format iteration lines (`iteration N/ M | consumed samples: ... | lm loss: ...`),
 so it doubles as a check that the log format stays parseable.
@@ -57,6 +58,7 @@ def main() -> None:
     parser.add_argument("--checkpoint", type=Path, required=True)
     parser.add_argument("--hf-export", type=Path, required=True)
     parser.add_argument("--dataset", required=True, help="dataset prefix (PREFIX.bin/.idx)")
+    parser.add_argument("--tensorboard-dir", type=Path, required=True)
     args = parser.parse_args()
 
     if not args.log.is_file():
@@ -83,7 +85,7 @@ def main() -> None:
               f" (mean of {len(tokens_per_s)} log lines; CPU, gloo)")
     print(" next:")
     print(f"   training log        {args.log}")
-    print(f"   TensorBoard         .venv/bin/tensorboard --logdir {args.checkpoint}/tensorboard")
+    print(f"   TensorBoard         .venv/bin/tensorboard --logdir {args.tensorboard_dir}")
     print(f"   Hugging Face model  AutoModelForCausalLM.from_pretrained({str(args.hf_export)!r})")
     print("   your own corpus     make preprocess CORPUS=path/to/corpus.jsonl, then README 'Training'")
     print("=" * 78)
