@@ -165,3 +165,10 @@ def init_distributed(launch: LaunchEnv, backend: str, timeout_minutes: float) ->
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout,
                                rank=launch.rank, world_size=launch.world_size)
     return device
+
+
+def collective_device() -> torch.device:
+    """Where small tensors for collectives must live: NCCL only reduces CUDA tensors."""
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

@@ -19,6 +19,7 @@ from pretrain.model.pipeline import build_pipeline_model
 from pretrain.parallel import state
 from pretrain.parallel.random import seed_everything
 from pretrain.training.deepspeed_config import build_deepspeed_config, we_clip_gradients
+from pretrain.training.distributed import collective_device
 from pretrain.training.lr_schedule import SampleLRScheduler
 from pretrain.training.optimizer import build_optimizer
 
@@ -38,7 +39,7 @@ def _count_parameters(model: torch.nn.Module) -> int:
     tp_rank0 = state.get_tensor_model_parallel_rank() == 0
     local = sum(p.numel() for p in model.parameters()
                 if not getattr(p, "shared", False) and (tp_rank0 or getattr(p, "tensor_model_parallel", False)))
-    count = torch.tensor([local], dtype=torch.int64)
+    count = torch.tensor([local], dtype=torch.int64, device=collective_device())
     group = state.get_model_parallel_group()
     if torch.distributed.is_initialized() and group is not None:
         torch.distributed.all_reduce(count, group=group)

@@ -19,6 +19,7 @@ from pretrain.arguments import Config
 from pretrain.model.pipeline import masked_mean_loss
 from pretrain.parallel import state
 from pretrain.training.checkpointing import TrainState, save_checkpoint
+from pretrain.training.distributed import collective_device
 from pretrain.training.engine import Engine
 from pretrain.training.logging import IterationStats, ScalarWriter, format_eval_line, format_iteration_line, logger
 
@@ -93,7 +94,7 @@ class Throughput:
 
 
 def _all_ranks_agree(flag: bool) -> bool:
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=collective_device())
     torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
     return bool(t.item())
 
