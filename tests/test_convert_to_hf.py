@@ -96,7 +96,7 @@ def test_gpt2_tokenizer_is_exported_for_auto_tokenizer(tmp_path, capsys):
     path = write_checkpoint(str(tmp_path / "ck"), weights, config, tp=2, pp=1,
                             tokenizer=dataclasses.asdict(tokenizer_cfg))
     convert_to_hf.main(["--load", path, "--output-dir", str(tmp_path / "hf"), "--verify", "--prompt", "Hello"])
-    assert "sample (greedy, transformers): Hello" in capsys.readouterr().out
+    assert "sample (greedy, transformers): 'Hello" in capsys.readouterr().out
     hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
     text = "First Citizen:\nBefore we proceed any further, hear me speak. Ünïcödé   spaces<|endoftext|>"
     assert hf_tokenizer(text)["input_ids"] == build_tokenizer(tokenizer_cfg).tokenize(text)

@@ -84,7 +84,8 @@ def _verify(ck, tmp: str, tokenizer, has_tokenizer: bool, args) -> None:
         hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp, local_files_only=True)
         prompt = hf_tokenizer(args.prompt)["input_ids"][: room // 2]
         new = greedy_generate(hf, prompt, min(args.max_new_tokens, room - len(prompt)))
-        print(f"sample (greedy, transformers): {args.prompt}{hf_tokenizer.decode(new)}")
+        # repr: a small model's greedy text is often runs of newlines, which would print as nothing
+        print(f"sample (greedy, transformers): {args.prompt + hf_tokenizer.decode(new)!r}")
     else:
         prompt = result.tokens[0, :4].tolist()
         new = greedy_generate(hf, prompt, min(args.max_new_tokens, room - len(prompt)))

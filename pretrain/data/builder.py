@@ -51,7 +51,8 @@ class _Builder:
         indices = split_ranges(len(indexed), matrix)[split]
         if len(indices) == 0:
             # Megatron loops forever here (no tokens can never reach the requested samples)
-            log.warning("%s: the %s split gets 0 of %d sequences with --split %s; it is not built",
+            # info, not warning: every rank reaches this, and only rank 0 logs at info
+            log.info("%s: the %s split gets 0 of %d sequences with --split %s; it is not built",
                         prefix, SPLIT_NAMES[split], len(indexed), self.cfg.split)
             self.progress(f"{SPLIT_NAMES[split]} {prefix} (empty)")
             return None

@@ -50,6 +50,8 @@ def pretrain(argv: Sequence[str]) -> None:
 
     # DeepSpeed broadcasts the tied embedding through autograd once at start-up; harmless.
     warnings.filterwarnings("ignore", message="c10d::broadcast_: an autograd kernel was not registered")
+    # DeepSpeed's pipeline engine partitions activations with a torch collective torch has renamed.
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor` is deprecated", category=FutureWarning)
     # DeepSpeed picks its accelerator when first imported: only after the environment is set.
     from pretrain.training.engine import build_engine
     from pretrain.training.flops import flops_per_iteration, peak_tflops_per_device
