@@ -26,7 +26,7 @@ import io
 import json
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -34,7 +34,7 @@ from pretrain.convert.state_dict import merge_tp, parameter_partitions, trim_voc
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
 from pretrain.tokenizer import TokenizerConfig
-from pretrain.training.checkpointing import LATEST_FILE, META_FILE, tag_for
+from pretrain.training.checkpointing import LATEST_FILE, META_FILE, model_config_from_meta, tag_for
 
 _TAG = re.compile(r"^global_step(\d+)$")
 
@@ -47,13 +47,6 @@ class LoadedCheckpoint:
     tokenizer: TokenizerConfig
     meta: dict
     state_dict: dict[str, torch.Tensor]  # full (TP = 1), vocabulary padding removed
-
-
-def model_config_from_meta(model: dict) -> ModelConfig:
-    values = {f.name: model[f.name] for f in fields(ModelConfig) if f.name in model}
-    if isinstance(values.get("params_dtype"), str):
-        values["params_dtype"] = getattr(torch, values["params_dtype"])
-    return ModelConfig(**values)
 
 
 def _available_tags(load_dir: str) -> list[str]:

@@ -29,6 +29,7 @@ import torch
 
 from pretrain.arguments import Config
 from pretrain.errors import UserError
+from pretrain.model.config import ModelConfig
 from pretrain.parallel.random import get_tensor_parallel_rng
 from pretrain.training.logging import logger
 
@@ -150,17 +151,38 @@ def read_latest(load_dir: str) -> tuple[str, dict] | None:
         return tag, json.load(f)
 
 
-MODEL_KEYS_THAT_MUST_MATCH = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
-                              "ffn_hidden_size", "kv_channels", "position_embedding_type", "normalization",
-                              "swiglu", "add_bias_linear", "untie_embeddings_and_output_weights", "vocab_size")
+def model_config_from_meta(model: dict) -> ModelConfig:
+    """The ModelConfig saved in `pretrain_meta.json` (its "model" entry)."""
+    values = {f.name: model[f.name] for f in dataclasses.fields(ModelConfig) if f.name in model}
+    if isinstance(values.get("params_dtype"), str):
+        values["params_dtype"] = getattr(torch, values["params_dtype"])
+    return ModelConfig(**values)
+
+
+# The shape-deciding model settings, compared as resolved sizes (an explicit --ffn-hidden-size equal to
+# the default is the same model): (attribute of ModelConfig, the flag that sets it).
+SHAPE_MUST_MATCH = (("num_layers", "--num-layers"), ("hidden_size", "--hidden-size"),
+                    ("num_attention_heads", "--num-attention-heads"), ("query_groups", "--num-query-groups"),
+                    ("ffn_size", "--ffn-hidden-size"), ("head_dim", "--kv-channels"),
+                    ("position_embedding_type", "--position-embedding-type"), ("normalization", "--normalization"),
+                    ("swiglu", "--swiglu"), ("add_bias_linear", "--disable-bias-linear"),
+                    ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
+                    ("vocab_size", "the tokenizer's vocabulary size"))
 
 
 def check_compatible(cfg: Config, meta: dict, path: str) -> None:
-    saved_model, ours = meta["model"], _json_safe(dataclasses.asdict(cfg.model))
-    for key in MODEL_KEYS_THAT_MUST_MATCH:
-        if saved_model.get(key) != ours.get(key):
-            raise UserError(f"--load {path}: the checkpoint has {key}={saved_model.get(key)} but the flags give "
-                            f"{ours.get(key)} (use the checkpoint's model flags)")
+    if meta.get("weights_only") and not cfg.checkpoint.finetune:
+        raise UserError(f"--load {path}: a weights-only checkpoint (converted, no optimizer or data position); "
+                        f"start from it with --finetune")
+    if meta.get("weights_only") and cfg.parallel.zero_stage == 3:
+        raise UserError(f"--load {path}: a weights-only (converted) checkpoint cannot start a ZeRO-3 run (DeepSpeed "
+                        f"reads ZeRO-3 weights from optimizer files it does not have); use --zero-stage 0-2")
+    saved_model = model_config_from_meta(meta["model"])
+    for attr, flag in SHAPE_MUST_MATCH:
+        saved, ours = getattr(saved_model, attr), getattr(cfg.model, attr)
+        if saved != ours:
+            raise UserError(f"--load {path}: the checkpoint has {attr}={saved} but this run has {ours} ({flag}); "
+                            f"use the checkpoint's model flags")
     saved, par = meta["parallel"], cfg.parallel
     for key, flag in (("tensor_model_parallel_size", "--tensor-model-parallel-size"),
                       ("pipeline_model_parallel_size", "--pipeline-model-parallel-size")):
