@@ -123,8 +123,8 @@ def _read_zero3(step_dir: str, tp: int, dp: int) -> list[dict]:
         model_files = [os.path.join(step_dir, f"zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt") for d in range(dp)]
         optim_files = [os.path.join(step_dir, f"zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt") for d in range(dp)]
         _require(model_files, step_dir, "ZeRO-3 model-state")
-        _require(optim_files, step_dir, "ZeRO-3 optimizer-state (they hold the weights; --no-save-optim "
-                                        "checkpoints cannot be converted at ZeRO-3)")
+        _require(optim_files, step_dir, "ZeRO-3 optimizer-state (at ZeRO-3 they hold the weights; copy "
+                                        "every rank's files into the checkpoint folder)")
         with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 prints progress lines
             states = zero_to_fp32.parse_model_states(model_files)
             stage, world, flat_groups, _ = zero_to_fp32.parse_optim_states(optim_files, step_dir)
