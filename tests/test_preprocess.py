@@ -5,7 +5,6 @@ import gzip
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import pytest
 from pretrain.data.preprocess import PreprocessConfig, run
 from pretrain.errors import UserError
 from pretrain.tokenizer import TokenizerConfig
-from test_tokenizer import CL100K, MERGES, VOCAB, awkward_texts
+from test_tokenizer import CL100K, MERGES, VOCAB, awkward_texts, hf_reference  # noqa: F401 (fixture)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT2 = TokenizerConfig("GPT2BPETokenizer", VOCAB, MERGES)
@@ -57,17 +56,7 @@ def rng_ascii(record):
     return record.get("id", 0) % 2 == 0  # both escaped (\uXXXX) and raw UTF-8 lines
 
 
-@pytest.fixture(scope="module")
-def hf_gpt2(tmp_path_factory):
-    from transformers import GPT2TokenizerFast
-
-    folder = tmp_path_factory.mktemp("gpt2")
-    shutil.copyfile(VOCAB, folder / "vocab.json")
-    shutil.copyfile(MERGES, folder / "merges.txt")
-    return GPT2TokenizerFast.from_pretrained(str(folder))
-
-
-def megatron_reference(lines_path, keys, prefix, hf_gpt2, append_eod, level="document"):
+def megatron_reference(lines_path, keys, prefix, hf_reference, append_eod, level="document"):
     """What Megatron's tools/preprocess_data.py writes with --partitions 1 (specs/megatron-data.md §2):
     json.loads per line; a string is one sentence, a list is sentences; tokenize each with the
     tokenizer Megatron's GPT2BPETokenizer uses; drop sentences without tokens; with --append-eod add
@@ -84,7 +73,7 @@ def megatron_reference(lines_path, keys, prefix, hf_gpt2, append_eod, level="doc
                 sentences = data[key] if isinstance(data[key], list) else [data[key]]
                 doc_ids, lens = [], []
                 for s in sentences:
-                    ids = hf_gpt2(s).input_ids
+                    ids = hf_reference(s).input_ids
                     if ids:
                         doc_ids.extend(ids)
                         lens.append(len(ids))
@@ -108,11 +97,11 @@ def preprocess(inputs, prefix, workers=2, keys=("text",), **kw):
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory, hf_gpt2):
+def corpus(tmp_path_factory, hf_reference):
     d = tmp_path_factory.mktemp("corpus")
     records = make_records()
     path = write_jsonl(d / "c.jsonl", records)
-    ref = {eod: megatron_reference(path, ["text", "title"], str(d / f"ref{eod}"), hf_gpt2, eod) for eod in (0, 1)}
+    ref = {eod: megatron_reference(path, ["text", "title"], str(d / f"ref{eod}"), hf_reference, eod) for eod in (0, 1)}
     return d, records, path, ref
 
 
@@ -127,13 +116,13 @@ def test_bytes_equal_megatron_for_any_worker_count(corpus, tmp_path, workers, ba
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
 
 
-def test_multi_megabyte_document_equals_megatron(tmp_path, hf_gpt2):
+def test_multi_megabyte_document_equals_megatron(tmp_path, hf_reference):
     rng = random.Random(5)
     words = ["the", "king", "\n\n", "  ", "é", "漢字", "😀", "<|endoftext|>", "\t", "\x00", "e\u0301", "👩‍👩‍👧"]
     records = [{"text": "short"}, {"text": " ".join(rng.choice(words) for _ in range(250_000))}, {"text": ""}]
     assert len(records[1]["text"].encode("utf-8")) > 1_000_000
     path = write_jsonl(tmp_path / "big.jsonl", records)
-    ref = megatron_reference(path, ["text"], str(tmp_path / "ref"), hf_gpt2, True)
+    ref = megatron_reference(path, ["text"], str(tmp_path / "ref"), hf_reference, True)
     preprocess([path], tmp_path / "o", workers=2, append_eod=True, batch_bytes=1000)
     assert same_files(str(tmp_path / "o_text_document"), ref["text"])
 
@@ -173,7 +162,7 @@ def test_every_input_format_gives_the_same_bytes(corpus, tmp_path):
         assert same_files(str(tmp_path / f"{name}_text_document"), str(tmp_path / "flat_text_document")), name
 
 
-def test_split_sentences_first_run_and_matches_megatron_on_split_text(tmp_path, hf_gpt2):
+def test_split_sentences_first_run_and_matches_megatron_on_split_text(tmp_path, hf_reference):
     """#1052 fixed: one run, one partition, output written. Sentences equal pysbd's split, encoded the
     way Megatron encodes its intermediate `{key: [sentences]}` lines."""
     import pysbd
@@ -186,7 +175,7 @@ def test_split_sentences_first_run_and_matches_megatron_on_split_text(tmp_path, 
         split = [[x if keep else x.strip() for x in seg.segment(r["text"])] for r in records]
         split = [[x for x in doc if x] for doc in split]
         ref_src = write_jsonl(tmp_path / f"ss{keep}.jsonl", [{"text": doc} for doc in split])
-        ref = megatron_reference(ref_src, ["text"], str(tmp_path / f"ref{keep}"), hf_gpt2, True, "sentence")
+        ref = megatron_reference(ref_src, ["text"], str(tmp_path / f"ref{keep}"), hf_reference, True, "sentence")
         preprocess([src], tmp_path / f"o{keep}", split_sentences=True, keep_newlines=keep, append_eod=True)
         assert same_files(str(tmp_path / f"o{keep}_text_sentence"), ref["text"])
     assert len(split[0]) == 5
@@ -242,7 +231,7 @@ def test_corrupt_compressed_input_is_a_clear_error(tmp_path):
     assert not [f for f in os.listdir(tmp_path) if f.startswith("o_")]
 
 
-def test_skip_bad_lines_counts_and_keeps_the_good_ones(tmp_path, hf_gpt2):
+def test_skip_bad_lines_counts_and_keeps_the_good_ones(tmp_path, hf_reference):
     good = [{"text": f"line {i} 😀"} for i in range(5)]
     lines = [json.dumps(g).encode() for g in good]
     mixed = lines[:2] + [bad for bad, _ in BAD_LINES] + lines[2:]
@@ -250,7 +239,7 @@ def test_skip_bad_lines_counts_and_keeps_the_good_ones(tmp_path, hf_gpt2):
     src.write_bytes(b"\n".join(mixed) + b"\n")
     s = preprocess([src], tmp_path / "o", append_eod=True, skip_bad_lines=True, batch_bytes=40)
     assert s.skipped == len(BAD_LINES) and s.documents == len(good)
-    ref = megatron_reference(write_jsonl(tmp_path / "good.jsonl", good), ["text"], str(tmp_path / "ref"), hf_gpt2, True)
+    ref = megatron_reference(write_jsonl(tmp_path / "good.jsonl", good), ["text"], str(tmp_path / "ref"), hf_reference, True)
     assert same_files(str(tmp_path / "o_text_document"), ref["text"])
 
 

@@ -41,7 +41,20 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     return F.linear(copy_to_tensor_model_parallel_region(x), weight, bias)
 
 
-class ColumnParallelLinear(nn.Module):
+class _ParallelLinear(nn.Module):
+    """What both parallel linears share: a (sharded) normal-initialised weight and a zero bias."""
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+
+    def initialize(self, name: str, seed: int, std: float) -> None:
+        init_normal_(self.weight, f"{name}.weight", seed, std)
+        if self.bias is not None:
+            with torch.no_grad():
+                self.bias.zero_()
+
+
+class ColumnParallelLinear(_ParallelLinear):
     """Linear layer with the output features split over TP ranks.
 
     `stride` > 1 declares that the full output dimension is `stride` blocks each split separately
@@ -59,12 +72,6 @@ class ColumnParallelLinear(nn.Module):
         self.bias = (mark_tensor_parallel(nn.Parameter(torch.zeros(local_out, dtype=dtype)), 0, stride)
                      if bias else None)
 
-    def initialize(self, name: str, seed: int, std: float) -> None:
-        init_normal_(self.weight, f"{name}.weight", seed, std)
-        if self.bias is not None:
-            with torch.no_grad():
-                self.bias.zero_()
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = column_parallel_linear(x, self.weight, self.bias)
         if not self.gather_output:
@@ -74,7 +81,7 @@ class ColumnParallelLinear(nn.Module):
         return merge_shards(list(gathered.chunk(world, dim=-1)), -1, self.weight.partition_stride)
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_ParallelLinear):
     """Linear layer with the input features split over TP ranks; the bias is added after the reduce."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
@@ -86,12 +93,6 @@ class RowParallelLinear(nn.Module):
         local_in = divide(in_features, world, "input features")
         self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(out_features, local_in, dtype=dtype)), 1)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
-
-    def initialize(self, name: str, seed: int, std: float) -> None:
-        init_normal_(self.weight, f"{name}.weight", seed, std)
-        if self.bias is not None:
-            with torch.no_grad():
-                self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if state.get_tensor_model_parallel_world_size() == 1:  # nothing to reduce: one fused addmm
