@@ -40,7 +40,9 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q ninja packaging psutil py-cpuinfo pydantic hjson msgpack einops numpy
 	$(PIP) install -q --no-build-isolation "$(DEEPSPEED_SPEC)"
 	$(PIP) install -q -e ".[dev]"
-	@! $(PIP) list 2>/dev/null | grep -qi '^nvidia-' || { echo "error: CUDA wheels (nvidia-*) were installed on this machine; see README 'Installing'"; exit 1; }
+	@# with the CPU pin, a CUDA wheel here means some dependency pulled a CUDA torch: refuse it
+	@if [ -n "$(TORCH_SPEC)" ] && $(PIP) list 2>/dev/null | grep -qi '^nvidia-'; then \
+		echo "error: CUDA wheels (nvidia-*) were installed next to $(TORCH_SPEC); see README 'Installing'"; exit 1; fi
 	@touch $(STAMP)
 	@echo "installed into $(VENV)"
 
