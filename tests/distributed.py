@@ -16,15 +16,10 @@ import multiprocessing
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from pretrain.training.distributed import free_port
 
 
 def _worker(fn, rank: int, world_size: int, port: int, args: tuple, results) -> None:
@@ -63,7 +58,7 @@ def _root_cause(failures: list[tuple[int, str]]) -> tuple[int, str]:
 def run_on_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0) -> list:
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [context.Process(target=_worker, args=(fn, rank, world_size, port, args, results), daemon=True)
              for rank in range(world_size)]
     for proc in procs:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from pretrain.training.distributed import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
 BIN = Path(PYTHON).parent
@@ -85,7 +87,7 @@ def run(cmd: list[str], timeout: float, env: dict | None = None, cwd: Path = REP
 
 
 def deepspeed_cmd(nproc: int, args: list[str], script: str = "pretrain_gpt.py") -> list[str]:
-    return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(_free_port()),
+    return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()),
             str(REPO / script), *args]
 
 
@@ -97,14 +99,6 @@ def multirun_cmd(nproc: int, runs: list[list[str]], runs_file: Path) -> list[str
 
 def torchrun_cmd(nproc: int, args: list[str], *extra: str) -> list[str]:
     return [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), *extra, str(REPO / "pretrain_gpt.py"), *args]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_metrics(path: Path) -> dict[int, dict]:
