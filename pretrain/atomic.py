@@ -1,0 +1,32 @@
+"""Write a file so that readers see either the old file or the complete new one, never a part."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+from typing import BinaryIO, Callable
+
+
+def atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
+    """Call `write(f)` on a temporary file beside `path`, fsync it, then rename it over `path`.
+
+    The temporary name carries the host name, so processes on different nodes sharing a directory
+    never write the same temporary file. On any error the temporary file is removed.
+    """
+    directory = os.path.dirname(path) or "."
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.{socket.gethostname()}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    atomic_write(path, lambda f: f.write(data))
