@@ -105,16 +105,25 @@ def cold_start_seconds() -> float:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, NUMBA_CACHE_DIR=cache)
-        out = subprocess.run([sys.executable, "-c", COLD.format(root=root)], env=env, check=True,
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            [sys.executable, "-c", COLD.format(root=root)],
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
     return float(out.stdout.strip().splitlines()[-1])
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--samples", type=int, default=10_000_000)
     ap.add_argument("--seq-length", type=int, default=2048)
-    ap.add_argument("--python-samples", type=int, default=200_000, help="samples for the pure-Python loop")
+    ap.add_argument(
+        "--python-samples", type=int, default=200_000, help="samples for the pure-Python loop"
+    )
     ap.add_argument("--seed", type=int, default=1234)
     args = ap.parse_args()
     S, N = args.seq_length, args.samples
@@ -123,19 +132,37 @@ def main():
     indices = np.arange(len(sizes), dtype=np.int32)
     T = int(sizes.sum(dtype=np.int64))
     plan = gpt_dataset.plan_epochs(T, N, S, 1)
-    print(f"{len(sizes):,} documents, {T:,} tokens/epoch, {plan.num_epochs} epoch(s), "
-          f"separate final epoch: {plan.separate_final_epoch}, S={S}, requested {N:,} samples")
+    print(
+        f"{len(sizes):,} documents, {T:,} tokens/epoch, {plan.num_epochs} epoch(s), "
+        f"separate final epoch: {plan.separate_final_epoch}, S={S}, requested {N:,} samples"
+    )
 
     cold = cold_start_seconds()
-    helpers.build_sample_index(sizes[:3], indices[:3], 4, 1, int(sizes[:3].sum()))  # load the cached JIT
-    t_ours, ours = timed(lambda: gpt_dataset.build_indices(sizes, indices, plan, S, args.seed), repeat=2)
-    t_kernel, _ = timed(lambda: helpers.build_sample_index(sizes, ours["document_index"], S, plan.num_epochs, T),
-                        repeat=2)
-    print(f"ours    : {t_ours:.2f} s (all three indices; sample-index kernel {t_kernel:.2f} s); "
-          f"cold start incl. JIT {cold:.2f} s")
+    helpers.build_sample_index(
+        sizes[:3], indices[:3], 4, 1, int(sizes[:3].sum())
+    )  # load the cached JIT
+    t_ours, ours = timed(
+        lambda: gpt_dataset.build_indices(sizes, indices, plan, S, args.seed), repeat=2
+    )
+    t_kernel, _ = timed(
+        lambda: helpers.build_sample_index(sizes, ours["document_index"], S, plan.num_epochs, T),
+        repeat=2,
+    )
+    print(
+        f"ours    : {t_ours:.2f} s (all three indices; sample-index kernel {t_kernel:.2f} s); "
+        f"cold start incl. JIT {cold:.2f} s"
+    )
 
-    t_np, np_arrays = timed(lambda: with_sample_index(
-        lambda s, d, S_, E, T_, drop, x: numpy_sample_index(s, d, S_, E, T_, x), sizes, indices, plan, S, args.seed))
+    t_np, np_arrays = timed(
+        lambda: with_sample_index(
+            lambda s, d, S_, E, T_, drop, x: numpy_sample_index(s, d, S_, E, T_, x),
+            sizes,
+            indices,
+            plan,
+            S,
+            args.seed,
+        )
+    )
     for k in ours:
         assert np.array_equal(ours[k], np_arrays[k]) and ours[k].dtype == np_arrays[k].dtype, k
     print(f"numpy   : {t_np:.2f} s (arrays equal)")
@@ -143,31 +170,53 @@ def main():
     n_py = min(args.python_samples, N)
     t_py, py_rows = timed(lambda: python_sample_index(sizes, ours["document_index"], S, n_py))
     assert np.array_equal(py_rows, ours["sample_index"][: n_py + 1])
-    print(f"python  : {t_py:.2f} s for the first {n_py:,} samples' sample index ({n_py / t_py:,.0f} samples/s; "
-          f"ours: {N / t_kernel:,.0f} samples/s)")
+    print(
+        f"python  : {t_py:.2f} s for the first {n_py:,} samples' sample index ({n_py / t_py:,.0f} samples/s; "
+        f"ours: {N / t_kernel:,.0f} samples/s)"
+    )
 
-    result = {"bench": "indices", "samples": int(len(ours["shuffle_index"])), "seq_length": S,
-              "documents": int(len(sizes)), "epochs": plan.num_epochs, "ours_warm_s": round(t_ours, 3),
-              "ours_sample_index_kernel_s": round(t_kernel, 3), "ours_cold_start_s": round(cold, 3),
-              "numpy_s": round(t_np, 3), "python_samples_per_s": round(n_py / t_py),
-              "ours_kernel_samples_per_s": round(N / t_kernel)}
+    result = {
+        "bench": "indices",
+        "samples": int(len(ours["shuffle_index"])),
+        "seq_length": S,
+        "documents": int(len(sizes)),
+        "epochs": plan.num_epochs,
+        "ours_warm_s": round(t_ours, 3),
+        "ours_sample_index_kernel_s": round(t_kernel, 3),
+        "ours_cold_start_s": round(cold, 3),
+        "numpy_s": round(t_np, 3),
+        "python_samples_per_s": round(n_py / t_py),
+        "ours_kernel_samples_per_s": round(N / t_kernel),
+    }
     try:
         from megatron.core.datasets import helpers_cpp
     except ImportError:
         helpers_cpp = None
     if helpers_cpp is not None:
+
         def megatron_sample_index(s, d, S_, E, T_, drop, x):
             return helpers_cpp.build_sample_idx_int32(s, d, S_, E, T_, drop, x)
-        t_m, m_arrays = timed(lambda: with_sample_index(megatron_sample_index, sizes, indices, plan, S, args.seed),
-                             repeat=2)
-        t_mk, _ = timed(lambda: helpers_cpp.build_sample_idx_int32(sizes, ours["document_index"], S,
-                                                                   plan.num_epochs, T, True, 1), repeat=2)
+
+        t_m, m_arrays = timed(
+            lambda: with_sample_index(megatron_sample_index, sizes, indices, plan, S, args.seed),
+            repeat=2,
+        )
+        t_mk, _ = timed(
+            lambda: helpers_cpp.build_sample_idx_int32(
+                sizes, ours["document_index"], S, plan.num_epochs, T, True, 1
+            ),
+            repeat=2,
+        )
         for k in ours:
             assert np.array_equal(ours[k], m_arrays[k]) and ours[k].dtype == m_arrays[k].dtype, k
         print(f"megatron: {t_m:.2f} s (C++ sample-index kernel {t_mk:.2f} s; arrays equal)")
-        result.update(megatron_cpp_s=round(t_m, 3), megatron_cpp_kernel_s=round(t_mk, 3),
-                      ratio=round(t_m / t_ours, 3), kernel_ratio=round(t_mk / t_kernel, 3),
-                      ratio_definition="megatron-core C++ seconds / ours (all three indices)")
+        result.update(
+            megatron_cpp_s=round(t_m, 3),
+            megatron_cpp_kernel_s=round(t_mk, 3),
+            ratio=round(t_m / t_ours, 3),
+            kernel_ratio=round(t_mk / t_kernel, 3),
+            ratio_definition="megatron-core C++ seconds / ours (all three indices)",
+        )
     else:
         result.update(ratio=round(t_np / t_ours, 3), ratio_definition="numpy seconds / ours")
     result["vs_numpy"] = round(t_np / t_ours, 3)

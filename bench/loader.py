@@ -82,7 +82,9 @@ def gather_rate(ds, n) -> float:
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--seq-length", type=int, default=2048)
     ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument("--num-workers", type=int, default=2)
@@ -101,32 +103,60 @@ def main():
         n_train = (args.batches + 10) * mbs
         rates = {}
         for mask, workers in ((True, args.num_workers), (False, args.num_workers), (False, 0)):
-            cfg = DataConfig(seq_length=S, blend=(prefixes, [0.7, 0.3]), split="98,2,0",
-                             data_cache_path=os.path.join(d, "cache"), create_attention_mask=mask,
-                             num_workers=workers)
+            cfg = DataConfig(
+                seq_length=S,
+                blend=(prefixes, [0.7, 0.3]),
+                split="98,2,0",
+                data_cache_path=os.path.join(d, "cache"),
+                create_attention_mask=mask,
+                num_workers=workers,
+            )
             train, _, _ = build_train_valid_test_datasets(cfg, tok, [n_train, 0, 0])
             rates[mask, workers] = loader_rate(train, cfg, mbs, args.batches)
         raw = gather_rate(train, min(len(train), 2000))
 
     print(f"need (stated, GPT-2 124M on one H100 at 50% MFU, seq {S}): {need:.0f} samples/s")
     w = args.num_workers
-    with_mask, no_mask, (in_process, per_cpu_s) = rates[True, w][0], rates[False, w][0], rates[False, 0]
-    print(f"loader ({w} workers), attention mask in loader: {with_mask:,.0f} samples/s ({with_mask / need:.1f}x need)")
-    print(f"loader ({w} workers), no attention mask:        {no_mask:,.0f} samples/s ({no_mask / need:.1f}x need)")
-    print(f"loader (in process), no attention mask:        {in_process:,.0f} samples/s ({in_process / need:.1f}x need)")
-    print(f"  same, per CPU-second of the process:         {per_cpu_s:,.0f} samples/s ({per_cpu_s / need:.1f}x need)")
+    with_mask, no_mask, (in_process, per_cpu_s) = (
+        rates[True, w][0],
+        rates[False, w][0],
+        rates[False, 0],
+    )
+    print(
+        f"loader ({w} workers), attention mask in loader: {with_mask:,.0f} samples/s ({with_mask / need:.1f}x need)"
+    )
+    print(
+        f"loader ({w} workers), no attention mask:        {no_mask:,.0f} samples/s ({no_mask / need:.1f}x need)"
+    )
+    print(
+        f"loader (in process), no attention mask:        {in_process:,.0f} samples/s ({in_process / need:.1f}x need)"
+    )
+    print(
+        f"  same, per CPU-second of the process:         {per_cpu_s:,.0f} samples/s ({per_cpu_s / need:.1f}x need)"
+    )
     print(f"raw token gather, one process:                 {raw:,.0f} samples/s")
-    print(json.dumps({
-        "bench": "loader", "seq_length": S, "micro_batch_size": mbs, "num_workers": w,
-        "need_samples_per_s": round(need, 1), "loader_samples_per_s_no_mask": round(no_mask, 1),
-        "loader_samples_per_s_with_mask": round(with_mask, 1), "in_process_samples_per_s": round(in_process, 1),
-        "in_process_samples_per_cpu_s": round(per_cpu_s, 1),
-        "raw_gather_samples_per_s": round(raw, 1), "ratio": round(per_cpu_s / need, 2),
-        "ratio_wall": round(no_mask / need, 2),
-        "ratio_with_mask": round(with_mask / need, 2), "ratio_in_process": round(in_process / need, 2),
-        "ratio_definition": "samples per CPU-second of one loader process (no in-loader mask) / stated need; "
-                            "ratio_wall: wall samples/s with num_workers workers / need",
-    }))
+    print(
+        json.dumps(
+            {
+                "bench": "loader",
+                "seq_length": S,
+                "micro_batch_size": mbs,
+                "num_workers": w,
+                "need_samples_per_s": round(need, 1),
+                "loader_samples_per_s_no_mask": round(no_mask, 1),
+                "loader_samples_per_s_with_mask": round(with_mask, 1),
+                "in_process_samples_per_s": round(in_process, 1),
+                "in_process_samples_per_cpu_s": round(per_cpu_s, 1),
+                "raw_gather_samples_per_s": round(raw, 1),
+                "ratio": round(per_cpu_s / need, 2),
+                "ratio_wall": round(no_mask / need, 2),
+                "ratio_with_mask": round(with_mask / need, 2),
+                "ratio_in_process": round(in_process / need, 2),
+                "ratio_definition": "samples per CPU-second of one loader process (no in-loader mask) / stated need; "
+                "ratio_wall: wall samples/s with num_workers workers / need",
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -25,7 +25,9 @@ from pretrain.model import GPTModel, ModelConfig
 
 
 def parse_args():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--flavour", choices=("gpt2", "llama", "both"), default="both")
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--hidden-size", type=int, default=256)
@@ -33,33 +35,70 @@ def parse_args():
     parser.add_argument("--num-query-groups", type=int, default=4, help="Llama flavour only")
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--micro-batch-size", type=int, default=4)
-    parser.add_argument("--vocab-size", type=int, default=8192, help="a multiple of 128: no padding difference")
+    parser.add_argument(
+        "--vocab-size", type=int, default=8192, help="a multiple of 128: no padding difference"
+    )
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1, help="1 keeps a shared machine from oversubscribing")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="1 keeps a shared machine from oversubscribing"
+    )
     return parser.parse_args()
 
 
 def configs(args, flavour: str) -> tuple[ModelConfig, object]:
-    common = dict(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                  num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size,
-                  seq_length=args.seq_length, hidden_dropout=0.0, attention_dropout=0.0)
+    common = dict(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        vocab_size=args.vocab_size,
+        seq_length=args.seq_length,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+    )
     if flavour == "gpt2":
         ours = ModelConfig(**common)
-        reference = transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            vocab_size=ours.padded_vocab_size(), n_positions=ours.max_positions, n_embd=ours.hidden_size,
-            n_layer=ours.num_layers, n_head=ours.num_attention_heads, n_inner=ours.ffn_size,
-            activation_function="gelu", layer_norm_epsilon=ours.norm_epsilon, bos_token_id=0, eos_token_id=0,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+        reference = transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(
+                vocab_size=ours.padded_vocab_size(),
+                n_positions=ours.max_positions,
+                n_embd=ours.hidden_size,
+                n_layer=ours.num_layers,
+                n_head=ours.num_attention_heads,
+                n_inner=ours.ffn_size,
+                activation_function="gelu",
+                layer_norm_epsilon=ours.norm_epsilon,
+                bos_token_id=0,
+                eos_token_id=0,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+            )
+        )
         return ours, reference
-    ours = ModelConfig(**common, num_query_groups=args.num_query_groups, position_embedding_type="rope",
-                       normalization="RMSNorm", swiglu=True, add_bias_linear=False,
-                       untie_embeddings_and_output_weights=True)
-    reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=ours.padded_vocab_size(), hidden_size=ours.hidden_size, intermediate_size=ours.ffn_size,
-        num_hidden_layers=ours.num_layers, num_attention_heads=ours.num_attention_heads,
-        num_key_value_heads=ours.query_groups, head_dim=ours.head_dim, rms_norm_eps=ours.norm_epsilon,
-        max_position_embeddings=ours.max_positions, tie_word_embeddings=False))
+    ours = ModelConfig(
+        **common,
+        num_query_groups=args.num_query_groups,
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+        swiglu=True,
+        add_bias_linear=False,
+        untie_embeddings_and_output_weights=True,
+    )
+    reference = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=ours.padded_vocab_size(),
+            hidden_size=ours.hidden_size,
+            intermediate_size=ours.ffn_size,
+            num_hidden_layers=ours.num_layers,
+            num_attention_heads=ours.num_attention_heads,
+            num_key_value_heads=ours.query_groups,
+            head_dim=ours.head_dim,
+            rms_norm_eps=ours.norm_epsilon,
+            max_position_embeddings=ours.max_positions,
+            tie_word_embeddings=False,
+        )
+    )
     return ours, reference
 
 
@@ -87,11 +126,16 @@ def measure(args, flavour: str) -> dict:
     reference = reference.train()
     # the reference's own loss path shifts labels; both get identical, pre-shifted inputs instead
     generator = torch.Generator().manual_seed(0)
-    data = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=generator)
+    data = torch.randint(
+        0, args.vocab_size, (args.micro_batch_size, args.seq_length + 1), generator=generator
+    )
     tokens, labels = data[:, :-1], data[:, 1:]
     ours_times, reference_times = [], []
     for i in range(args.warmup + args.iters):
-        a, b = timed(step_ours, ours, tokens, labels), timed(step_reference, reference, tokens, labels)
+        a, b = (
+            timed(step_ours, ours, tokens, labels),
+            timed(step_reference, reference, tokens, labels),
+        )
         if i >= args.warmup:
             ours_times.append(a)
             reference_times.append(b)
@@ -99,16 +143,22 @@ def measure(args, flavour: str) -> dict:
     def median_ms(times, which):
         return 1e3 * statistics.median(t[which] for t in times)
 
-    figures = {"ours_ms": median_ms(ours_times, 0), "reference_ms": median_ms(reference_times, 0),
-               "ours_cpu_ms": median_ms(ours_times, 1), "reference_cpu_ms": median_ms(reference_times, 1)}
+    figures = {
+        "ours_ms": median_ms(ours_times, 0),
+        "reference_ms": median_ms(reference_times, 0),
+        "ours_cpu_ms": median_ms(ours_times, 1),
+        "reference_cpu_ms": median_ms(reference_times, 1),
+    }
     figures["wall_ratio"] = figures["ours_ms"] / figures["reference_ms"]
     figures["ratio"] = figures["ours_cpu_ms"] / figures["reference_cpu_ms"]
     n_ours = sum(p.numel() for p in ours.parameters())
     n_ref = sum(p.numel() for p in reference.parameters())
-    print(f"{flavour}: ours {figures['ours_ms']:.1f} ms/step wall ({figures['ours_cpu_ms']:.1f} CPU), "
-          f"{type(reference).__name__} {figures['reference_ms']:.1f} ms/step wall ({figures['reference_cpu_ms']:.1f} CPU), "
-          f"ratio {figures['ratio']:.3f} CPU, {figures['wall_ratio']:.3f} wall (params {n_ours:,} vs {n_ref:,})",
-          flush=True)
+    print(
+        f"{flavour}: ours {figures['ours_ms']:.1f} ms/step wall ({figures['ours_cpu_ms']:.1f} CPU), "
+        f"{type(reference).__name__} {figures['reference_ms']:.1f} ms/step wall ({figures['reference_cpu_ms']:.1f} CPU), "
+        f"ratio {figures['ratio']:.3f} CPU, {figures['wall_ratio']:.3f} wall (params {n_ours:,} vs {n_ref:,})",
+        flush=True,
+    )
     return {key: round(value, 4) for key, value in figures.items()} | {"params": n_ours}
 
 
@@ -117,11 +167,17 @@ def main():
     torch.set_num_threads(args.threads)
     flavours = ("gpt2", "llama") if args.flavour == "both" else (args.flavour,)
     results = {flavour: measure(args, flavour) for flavour in flavours}
-    summary = {"bench": "model_step", "threads": args.threads, "num_layers": args.num_layers,
-               "hidden_size": args.hidden_size, "seq_length": args.seq_length,
-               "micro_batch_size": args.micro_batch_size, "vocab_size": args.vocab_size,
-               **{f"{flavour}_{key}": value for flavour, r in results.items() for key, value in r.items()},
-               "ratio": max(r["ratio"] for r in results.values())}
+    summary = {
+        "bench": "model_step",
+        "threads": args.threads,
+        "num_layers": args.num_layers,
+        "hidden_size": args.hidden_size,
+        "seq_length": args.seq_length,
+        "micro_batch_size": args.micro_batch_size,
+        "vocab_size": args.vocab_size,
+        **{f"{flavour}_{key}": value for flavour, r in results.items() for key, value in r.items()},
+        "ratio": max(r["ratio"] for r in results.values()),
+    }
     print(json.dumps(summary))
 
 

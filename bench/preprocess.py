@@ -48,10 +48,23 @@ def _children_cpu() -> float:
 def run_ours(corpus: str, prefix: str, workers: int) -> dict:
     import psutil
 
-    cmd = [sys.executable, os.path.join(REPO, "tools", "preprocess_data.py"), "--input", corpus,
-           "--output-prefix", prefix, "--workers", str(workers), "--append-eod", "--tokenizer-type",
-           "GPT2BPETokenizer", "--vocab-file", os.path.join(REPO, "data/gpt2/vocab.json"),
-           "--merge-file", os.path.join(REPO, "data/gpt2/merges.txt")]
+    cmd = [
+        sys.executable,
+        os.path.join(REPO, "tools", "preprocess_data.py"),
+        "--input",
+        corpus,
+        "--output-prefix",
+        prefix,
+        "--workers",
+        str(workers),
+        "--append-eod",
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        os.path.join(REPO, "data/gpt2/vocab.json"),
+        "--merge-file",
+        os.path.join(REPO, "data/gpt2/merges.txt"),
+    ]
     peak = {"rss": 0, "pss": 0}
     cpu_before = _children_cpu()
     start = time.monotonic()
@@ -81,7 +94,13 @@ def run_ours(corpus: str, prefix: str, workers: int) -> dict:
     tokens = int(out.split(" tokens,")[0].split()[-1].replace(",", ""))
     for ext in (".bin", ".idx"):
         os.remove(f"{prefix}_text_document{ext}")
-    return {"seconds": seconds, "cpu_seconds": cpu, "tokens": tokens, "peak_rss_mb": peak["rss"] / 1e6, "peak_pss_mb": peak["pss"] / 1e6}
+    return {
+        "seconds": seconds,
+        "cpu_seconds": cpu,
+        "tokens": tokens,
+        "peak_rss_mb": peak["rss"] / 1e6,
+        "peak_pss_mb": peak["pss"] / 1e6,
+    }
 
 
 def run_ceiling(corpus: str, workers: int, batch_docs: int = 64) -> dict:
@@ -89,8 +108,9 @@ def run_ceiling(corpus: str, workers: int, batch_docs: int = 64) -> dict:
     os.environ["TOKENIZERS_PARALLELISM"] = "true"
     from pretrain.tokenizer import GPT2BPETokenizer
 
-    backend = GPT2BPETokenizer(os.path.join(REPO, "data/gpt2/vocab.json"),
-                               os.path.join(REPO, "data/gpt2/merges.txt"))._backend
+    backend = GPT2BPETokenizer(
+        os.path.join(REPO, "data/gpt2/vocab.json"), os.path.join(REPO, "data/gpt2/merges.txt")
+    )._backend
     seconds, cpu, tokens, batch = 0.0, 0.0, 0, []
 
     def encode():
@@ -113,8 +133,16 @@ def run_ceiling(corpus: str, workers: int, batch_docs: int = 64) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--sizes", type=float, nargs="+", default=[50, 200], help="corpus sizes in MB (default 50 200)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--sizes",
+        type=float,
+        nargs="+",
+        default=[50, 200],
+        help="corpus sizes in MB (default 50 200)",
+    )
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--workdir", default=os.path.join(REPO, "bench", "results"))
     args = p.parse_args()
@@ -130,16 +158,21 @@ def main() -> None:
         entry = {"json_mb": json_bytes / 1e6, "text_mb": text_bytes / 1e6, "ours": ours}
         ours["mb_s"] = text_bytes / 1e6 / ours["seconds"]
         ours["tokens_s"] = ours["tokens"] / ours["seconds"]
-        print(f"{size:g} MB: ours {ours['mb_s']:.2f} MB/s, {ours['tokens_s']:,.0f} tokens/s, "
-              f"peak PSS {ours['peak_pss_mb']:.0f} MB (RSS sum {ours['peak_rss_mb']:.0f} MB)", flush=True)
+        print(
+            f"{size:g} MB: ours {ours['mb_s']:.2f} MB/s, {ours['tokens_s']:,.0f} tokens/s, "
+            f"peak PSS {ours['peak_pss_mb']:.0f} MB (RSS sum {ours['peak_rss_mb']:.0f} MB)",
+            flush=True,
+        )
         if size == max(args.sizes):
             ceiling = run_ceiling(corpus, args.workers)
             ceiling["mb_s"] = text_bytes / 1e6 / ceiling["seconds"]
             ceiling["tokens_s"] = ceiling["tokens"] / ceiling["seconds"]
             entry["ceiling"] = ceiling
-            print(f"{size:g} MB: ceiling encode_batch_fast {ceiling['mb_s']:.2f} MB/s, "
-                  f"{ceiling['tokens_s']:,.0f} tokens/s (same tokens as ours minus one EOD per document: {ceiling['tokens'] == ours['tokens'] - docs})",
-                  flush=True)
+            print(
+                f"{size:g} MB: ceiling encode_batch_fast {ceiling['mb_s']:.2f} MB/s, "
+                f"{ceiling['tokens_s']:,.0f} tokens/s (same tokens as ours minus one EOD per document: {ceiling['tokens'] == ours['tokens'] - docs})",
+                flush=True,
+            )
         results[f"{size:g}MB"] = entry
         os.remove(corpus)
     largest = results[f"{max(args.sizes):g}MB"]

@@ -15,7 +15,9 @@ def atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
     never write the same temporary file. On any error the temporary file is removed.
     """
     directory = os.path.dirname(path) or "."
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.{socket.gethostname()}.")
+    fd, tmp = tempfile.mkstemp(
+        dir=directory, prefix=f".{os.path.basename(path)}.{socket.gethostname()}."
+    )
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)

@@ -66,7 +66,9 @@ class TokenizerConfig:
             merge_file=getattr(ns, "merge_file", None),
             tokenizer_model=getattr(ns, "tokenizer_model", None),
             vocab_size=getattr(ns, "vocab_size", None),
-            hf_include_special_tokens=not getattr(ns, "tokenizer_hf_no_include_special_tokens", False),
+            hf_include_special_tokens=not getattr(
+                ns, "tokenizer_hf_no_include_special_tokens", False
+            ),
             tiktoken_pattern=getattr(ns, "tiktoken_pattern", None),
         )
 
@@ -80,7 +82,9 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
         "--tokenizer-model",
         help="HuggingFaceTokenizer: tokenizer.json or a folder holding one; TikTokenizer: a .tiktoken file",
     )
-    g.add_argument("--vocab-size", type=int, help="NullTokenizer: number of ids (eod is this value)")
+    g.add_argument(
+        "--vocab-size", type=int, help="NullTokenizer: number of ids (eod is this value)"
+    )
     g.add_argument(
         "--tokenizer-hf-no-include-special-tokens",
         action="store_true",
@@ -131,7 +135,9 @@ def _require_file(path: str | None, flag: str, what: str) -> str:
 class _HFBackedTokenizer(Tokenizer):
     """Shared code for tokenizers backed by a `tokenizers.Tokenizer`."""
 
-    def __init__(self, backend, add_special_tokens: bool, eod_token: str | None, pad_token: str | None):
+    def __init__(
+        self, backend, add_special_tokens: bool, eod_token: str | None, pad_token: str | None
+    ):
         self._backend = backend
         self._add_special = add_special_tokens
         self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
@@ -149,7 +155,10 @@ class _HFBackedTokenizer(Tokenizer):
 
     def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
         # encode_batch_fast skips offset tracking; the ids are those of encode()
-        return [e.ids for e in self._backend.encode_batch_fast(texts, add_special_tokens=self._add_special)]
+        return [
+            e.ids
+            for e in self._backend.encode_batch_fast(texts, add_special_tokens=self._add_special)
+        ]
 
     def detokenize(self, ids) -> str:
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -160,8 +169,12 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
         from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, pre_tokenizers
         from tokenizers.models import BPE
 
-        self.vocab_file = _require_file(vocab_file, "--vocab-file", "GPT2BPETokenizer needs the GPT-2 vocab.json")
-        self.merge_file = _require_file(merge_file, "--merge-file", "GPT2BPETokenizer needs the GPT-2 merges.txt")
+        self.vocab_file = _require_file(
+            vocab_file, "--vocab-file", "GPT2BPETokenizer needs the GPT-2 vocab.json"
+        )
+        self.merge_file = _require_file(
+            merge_file, "--merge-file", "GPT2BPETokenizer needs the GPT-2 merges.txt"
+        )
         try:
             vocab, merges = BPE.read_file(self.vocab_file, self.merge_file)
         except Exception as err:  # the Rust reader reports format problems as generic exceptions
@@ -170,7 +183,14 @@ class GPT2BPETokenizer(_HFBackedTokenizer):
             ) from None
         # Mirrors transformers' GPT2Tokenizer backend (what Megatron-LM's GPT2BPETokenizer calls).
         backend = HFTokenizer(
-            BPE(vocab, merges, dropout=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
+            BPE(
+                vocab,
+                merges,
+                dropout=None,
+                continuing_subword_prefix="",
+                end_of_word_suffix="",
+                fuse_unk=False,
+            )
         )
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         backend.decoder = decoders.ByteLevel()
@@ -195,10 +215,20 @@ class HuggingFaceTokenizer(_HFBackedTokenizer):
         from tokenizers import Tokenizer as HFTokenizer
 
         if not tokenizer_model:
-            raise UserError("--tokenizer-model is required: HuggingFaceTokenizer needs a tokenizer.json or its folder")
-        folder = tokenizer_model if os.path.isdir(tokenizer_model) else os.path.dirname(tokenizer_model)
-        path = os.path.join(tokenizer_model, "tokenizer.json") if os.path.isdir(tokenizer_model) else tokenizer_model
-        self.path = _require_file(path, "--tokenizer-model", "HuggingFaceTokenizer needs a tokenizer.json")
+            raise UserError(
+                "--tokenizer-model is required: HuggingFaceTokenizer needs a tokenizer.json or its folder"
+            )
+        folder = (
+            tokenizer_model if os.path.isdir(tokenizer_model) else os.path.dirname(tokenizer_model)
+        )
+        path = (
+            os.path.join(tokenizer_model, "tokenizer.json")
+            if os.path.isdir(tokenizer_model)
+            else tokenizer_model
+        )
+        self.path = _require_file(
+            path, "--tokenizer-model", "HuggingFaceTokenizer needs a tokenizer.json"
+        )
         try:
             backend = HFTokenizer.from_file(self.path)
         except Exception as err:
@@ -208,7 +238,9 @@ class HuggingFaceTokenizer(_HFBackedTokenizer):
         if eos is None:
             eos = next((t for t in _EOS_CANDIDATES if backend.token_to_id(t) is not None), None)
         self._folder = folder
-        super().__init__(backend, add_special_tokens=include_special_tokens, eod_token=eos, pad_token=pad)
+        super().__init__(
+            backend, add_special_tokens=include_special_tokens, eod_token=eos, pad_token=pad
+        )
 
     @property
     def unique_identifiers(self) -> OrderedDict:
@@ -234,7 +266,9 @@ def _read_tokenizer_config(folder: str) -> dict:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
     except (OSError, ValueError) as err:
-        raise UserError(f"{path}: unreadable tokenizer config ({err}; fix or remove the file)") from None
+        raise UserError(
+            f"{path}: unreadable tokenizer config ({err}; fix or remove the file)"
+        ) from None
 
 
 def _token_name(value) -> str | None:
@@ -254,11 +288,15 @@ class TikTokenizer(Tokenizer):
         import tiktoken
         from tiktoken.load import load_tiktoken_bpe
 
-        self.path = _require_file(tokenizer_model, "--tokenizer-model", "TikTokenizer needs a .tiktoken file")
+        self.path = _require_file(
+            tokenizer_model, "--tokenizer-model", "TikTokenizer needs a .tiktoken file"
+        )
         stem = os.path.basename(self.path).split(".")[0]
         if pattern is None:
             if stem not in _TIKTOKEN_PATTERNS:
-                raise UserError(f"--tiktoken-pattern is required for {self.path}: pass v1, v2, cl100k_base or a regex")
+                raise UserError(
+                    f"--tiktoken-pattern is required for {self.path}: pass v1, v2, cl100k_base or a regex"
+                )
             pattern = stem
         regex = _TIKTOKEN_PATTERNS.get(pattern, pattern)
         try:
@@ -266,7 +304,9 @@ class TikTokenizer(Tokenizer):
         except Exception as err:
             raise UserError(f"{self.path}: not a .tiktoken file ({err})") from None
         specials = dict(_CL100K_SPECIALS) if stem == "cl100k_base" else {_GPT2_EOD: len(ranks)}
-        self._enc = tiktoken.Encoding(name=stem, pat_str=regex, mergeable_ranks=ranks, special_tokens=specials)
+        self._enc = tiktoken.Encoding(
+            name=stem, pat_str=regex, mergeable_ranks=ranks, special_tokens=specials
+        )
         self.vocab_size = self._enc.n_vocab
         self._eod = specials[_GPT2_EOD]
         self._pattern = pattern
@@ -309,7 +349,9 @@ class NullTokenizer(Tokenizer):
         try:
             ids = [int(x) for x in text.split()]
         except ValueError as err:
-            raise ValueError(f"NullTokenizer text must be whitespace-separated integers ({err})") from None
+            raise ValueError(
+                f"NullTokenizer text must be whitespace-separated integers ({err})"
+            ) from None
         bad = next((i for i in ids if not 0 <= i < self._inner_size), None)
         if bad is not None:
             raise ValueError(f"NullTokenizer id {bad} is outside [0, {self._inner_size})")

@@ -19,32 +19,94 @@ from training_fixtures import REPO, make_corpus, multirun_cmd, run
 LAYOUTS = {"110": (1, 1, 0), "221": (2, 2, 1), "113": (1, 1, 3)}
 FLAVOURS = ("gpt2", "llama")
 # plus ZeRO-3 under TP (DP 2), where DeepSpeed's zero_to_fp32 alone would mix the TP ranks' files
-RUNS = [(f, name, layout) for f in FLAVOURS for name, layout in LAYOUTS.items()] + [("llama", "213", (2, 1, 3))]
+RUNS = [(f, name, layout) for f in FLAVOURS for name, layout in LAYOUTS.items()] + [
+    ("llama", "213", (2, 1, 3))
+]
 WORLD = 4
 NULL_VOCAB = 255  # NullTokenizer: ids 0..254 + eod 255 = 256 tokens
 
 
 def model_flags(flavour: str) -> list[str]:
-    common = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16",
-              "--attention-dropout", "0", "--hidden-dropout", "0"]
+    common = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "32",
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "16",
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0",
+    ]
     if flavour == "gpt2":
         return common
-    return common + ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
-                     "--ffn-hidden-size", "96", "--group-query-attention", "--num-query-groups", "2",
-                     "--untie-embeddings-and-output-weights", "--disable-bias-linear", "--rotary-base", "500"]
+    return common + [
+        "--position-embedding-type",
+        "rope",
+        "--normalization",
+        "RMSNorm",
+        "--swiglu",
+        "--ffn-hidden-size",
+        "96",
+        "--group-query-attention",
+        "--num-query-groups",
+        "2",
+        "--untie-embeddings-and-output-weights",
+        "--disable-bias-linear",
+        "--rotary-base",
+        "500",
+    ]
 
 
 def train_flags(corpus: str, iters: int) -> list[str]:
-    return ["--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", str(iters), "--lr", "3e-3",
-            "--min-lr", "3e-4", "--lr-warmup-iters", "1", "--seed", "7", "--data-path", corpus,
-            "--split", "100,0,0", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(NULL_VOCAB),
-            "--log-interval", "1", "--eval-iters", "0", "--eval-interval", "1000", "--num-workers", "0",
-            "--distributed-backend", "gloo"]
+    return [
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--train-iters",
+        str(iters),
+        "--lr",
+        "3e-3",
+        "--min-lr",
+        "3e-4",
+        "--lr-warmup-iters",
+        "1",
+        "--seed",
+        "7",
+        "--data-path",
+        corpus,
+        "--split",
+        "100,0,0",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        str(NULL_VOCAB),
+        "--log-interval",
+        "1",
+        "--eval-iters",
+        "0",
+        "--eval-interval",
+        "1000",
+        "--num-workers",
+        "0",
+        "--distributed-backend",
+        "gloo",
+    ]
 
 
 def layout_flags(tp: int, pp: int, zero: int) -> list[str]:
-    return ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-            "--zero-stage", str(zero)]
+    return [
+        "--tensor-model-parallel-size",
+        str(tp),
+        "--pipeline-model-parallel-size",
+        str(pp),
+        "--zero-stage",
+        str(zero),
+    ]
 
 
 _launches = itertools.count()
@@ -52,7 +114,9 @@ _launches = itertools.count()
 
 def launch_runs(runs: list[list[str]], workdir: Path, timeout: float = 400) -> str:
     """Run several pretrain_gpt.py argv lists in one 4-rank deepspeed world; returns the output."""
-    result = run(multirun_cmd(WORLD, runs, workdir / f"runs_{next(_launches)}.json"), timeout=timeout)
+    result = run(
+        multirun_cmd(WORLD, runs, workdir / f"runs_{next(_launches)}.json"), timeout=timeout
+    )
     assert result.returncode == 0, result.stdout[-6000:]
     return result.stdout
 
@@ -85,8 +149,12 @@ def checkpoints(tmp_path_factory, corpus) -> dict[tuple[str, str], Path]:
         out, runs = {}, []
         for flavour, name, layout in RUNS:
             out[flavour, name] = root / f"{flavour}_{name}"
-            runs.append(model_flags(flavour) + train_flags(corpus, iters=2) + layout_flags(*layout)
-                        + ["--save", str(out[flavour, name]), "--save-interval", "2"])
+            runs.append(
+                model_flags(flavour)
+                + train_flags(corpus, iters=2)
+                + layout_flags(*layout)
+                + ["--save", str(out[flavour, name]), "--save-interval", "2"]
+            )
         launch_runs(runs, root)
         _built["checkpoints"] = out
     return _built["checkpoints"]

@@ -23,8 +23,14 @@ from pretrain.training.distributed import free_port
 
 
 def _worker(fn, rank: int, world_size: int, port: int, args: tuple, results) -> None:
-    os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        OMP_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
     import datetime
 
     import torch
@@ -32,7 +38,9 @@ def _worker(fn, rank: int, world_size: int, port: int, args: tuple, results) -> 
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60)
+        )
         value = fn(rank, world_size, *args)
         # plain pickle copies tensors by value (no shared-memory handles that die with this process)
         results.put((rank, True, pickle.dumps(value)))
@@ -59,8 +67,12 @@ def run_on_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0) 
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port = free_port()
-    procs = [context.Process(target=_worker, args=(fn, rank, world_size, port, args, results), daemon=True)
-             for rank in range(world_size)]
+    procs = [
+        context.Process(
+            target=_worker, args=(fn, rank, world_size, port, args, results), daemon=True
+        )
+        for rank in range(world_size)
+    ]
     for proc in procs:
         proc.start()
     outcome: dict[int, object] = {}
@@ -70,19 +82,29 @@ def run_on_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0) 
         while len(outcome) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout:.0f} s; "
-                                   f"ranks without a result: {sorted(set(range(world_size)) - set(outcome))}")
+                raise TimeoutError(
+                    f"{fn.__name__} on {world_size} ranks did not finish in {timeout:.0f} s; "
+                    f"ranks without a result: {sorted(set(range(world_size)) - set(outcome))}"
+                )
             try:
                 rank, ok, payload = results.get(timeout=min(remaining, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in outcome and p.exitcode not in (None, 0)]
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if r not in outcome and p.exitcode not in (None, 0)
+                ]
                 if dead:
-                    raise AssertionError(f"rank {dead[0]} of {fn.__name__} died with exit code "
-                                         f"{procs[dead[0]].exitcode} before reporting")
+                    raise AssertionError(
+                        f"rank {dead[0]} of {fn.__name__} died with exit code "
+                        f"{procs[dead[0]].exitcode} before reporting"
+                    )
                 continue
             if not ok:
                 failures = [(rank, payload)]
-                grace = time.monotonic() + 2.0  # let the other ranks' reports arrive, to find the cause
+                grace = (
+                    time.monotonic() + 2.0
+                )  # let the other ranks' reports arrive, to find the cause
                 while len(failures) + len(outcome) < world_size and time.monotonic() < grace:
                     try:
                         other_rank, other_ok, other_payload = results.get(timeout=0.2)
@@ -93,7 +115,9 @@ def run_on_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0) 
                 rank, trace = _root_cause(failures)
                 others = sorted(r for r, _ in failures if r != rank)
                 also = f" (ranks {others} failed too)" if others else ""
-                raise AssertionError(f"rank {rank} of {world_size} failed in {fn.__name__}{also}:\n{trace}")
+                raise AssertionError(
+                    f"rank {rank} of {world_size} failed in {fn.__name__}{also}:\n{trace}"
+                )
             outcome[rank] = pickle.loads(payload)
         finished = True
     finally:

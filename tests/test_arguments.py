@@ -33,12 +33,30 @@ def _args(corpus, *extra, flavour="gpt2"):
 
 
 def _world(n):
-    return {"RANK": "0", "WORLD_SIZE": str(n), "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+    return {
+        "RANK": "0",
+        "WORLD_SIZE": str(n),
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29999",
+    }
 
 
 def test_megatron_deepspeed_aliases(corpus):
-    cfg = parse_args(_args(corpus, "--num-key-value-heads", "2", "--normalization", "rmsnorm",
-                           "--use-rotary-position-embeddings", "--zero-stage", "1", "--deepspeed"), env=_world(2))
+    cfg = parse_args(
+        _args(
+            corpus,
+            "--num-key-value-heads",
+            "2",
+            "--normalization",
+            "rmsnorm",
+            "--use-rotary-position-embeddings",
+            "--zero-stage",
+            "1",
+            "--deepspeed",
+        ),
+        env=_world(2),
+    )
     assert cfg.model.num_query_groups == 2 and cfg.model.normalization == "RMSNorm"
     assert cfg.model.position_embedding_type == "rope"
     assert cfg.parallel.zero_stage == 1 and cfg.parallel.data_parallel_size == 2
@@ -56,19 +74,30 @@ def test_megatron_gqa_spelling_and_defaults(corpus):
 
 def test_deepspeed_config_consistency(corpus, tmp_path):
     ds = tmp_path / "ds.json"
-    ds.write_text(json.dumps({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2,
-                              "zero_optimization": {"stage": 1}}))
+    ds.write_text(
+        json.dumps(
+            {
+                "train_batch_size": 8,
+                "train_micro_batch_size_per_gpu": 2,
+                "zero_optimization": {"stage": 1},
+            }
+        )
+    )
     cfg = parse_args(_args(corpus, "--deepspeed_config", str(ds)), env=ONE_RANK)
     assert cfg.parallel.zero_stage == 1  # taken from the JSON when --zero-stage is absent
     built = build_deepspeed_config(cfg)
     assert built["gradient_accumulation_steps"] == 4 and built["gradient_clipping"] == 0.05
-    for bad, words in (({"train_batch_size": 16}, ["train_batch_size=16", "--global-batch-size is 8"]),
-                       ({"bf16": {"enabled": True}}, ["bf16.enabled=true", "--bf16 is not given"]),
-                       ({"zero_optimization": {"stage": 2}}, ["stage=2", "--zero-stage is 1"]),
-                       ({"optimizer": {"type": "AdamW"}}, ['"optimizer" section'])):
+    for bad, words in (
+        ({"train_batch_size": 16}, ["train_batch_size=16", "--global-batch-size is 8"]),
+        ({"bf16": {"enabled": True}}, ["bf16.enabled=true", "--bf16 is not given"]),
+        ({"zero_optimization": {"stage": 2}}, ["stage=2", "--zero-stage is 1"]),
+        ({"optimizer": {"type": "AdamW"}}, ['"optimizer" section']),
+    ):
         ds.write_text(json.dumps(bad))
         with pytest.raises(UserError) as err:
-            parse_args(_args(corpus, "--deepspeed_config", str(ds), "--zero-stage", "1"), env=ONE_RANK)
+            parse_args(
+                _args(corpus, "--deepspeed_config", str(ds), "--zero-stage", "1"), env=ONE_RANK
+            )
         assert all(w in str(err.value) for w in words), str(err.value)
 
 
@@ -76,12 +105,15 @@ def test_deepspeed_config_from_flags(corpus):
     zero0 = build_deepspeed_config(parse_args(_args(corpus), env=ONE_RANK))
     assert zero0["gradient_clipping"] == 0.0  # our optimizer clips with the true norm
     assert zero0["zero_optimization"]["stage"] == 0 and zero0["train_batch_size"] == 8
-    bf16 = build_deepspeed_config(parse_args(_args(corpus, "--bf16", "--zero-stage", "2", "--cpu-offload"),
-                                             env=ONE_RANK))
+    bf16 = build_deepspeed_config(
+        parse_args(_args(corpus, "--bf16", "--zero-stage", "2", "--cpu-offload"), env=ONE_RANK)
+    )
     assert bf16["bf16"] == {"enabled": True} and bf16["gradient_clipping"] == 0.05
     assert bf16["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     cfg = parse_args(_args(corpus), env=ONE_RANK)
-    fp16 = build_deepspeed_config(dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, fp16=True)))
+    fp16 = build_deepspeed_config(
+        dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, fp16=True))
+    )
     assert fp16["fp16"]["enabled"] and fp16["fp16"]["initial_scale_power"] == 32
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match="--fp16 needs a GPU"):
@@ -92,7 +124,9 @@ def test_lr_schedule_in_samples():
     kw = dict(max_lr=1.0, min_lr=0.1, warmup_samples=10, decay_samples=110, warmup_init=0.0)
     assert lr_at(0, style="cosine", **kw) == 0.0
     assert lr_at(5, style="cosine", **kw) == 0.5
-    assert lr_at(60, style="cosine", **kw) == pytest.approx(0.1 + 0.5 * 0.9)  # halfway: cos(pi/2) = 0
+    assert lr_at(60, style="cosine", **kw) == pytest.approx(
+        0.1 + 0.5 * 0.9
+    )  # halfway: cos(pi/2) = 0
     assert lr_at(60, style="linear", **kw) == pytest.approx(0.55)
     assert lr_at(200, style="linear", **kw) == 0.1
     assert lr_at(200, style="constant", **kw) == 1.0
@@ -109,10 +143,12 @@ def test_lr_schedule_in_samples():
 def test_flops_match_megatron_worked_example():
     from pretrain.model.config import ModelConfig
 
-    gpt2 = ModelConfig(num_layers=12, hidden_size=768, num_attention_heads=12, vocab_size=50257, seq_length=1024)
+    gpt2 = ModelConfig(
+        num_layers=12, hidden_size=768, num_attention_heads=12, vocab_size=50257, seq_length=1024
+    )
     per_token = flops_per_iteration(gpt2, 1, 50304) / 1024
     # 72 L h^2 + 6 L h s + 6 h V, by hand (spec: 0.798 GFLOP/token)
-    assert per_token == 72 * 12 * 768 ** 2 + 6 * 12 * 768 * 1024 + 6 * 768 * 50304
+    assert per_token == 72 * 12 * 768**2 + 6 * 12 * 768 * 1024 + 6 * 768 * 50304
     assert round(per_token / 1e9, 3) == 0.798
 
 
@@ -124,42 +160,104 @@ def test_no_weight_decay_on_biases_and_norms():
 
 
 def test_megatron_log_line():
-    line = format_iteration_line(IterationStats(
-        iteration=5, train_iters=100, consumed_samples=40, elapsed_ms=123.45, learning_rate=3e-4,
-        global_batch_size=8, lm_loss=1.2345678, loss_scale=1.0, grad_norm=0.5, skipped_iterations=0,
-        nan_iterations=0, tokens_per_second=1000.0, tflops_per_device=1.5, mfu=0.25))
-    assert line == (" iteration        5/     100 | consumed samples:           40 | elapsed time per iteration (ms):"
-                    " 123.5 | throughput per GPU (TFLOP/s/GPU): 1.500 | learning rate: 3.000000E-04 | global batch"
-                    " size:     8 | lm loss: 1.234568E+00 | loss scale: 1.0 | grad norm: 0.500 | number of skipped"
-                    " iterations:   0 | number of nan iterations:   0 | tokens per second: 1000.0 | MFU: 25.00% |")
+    line = format_iteration_line(
+        IterationStats(
+            iteration=5,
+            train_iters=100,
+            consumed_samples=40,
+            elapsed_ms=123.45,
+            learning_rate=3e-4,
+            global_batch_size=8,
+            lm_loss=1.2345678,
+            loss_scale=1.0,
+            grad_norm=0.5,
+            skipped_iterations=0,
+            nan_iterations=0,
+            tokens_per_second=1000.0,
+            tflops_per_device=1.5,
+            mfu=0.25,
+        )
+    )
+    assert line == (
+        " iteration        5/     100 | consumed samples:           40 | elapsed time per iteration (ms):"
+        " 123.5 | throughput per GPU (TFLOP/s/GPU): 1.500 | learning rate: 3.000000E-04 | global batch"
+        " size:     8 | lm loss: 1.234568E+00 | loss scale: 1.0 | grad norm: 0.500 | number of skipped"
+        " iterations:   0 | number of nan iterations:   0 | tokens per second: 1000.0 | MFU: 25.00% |"
+    )
 
 
 def test_launcher_detection():
-    slurm = detect_launch_env({"SLURM_PROCID": "5", "SLURM_NTASKS": "8", "SLURM_LOCALID": "1",
-                               "SLURM_NTASKS_PER_NODE": "4(x2)", "SLURM_JOB_NODELIST": "gpu[07-08]",
-                               "SLURM_JOB_ID": "1234"})
+    slurm = detect_launch_env(
+        {
+            "SLURM_PROCID": "5",
+            "SLURM_NTASKS": "8",
+            "SLURM_LOCALID": "1",
+            "SLURM_NTASKS_PER_NODE": "4(x2)",
+            "SLURM_JOB_NODELIST": "gpu[07-08]",
+            "SLURM_JOB_ID": "1234",
+        }
+    )
     assert (slurm.rank, slurm.world_size, slurm.local_rank, slurm.local_world_size) == (5, 8, 1, 4)
     assert (slurm.master_addr, slurm.master_port, slurm.launcher) == ("gpu07", 21234, "slurm")
-    ds = detect_launch_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_SIZE": "2",
-                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"})
+    ds = detect_launch_env(
+        {
+            "RANK": "1",
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": "1",
+            "LOCAL_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29500",
+        }
+    )
     assert (ds.rank, ds.local_world_size, ds.launcher) == (1, 2, "deepspeed")
     plain = detect_launch_env({})
-    assert (plain.rank, plain.world_size, plain.launcher) == (0, 1, "python") and plain.master_port > 0
+    assert (plain.rank, plain.world_size, plain.launcher) == (
+        0,
+        1,
+        "python",
+    ) and plain.master_port > 0
 
 
 CLI_ERRORS = [  # (extra flags, world size, words the one-line error must contain)
-    (["--tensor-model-parallel-size", "2"], 3, ["world size 3 is not divisible", "--tensor-model-parallel-size 2"]),
-    (["--global-batch-size", "6", "--micro-batch-size", "4"], 1,
-     ["--global-batch-size 6 is not divisible by --micro-batch-size 4"]),
-    (["--num-attention-heads", "6", "--hidden-size", "36", "--tensor-model-parallel-size", "4"], 4,
-     ["--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4"]),
-    (["--num-layers", "3", "--pipeline-model-parallel-size", "2"], 2,
-     ["--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"]),
-    (["--pipeline-model-parallel-size", "2", "--zero-stage", "2"], 2, ["--zero-stage 2", "ZeRO 0 and 1 only"]),
+    (
+        ["--tensor-model-parallel-size", "2"],
+        3,
+        ["world size 3 is not divisible", "--tensor-model-parallel-size 2"],
+    ),
+    (
+        ["--global-batch-size", "6", "--micro-batch-size", "4"],
+        1,
+        ["--global-batch-size 6 is not divisible by --micro-batch-size 4"],
+    ),
+    (
+        ["--num-attention-heads", "6", "--hidden-size", "36", "--tensor-model-parallel-size", "4"],
+        4,
+        ["--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4"],
+    ),
+    (
+        ["--num-layers", "3", "--pipeline-model-parallel-size", "2"],
+        2,
+        ["--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"],
+    ),
+    (
+        ["--pipeline-model-parallel-size", "2", "--zero-stage", "2"],
+        2,
+        ["--zero-stage 2", "ZeRO 0 and 1 only"],
+    ),
     (["--deepspeed_config", "DSJSON"], 1, ["train_batch_size=64", "--global-batch-size is 8"]),
     (["--data-path", "/nonexistent/corpus"], 1, ["/nonexistent/corpus.bin does not exist"]),
-    (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "/nonexistent/vocab.json", "--merge-file",
-      "/nonexistent/merges.txt"], 1, ["/nonexistent/vocab.json"]),
+    (
+        [
+            "--tokenizer-type",
+            "GPT2BPETokenizer",
+            "--vocab-file",
+            "/nonexistent/vocab.json",
+            "--merge-file",
+            "/nonexistent/merges.txt",
+        ],
+        1,
+        ["/nonexistent/vocab.json"],
+    ),
     (["--batch-size", "4"], 1, ["--batch-size", "use --micro-batch-size"]),
 ]
 
@@ -171,8 +269,19 @@ def test_validation_errors_through_the_real_cli(corpus, tmp_path):
     for extra, world, words in CLI_ERRORS:
         extra = [str(ds) if a == "DSJSON" else a for a in extra]
         env = clean_env(**(_world(world) if world > 1 else {}))
-        procs.append((subprocess.Popen([PYTHON, str(REPO / "pretrain_gpt.py"), *_args(corpus), *extra], cwd=REPO,
-                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True), words))
+        procs.append(
+            (
+                subprocess.Popen(
+                    [PYTHON, str(REPO / "pretrain_gpt.py"), *_args(corpus), *extra],
+                    cwd=REPO,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                ),
+                words,
+            )
+        )
     for proc, words in procs:
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 2, (words, out[-2000:], err[-2000:])
@@ -182,7 +291,11 @@ def test_validation_errors_through_the_real_cli(corpus, tmp_path):
 
 
 def test_cpu_threads_default_to_cores_per_rank():
-    from pretrain.training.distributed import LaunchEnv, default_threads_per_rank, prepare_process_environment
+    from pretrain.training.distributed import (
+        LaunchEnv,
+        default_threads_per_rank,
+        prepare_process_environment,
+    )
 
     before = torch.get_num_threads()
     env = {}

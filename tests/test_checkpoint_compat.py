@@ -19,9 +19,13 @@ def setup(tmp_path_factory):
     corpus = make_corpus(root / "corpus", num_docs=20)
     flags = model_flags("gpt2") + train_flags(corpus)
     cfg = parse_args(flags, env={})
-    weights = {k: v[: cfg.model.vocab_size] if k == "embedding.word_embeddings.weight" else v
-               for k, v in GPTModel(cfg.model).state_dict().items()}
-    ck = write_checkpoint(str(root / "ck"), weights, cfg.model, tokenizer=dataclasses.asdict(cfg.tokenizer))
+    weights = {
+        k: v[: cfg.model.vocab_size] if k == "embedding.word_embeddings.weight" else v
+        for k, v in GPTModel(cfg.model).state_dict().items()
+    }
+    ck = write_checkpoint(
+        str(root / "ck"), weights, cfg.model, tokenizer=dataclasses.asdict(cfg.tokenizer)
+    )
     return flags, cfg, ck
 
 
@@ -31,7 +35,9 @@ def test_weights_only_checkpoint_needs_finetune(setup):
         check_before_launch(parse_args(flags + ["--load", ck], env={}))
     check_before_launch(parse_args(flags + ["--load", ck, "--finetune"], env={}))
     with pytest.raises(UserError, match="cannot start a ZeRO-3 run"):
-        check_before_launch(parse_args(flags + ["--load", ck, "--finetune", "--zero-stage", "3"], env={}))
+        check_before_launch(
+            parse_args(flags + ["--load", ck, "--finetune", "--zero-stage", "3"], env={})
+        )
 
 
 def test_shapes_compare_resolved_sizes(setup):

@@ -29,18 +29,51 @@ convert_from_hf = load_tool("convert_from_hf")
 
 SPECIALS = dict(bos_token_id=None, eos_token_id=199)  # what the exported tokenizer's </s> gives
 HF_MODELS = {
-    "gpt2-tied": transformers.GPT2Config(**SPECIALS, vocab_size=200, n_positions=32, n_embd=32, n_layer=2, n_head=4,
-                                         activation_function="gelu"),
-    "gpt2-untied": transformers.GPT2Config(**SPECIALS, vocab_size=200, n_positions=32, n_embd=32, n_layer=2, n_head=4,
-                                           n_inner=48, activation_function="gelu", tie_word_embeddings=False),
-    "llama-gqa-untied": transformers.LlamaConfig(**SPECIALS, vocab_size=200, hidden_size=32, intermediate_size=80,
-                                                 num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
-                                                 max_position_embeddings=32, rms_norm_eps=1e-6,
-                                                 rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
-    "llama-bias-tied": transformers.LlamaConfig(**SPECIALS, vocab_size=200, hidden_size=32, intermediate_size=64,
-                                                num_hidden_layers=2, num_attention_heads=4, head_dim=16,
-                                                max_position_embeddings=32, attention_bias=True, mlp_bias=True,
-                                                tie_word_embeddings=True),
+    "gpt2-tied": transformers.GPT2Config(
+        **SPECIALS,
+        vocab_size=200,
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        activation_function="gelu",
+    ),
+    "gpt2-untied": transformers.GPT2Config(
+        **SPECIALS,
+        vocab_size=200,
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_inner=48,
+        activation_function="gelu",
+        tie_word_embeddings=False,
+    ),
+    "llama-gqa-untied": transformers.LlamaConfig(
+        **SPECIALS,
+        vocab_size=200,
+        hidden_size=32,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+    ),
+    "llama-bias-tied": transformers.LlamaConfig(
+        **SPECIALS,
+        vocab_size=200,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        head_dim=16,
+        max_position_embeddings=32,
+        attention_bias=True,
+        mlp_bias=True,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -49,7 +82,9 @@ def _save_tokenizer(folder) -> None:
     vocab = {f"w{i}": i for i in range(199)} | {"</s>": 199}
     backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
     backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    transformers.PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>").save_pretrained(folder)
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="</s>"
+    ).save_pretrained(folder)
 
 
 def _weights(folder) -> dict[str, torch.Tensor]:
@@ -66,17 +101,40 @@ def test_hf_to_ours_to_hf_is_identical(tmp_path, capsys, name):
     original.save_pretrained(tmp_path / "hf")
     _save_tokenizer(tmp_path / "hf")
 
-    convert_from_hf.main(["--load", str(tmp_path / "hf"), "--save", str(tmp_path / "ours"),
-                          "--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2"])
+    convert_from_hf.main(
+        [
+            "--load",
+            str(tmp_path / "hf"),
+            "--save",
+            str(tmp_path / "ours"),
+            "--target-tensor-parallel-size",
+            "2",
+            "--target-pipeline-parallel-size",
+            "2",
+        ]
+    )
     assert "continue pretraining with: pretrain_gpt.py" in capsys.readouterr().out
-    convert_to_hf.main(["--load", str(tmp_path / "ours"), "--output-dir", str(tmp_path / "back"), "--verify",
-                        "--prompt", "w5 w7", "--max-new-tokens", "4"])
+    convert_to_hf.main(
+        [
+            "--load",
+            str(tmp_path / "ours"),
+            "--output-dir",
+            str(tmp_path / "back"),
+            "--verify",
+            "--prompt",
+            "w5 w7",
+            "--max-new-tokens",
+            "4",
+        ]
+    )
 
     before, after = _weights(tmp_path / "hf"), _weights(tmp_path / "back")
     assert before.keys() == after.keys()
     for key, tensor in before.items():
         assert torch.equal(after[key], tensor), key
-    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", local_files_only=True)
+    exported = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "back", local_files_only=True
+    )
     unset = {"transformers_version": 0, "architectures": 0, "dtype": 0}
     assert exported.config.to_diff_dict() | unset == original.config.to_diff_dict() | unset
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "back", local_files_only=True)
@@ -87,7 +145,9 @@ def test_not_a_hf_folder(tmp_path):
     (tmp_path / "x").mkdir()
     with pytest.raises(UserError, match="no config.json"):
         convert_from_hf.main(["--load", str(tmp_path / "x"), "--save", str(tmp_path / "out")])
-    transformers.AutoModelForCausalLM.from_config(HF_MODELS["gpt2-tied"]).save_pretrained(tmp_path / "hf")
+    transformers.AutoModelForCausalLM.from_config(HF_MODELS["gpt2-tied"]).save_pretrained(
+        tmp_path / "hf"
+    )
     (tmp_path / "hf" / "model.safetensors").unlink()
     with pytest.raises(UserError, match="no model.safetensors"):
         convert_from_hf.main(["--load", str(tmp_path / "hf"), "--save", str(tmp_path / "out")])
@@ -95,25 +155,43 @@ def test_not_a_hf_folder(tmp_path):
 
 
 @pytest.mark.timeout(900)
-def test_ours_to_hf_to_ours_is_identical_and_training_continues_at_the_same_loss(checkpoints, corpus, tmp_path):
+def test_ours_to_hf_to_ours_is_identical_and_training_continues_at_the_same_loss(
+    checkpoints, corpus, tmp_path
+):
     runs, metrics = [], {}
     for flavour in ("gpt2", "llama"):
         source = str(checkpoints[flavour, "110"])
         hf, back = tmp_path / f"{flavour}_hf", tmp_path / f"{flavour}_back"
         convert_to_hf.main(["--load", source, "--output-dir", str(hf)])
-        convert_from_hf.main(["--load", str(hf), "--save", str(back), "--target-tensor-parallel-size", "2",
-                              "--target-pipeline-parallel-size", "2"])
+        convert_from_hf.main(
+            [
+                "--load",
+                str(hf),
+                "--save",
+                str(back),
+                "--target-tensor-parallel-size",
+                "2",
+                "--target-pipeline-parallel-size",
+                "2",
+            ]
+        )
         original, imported = read_checkpoint(source), read_checkpoint(str(back))
         assert imported.state_dict.keys() == original.state_dict.keys()
         for key, tensor in original.state_dict.items():
             assert torch.equal(imported.state_dict[key], tensor), key
 
         # one iteration of --finetune from each: the original at its layout, the import at TP=2, PP=2
-        for tag, load, model, layout in (("original", source, model_flags(flavour), (1, 1, 0)),
-                                         ("imported", str(back), finetune_flags(imported.config), (2, 2, 1))):
+        for tag, load, model, layout in (
+            ("original", source, model_flags(flavour), (1, 1, 0)),
+            ("imported", str(back), finetune_flags(imported.config), (2, 2, 1)),
+        ):
             metrics[flavour, tag] = tmp_path / f"{flavour}_{tag}.jsonl"
-            runs.append(model + train_flags(corpus, iters=1) + layout_flags(*layout)
-                        + ["--load", load, "--finetune", "--metrics-file", str(metrics[flavour, tag])])
+            runs.append(
+                model
+                + train_flags(corpus, iters=1)
+                + layout_flags(*layout)
+                + ["--load", load, "--finetune", "--metrics-file", str(metrics[flavour, tag])]
+            )
     launch_runs(runs, tmp_path)
     for flavour in ("gpt2", "llama"):
         original, imported = (read_metrics(metrics[flavour, t]) for t in ("original", "imported"))

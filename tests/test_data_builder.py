@@ -14,8 +14,15 @@ from pretrain.data.blended_dataset import BlendedDataset
 from pretrain.data.builder import build_train_valid_test_datasets, sizes_per_dataset
 from pretrain.data.config import DataConfig
 from pretrain.data.gpt_dataset import GPTDataset
-from test_data_gpt_dataset import (TOKENIZER, MegatronView, assert_same_arrays, assert_same_samples,
-                                   megatron_gpt, random_lengths, write_corpus)
+from test_data_gpt_dataset import (
+    TOKENIZER,
+    MegatronView,
+    assert_same_arrays,
+    assert_same_samples,
+    megatron_gpt,
+    random_lengths,
+    write_corpus,
+)
 
 GPT_ARRAYS = ["document_index", "sample_index", "shuffle_index"]
 S = 32
@@ -26,7 +33,9 @@ def megatron_world(tmp_path_factory):
     """megatron-core's BlendedDataset asks torch.distributed for the rank: a world of one."""
     if not torch.distributed.is_initialized():
         store = tmp_path_factory.mktemp("store") / "init"
-        torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"file://{store}", rank=0, world_size=1
+        )
         yield
         torch.distributed.destroy_process_group()
     else:
@@ -36,20 +45,39 @@ def megatron_world(tmp_path_factory):
 @pytest.fixture(scope="module")
 def corpora(tmp_path_factory):
     d = tmp_path_factory.mktemp("corpora")
-    return {name: write_corpus(str(d / name), random_lengths(n, seed=i, hi=50), seed=i)
-            for i, (name, n) in enumerate([("a", 150), ("b", 90), ("c", 60)])}
+    return {
+        name: write_corpus(str(d / name), random_lengths(n, seed=i, hi=50), seed=i)
+        for i, (name, n) in enumerate([("a", 150), ("b", 90), ("c", 60)])
+    }
 
 
 def build_both(tmp_path, sizes, blend=None, blend_per_split=None, split=None):
     mg, _, _ = megatron_gpt()
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    cfg = DataConfig(seq_length=S, seed=99, blend=blend, blend_per_split=blend_per_split, split=split,
-                     data_cache_path=str(tmp_path / "ours"))
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+
+    cfg = DataConfig(
+        seq_length=S,
+        seed=99,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=split,
+        data_cache_path=str(tmp_path / "ours"),
+    )
     ours = build_train_valid_test_datasets(cfg, TOKENIZER, sizes)
     mcfg = mg.GPTDatasetConfig(
-        random_seed=99, sequence_length=S, blend=blend, blend_per_split=blend_per_split, split=split,
-        path_to_cache=str(tmp_path / "theirs"), tokenizer=MegatronView(TOKENIZER),
-        reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False)
+        random_seed=99,
+        sequence_length=S,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=split,
+        path_to_cache=str(tmp_path / "theirs"),
+        tokenizer=MegatronView(TOKENIZER),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+    )
     theirs = BlendedMegatronDatasetBuilder(mg.GPTDataset, sizes, lambda: True, mcfg).build()
     return ours, theirs
 
@@ -87,7 +115,9 @@ def test_blends_equal_megatron(tmp_path, corpora, megatron_world, form):
         assert_same_dataset(o, t)
     if form == "weighted":  # today's sizing: size = sum ceil(N*w), mid-level ceil(ceil(N*w)*1.005)
         assert len(ours[0]) == sum(math.ceil(300 * w) for w in (0.3, 0.5, 0.2))
-        assert [d.num_samples for d in ours[0].datasets] == [r[0] for r in sizes_per_dataset([.3, .5, .2], [300], .005)]
+        assert [d.num_samples for d in ours[0].datasets] == [
+            r[0] for r in sizes_per_dataset([0.3, 0.5, 0.2], [300], 0.005)
+        ]
     # blend caches use megatron's names: {md5}-BlendedDataset-{split}-...
     if form in ("weighted", "extreme"):
         names = {f for f in os.listdir(tmp_path / "theirs") if "Blended" in f}
@@ -109,18 +139,30 @@ def test_extreme_weights_oversampling_is_fixed_not_an_index_error(tmp_path, mega
     raises IndexError; we build that prefix with the samples the blend needs."""
     mg, _, _ = megatron_gpt()
     from megatron.core.datasets import helpers_cpp
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+
     prefixes = [write_corpus(str(tmp_path / n), [10, 12, 11], seed=i) for i, n in enumerate("pqrs")]
     raw = [0.001, 3, 0.001, 0.001]
     per_split = [(prefixes, raw), None, None]
     sizes = [159, 0, 0]
-    mcfg = mg.GPTDatasetConfig(random_seed=1, sequence_length=8, blend_per_split=per_split,
-                               path_to_cache=str(tmp_path / "theirs"), tokenizer=MegatronView(TOKENIZER),
-                               reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False)
+    mcfg = mg.GPTDatasetConfig(
+        random_seed=1,
+        sequence_length=8,
+        blend_per_split=per_split,
+        path_to_cache=str(tmp_path / "theirs"),
+        tokenizer=MegatronView(TOKENIZER),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+    )
     with pytest.raises(IndexError, match="oversamples"):
         BlendedMegatronDatasetBuilder(mg.GPTDataset, sizes, lambda: True, mcfg).build()
 
-    cfg = DataConfig(seq_length=8, seed=1, blend_per_split=per_split, data_cache_path=str(tmp_path / "ours"))
+    cfg = DataConfig(
+        seq_length=8, seed=1, blend_per_split=per_split, data_cache_path=str(tmp_path / "ours")
+    )
     train, valid, test = build_train_valid_test_datasets(cfg, TOKENIZER, sizes)
     assert valid is None and test is None
     targets = [math.ceil(159 * w / sum(raw)) for w in raw]
@@ -140,6 +182,7 @@ def test_extreme_weights_oversampling_is_fixed_not_an_index_error(tmp_path, mega
 
 def test_missing_prefix_is_a_user_error(tmp_path):
     from pretrain.errors import UserError
+
     cfg = DataConfig(seq_length=8, blend=([str(tmp_path / "nope")], None), split="1")
     with pytest.raises(UserError, match="no .*nope.bin"):
         build_train_valid_test_datasets(cfg, TOKENIZER, [10, 0, 0])
@@ -150,13 +193,19 @@ def test_empty_split_is_skipped_with_a_message_not_a_hang(tmp_path, caplog):
     # 20 sequences, 949,50,1: test = [round(0.999*20), 20) = [20, 20) is empty (megatron loops forever)
     prefix = write_corpus(str(tmp_path / "small"), random_lengths(20, seed=4))
     other = write_corpus(str(tmp_path / "big"), random_lengths(2000, seed=5, hi=10))
-    cfg = DataConfig(seq_length=8, blend=([prefix], None), split="949,50,1", data_cache_path=str(tmp_path / "c"))
+    cfg = DataConfig(
+        seq_length=8, blend=([prefix], None), split="949,50,1", data_cache_path=str(tmp_path / "c")
+    )
     train, valid, test = build_train_valid_test_datasets(cfg, TOKENIZER, [20, 4, 2])
     assert isinstance(train, GPTDataset) and isinstance(valid, GPTDataset) and test is None
     assert "the test split gets 0 of 20 sequences" in caplog.text
     # in a blend the empty member is left out of that split only
-    cfg = DataConfig(seq_length=8, blend=([prefix, other], [0.5, 0.5]), split="949,50,1",
-                     data_cache_path=str(tmp_path / "c"))
+    cfg = DataConfig(
+        seq_length=8,
+        blend=([prefix, other], [0.5, 0.5]),
+        split="949,50,1",
+        data_cache_path=str(tmp_path / "c"),
+    )
     train, valid, test = build_train_valid_test_datasets(cfg, TOKENIZER, [20, 4, 2])
     assert len(train.datasets) == 2 and len(test.datasets) == 1
     assert test.datasets[0].dataset_path == other and len(test) == 1  # ceil(2 * 0.5)

@@ -21,8 +21,18 @@ NAMES = ("document_index", "sample_index", "shuffle_index")
 
 def make(prefix, cache_dir, num_samples=200):
     indexed = IndexedDataset(prefix)
-    cfg = DataConfig(seq_length=16, seed=7, blend=([prefix], None), split="1", data_cache_path=cache_dir)
-    return GPTDataset(indexed, prefix, np.arange(len(indexed), dtype=np.int32), num_samples, "train", cfg, TOKENIZER)
+    cfg = DataConfig(
+        seq_length=16, seed=7, blend=([prefix], None), split="1", data_cache_path=cache_dir
+    )
+    return GPTDataset(
+        indexed,
+        prefix,
+        np.arange(len(indexed), dtype=np.int32),
+        num_samples,
+        "train",
+        cfg,
+        TOKENIZER,
+    )
 
 
 def arrays(ds):
@@ -51,8 +61,9 @@ def cache_file(cache_dir, suffix):
     return os.path.join(cache_dir, name)
 
 
-@pytest.mark.parametrize("damage", ["truncate_npy", "garbage_npy", "wrong_shape_npy", "other_description",
-                                    "missing_npy"])
+@pytest.mark.parametrize(
+    "damage", ["truncate_npy", "garbage_npy", "wrong_shape_npy", "other_description", "missing_npy"]
+)
 def test_damaged_cache_is_rebuilt_not_trusted(tmp_path, corpus, monkeypatch, damage):
     cache_dir = str(tmp_path / "cache")
     expected = arrays(make(corpus, cache_dir))
@@ -102,7 +113,10 @@ def test_concurrent_builders_build_once_and_agree(tmp_path, corpus):
     cache_dir = str(tmp_path / "shared_cache")
     n = 4
     barrier, results = ctx.Barrier(n), ctx.Queue()
-    procs = [ctx.Process(target=_builder_process, args=(corpus, cache_dir, barrier, results, 1.0)) for _ in range(n)]
+    procs = [
+        ctx.Process(target=_builder_process, args=(corpus, cache_dir, barrier, results, 1.0))
+        for _ in range(n)
+    ]
     for p in procs:
         p.start()
     out = [results.get(timeout=100) for _ in range(n)]
@@ -168,6 +182,7 @@ def test_node_without_the_shared_cache_builds_its_own(tmp_path, corpus, monkeypa
 
 def test_unwritable_cache_dir_is_a_user_error(tmp_path, corpus):
     from pretrain.errors import UserError
+
     blocker = tmp_path / "file"
     blocker.write_text("x")
     with pytest.raises(UserError, match="--data-cache-path"):

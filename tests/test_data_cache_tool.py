@@ -18,7 +18,9 @@ TOOL = os.path.join(ROOT, "tools", "build_data_cache.py")
 
 def run_tool(args):
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, TOOL, *args], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 @pytest.mark.timeout(180)
@@ -26,11 +28,45 @@ def test_tool_builds_caches_from_a_training_command_line(tmp_path, monkeypatch):
     a = write_corpus(str(tmp_path / "a"), random_lengths(1000, seed=1))
     b = write_corpus(str(tmp_path / "b"), random_lengths(1000, seed=2))
     cache = str(tmp_path / "cache")
-    data_flags = ["--data-path", "0.6", a, "0.4", b, "--split", "949,50,1", "--seq-length", "64",
-                  "--train-iters", "30", "--global-batch-size", "8", "--eval-interval", "10", "--eval-iters", "2",
-                  "--data-cache-path", cache, "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
-    training_only = ["--num-layers", "2", "--hidden-size", "64", "--lr", "1e-4", "--bf16",
-                     "--tensor-model-parallel-size", "2", "--train", "--save", str(tmp_path / "ckpt")]
+    data_flags = [
+        "--data-path",
+        "0.6",
+        a,
+        "0.4",
+        b,
+        "--split",
+        "949,50,1",
+        "--seq-length",
+        "64",
+        "--train-iters",
+        "30",
+        "--global-batch-size",
+        "8",
+        "--eval-interval",
+        "10",
+        "--eval-iters",
+        "2",
+        "--data-cache-path",
+        cache,
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        "1000",
+    ]
+    training_only = [
+        "--num-layers",
+        "2",
+        "--hidden-size",
+        "64",
+        "--lr",
+        "1e-4",
+        "--bf16",
+        "--tensor-model-parallel-size",
+        "2",
+        "--train",
+        "--save",
+        str(tmp_path / "ckpt"),
+    ]
     proc = run_tool(training_only[:4] + data_flags + training_only[4:])
     assert proc.returncode == 0, proc.stderr
     assert "train: BlendedDataset with 240 samples (requested 240)" in proc.stdout
@@ -43,17 +79,36 @@ def test_tool_builds_caches_from_a_training_command_line(tmp_path, monkeypatch):
     # training with the same flags finds every cache: nothing is built again
     calls = []
     real = gpt_dataset.build_indices
-    monkeypatch.setattr(gpt_dataset, "build_indices", lambda *a, **k: calls.append(1) or real(*a, **k))
-    cfg = DataConfig(seq_length=64, blend=([a, b], [0.6, 0.4]), split="949,50,1", data_cache_path=cache)
+    monkeypatch.setattr(
+        gpt_dataset, "build_indices", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    cfg = DataConfig(
+        seq_length=64, blend=([a, b], [0.6, 0.4]), split="949,50,1", data_cache_path=cache
+    )
     counts = train_valid_test_num_samples(30, None, 10, 2, 8)
     train, valid, test = build_train_valid_test_datasets(cfg, TOKENIZER, counts)
     assert calls == [] and len(train) == 240
 
 
 def test_tool_reports_user_errors_without_traceback(tmp_path):
-    proc = run_tool(["--data-path", str(tmp_path / "missing"), "--split", "1", "--seq-length", "8",
-                     "--train-iters", "1", "--global-batch-size", "1", "--tokenizer-type", "NullTokenizer",
-                     "--vocab-size", "10"])
+    proc = run_tool(
+        [
+            "--data-path",
+            str(tmp_path / "missing"),
+            "--split",
+            "1",
+            "--seq-length",
+            "8",
+            "--train-iters",
+            "1",
+            "--global-batch-size",
+            "1",
+            "--tokenizer-type",
+            "NullTokenizer",
+            "--vocab-size",
+            "10",
+        ]
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
     assert "missing" in proc.stderr and "Traceback" not in proc.stderr

@@ -5,8 +5,13 @@ import json
 
 import pytest
 
-from pretrain.data.config import (DataConfig, add_data_args, add_sample_count_args, parse_blend,
-                                  train_valid_test_num_samples)
+from pretrain.data.config import (
+    DataConfig,
+    add_data_args,
+    add_sample_count_args,
+    parse_blend,
+    train_valid_test_num_samples,
+)
 from pretrain.errors import UserError
 
 
@@ -31,9 +36,27 @@ def test_blend_forms():
 
 
 def test_flags_to_config(tmp_path):
-    cfg = parse(["--data-path", "0.2", "p1", "0.8", "p2", "--split", "949,50,1", "--seq-length", "128",
-                 "--seed", "5", "--data-cache-path", str(tmp_path), "--eod-mask-loss",
-                 "--no-create-attention-mask-in-dataloader", "--dataloader-type", "cyclic"])
+    cfg = parse(
+        [
+            "--data-path",
+            "0.2",
+            "p1",
+            "0.8",
+            "p2",
+            "--split",
+            "949,50,1",
+            "--seq-length",
+            "128",
+            "--seed",
+            "5",
+            "--data-cache-path",
+            str(tmp_path),
+            "--eod-mask-loss",
+            "--no-create-attention-mask-in-dataloader",
+            "--dataloader-type",
+            "cyclic",
+        ]
+    )
     assert cfg.blend == (["p1", "p2"], [0.2, 0.8]) and cfg.blend_per_split is None
     assert (cfg.seq_length, cfg.seed, cfg.split) == (128, 5, "949,50,1")
     assert cfg.eod_mask_loss and not cfg.create_attention_mask and cfg.dataloader_type == "cyclic"
@@ -43,8 +66,9 @@ def test_flags_to_config(tmp_path):
 def test_data_args_path_and_per_split_files(tmp_path):
     args_file = tmp_path / "blend.txt"
     args_file.write_text("0.5 a\n0.5   b\n")
-    assert parse(["--data-args-path", str(args_file), "--split", "1", "--seq-length", "8"]).blend == (
-        ["a", "b"], [0.5, 0.5])
+    assert parse(
+        ["--data-args-path", str(args_file), "--split", "1", "--seq-length", "8"]
+    ).blend == (["a", "b"], [0.5, 0.5])
     per_split = tmp_path / "splits.json"
     per_split.write_text(json.dumps({"train": "1 a 3 b", "valid": ["c"], "test": None}))
     cfg = parse(["--per-split-data-args-path", str(per_split), "--seq-length", "8"])
@@ -60,15 +84,21 @@ def test_legacy_default_split_with_warning():
     assert cfg.split == "969, 30, 1"
 
 
-@pytest.mark.parametrize("argv,match", [
-    (["--data-path", "a", "--train-data-path", "b", "--seq-length", "8"], "cannot be combined"),
-    (["--train-data-path", "b", "--split", "1,1,1", "--seq-length", "8"], "--split cannot be combined"),
-    (["--seq-length", "8"], "no data given"),
-    (["--data-path", "a", "--split", "1,1,1,1", "--seq-length", "8"], "up to three"),
-    (["--data-path", "a", "--split", "0,0", "--seq-length", "8"], "sum to zero"),
-    (["--data-path", "a", "--split", "1"], "--seq-length"),
-    (["--data-args-path", "/nonexistent/blend.txt", "--seq-length", "8"], "cannot read"),
-])
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--data-path", "a", "--train-data-path", "b", "--seq-length", "8"], "cannot be combined"),
+        (
+            ["--train-data-path", "b", "--split", "1,1,1", "--seq-length", "8"],
+            "--split cannot be combined",
+        ),
+        (["--seq-length", "8"], "no data given"),
+        (["--data-path", "a", "--split", "1,1,1,1", "--seq-length", "8"], "up to three"),
+        (["--data-path", "a", "--split", "0,0", "--seq-length", "8"], "sum to zero"),
+        (["--data-path", "a", "--split", "1"], "--seq-length"),
+        (["--data-args-path", "/nonexistent/blend.txt", "--seq-length", "8"], "cannot read"),
+    ],
+)
 def test_bad_flags_name_the_flag(argv, match):
     with pytest.raises(UserError, match=match):
         parse(argv)

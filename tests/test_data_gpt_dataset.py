@@ -53,6 +53,7 @@ def megatron_gpt():
     import megatron.core.datasets.gpt_dataset as mg
     from megatron.core.datasets.indexed_dataset import IndexedDataset as MIndexed
     from megatron.core.datasets.utils import Split
+
     return mg, MIndexed, Split
 
 
@@ -86,6 +87,7 @@ def assert_same_samples(ours, theirs, indices):
 
 # ---- split and epoch arithmetic -----------------------------------------------------------------
 
+
 def test_split_example_from_spec():
     r = split_ranges(12345, split_matrix("949,50,1"))
     assert [(int(a[0]), int(a[-1]) + 1) for a in r] == [(0, 11715), (11715, 12333), (12333, 12345)]
@@ -118,19 +120,29 @@ CASES = [
     # (num_samples, split index, flags, extra_token, drop_last)
     (None, 0, {}, 1, True),
     (40, 0, {}, 1, True),
-    ("one_past_epoch", 0, {}, 1, True),     # 2 epochs, separate final epoch
-    ("most_of_epoch", 0, {}, 1, True),      # 2 epochs, shuffled jointly
-    (300, 0, {"eod_mask_loss": True, "reset_position_ids": True, "reset_attention_mask": True}, 1, True),
+    ("one_past_epoch", 0, {}, 1, True),  # 2 epochs, separate final epoch
+    ("most_of_epoch", 0, {}, 1, True),  # 2 epochs, shuffled jointly
+    (
+        300,
+        0,
+        {"eod_mask_loss": True, "reset_position_ids": True, "reset_attention_mask": True},
+        1,
+        True,
+    ),
     (60, 1, {"create_attention_mask": False}, 1, False),  # partial final sample: padded
-    (80, 0, {"reset_position_ids": True}, 0, True),      # add_extra_token_to_sequence = False
+    (80, 0, {"reset_position_ids": True}, 0, True),  # add_extra_token_to_sequence = False
     (30, 1, {"eod_mask_loss": True}, 0, False),
 ]
 
 
 @pytest.mark.parametrize("num_samples,split,flags,extra_token,drop_last", CASES)
-def test_indices_and_samples_equal_megatron(tmp_path, num_samples, split, flags, extra_token, drop_last):
+def test_indices_and_samples_equal_megatron(
+    tmp_path, num_samples, split, flags, extra_token, drop_last
+):
     mg, MIndexed, Split = megatron_gpt()
-    prefix = write_corpus(str(tmp_path / "corpus"), random_lengths(120, seed=split + 7), eod_every=13)
+    prefix = write_corpus(
+        str(tmp_path / "corpus"), random_lengths(120, seed=split + 7), eod_every=13
+    )
     S, seed, split_str = 32, 4321, "90,8,2"
     indexed = IndexedDataset(prefix)
     indices = split_ranges(len(indexed), split_matrix(split_str))[split]
@@ -139,19 +151,39 @@ def test_indices_and_samples_equal_megatron(tmp_path, num_samples, split, flags,
         num_samples = per_epoch + 1
     elif num_samples == "most_of_epoch":
         num_samples = per_epoch + int(0.8 * per_epoch) + 1
-    cfg = DataConfig(seq_length=S, seed=seed, blend=([prefix], None), split=split_str,
-                     data_cache_path=str(tmp_path / "ours"), **flags)
+    cfg = DataConfig(
+        seq_length=S,
+        seed=seed,
+        blend=([prefix], None),
+        split=split_str,
+        data_cache_path=str(tmp_path / "ours"),
+        **flags,
+    )
     split_name = ["train", "valid", "test"][split]
-    ours = GPTDataset(indexed, prefix, indices, num_samples, split_name, cfg, TOKENIZER,
-                      extra_token=extra_token, drop_last=drop_last)
+    ours = GPTDataset(
+        indexed,
+        prefix,
+        indices,
+        num_samples,
+        split_name,
+        cfg,
+        TOKENIZER,
+        extra_token=extra_token,
+        drop_last=drop_last,
+    )
     mcfg = mg.GPTDatasetConfig(
-        random_seed=seed, sequence_length=S, blend=([prefix], None), split=split_str,
-        path_to_cache=str(tmp_path / "theirs"), tokenizer=MegatronView(TOKENIZER),
+        random_seed=seed,
+        sequence_length=S,
+        blend=([prefix], None),
+        split=split_str,
+        path_to_cache=str(tmp_path / "theirs"),
+        tokenizer=MegatronView(TOKENIZER),
         reset_position_ids=flags.get("reset_position_ids", False),
         reset_attention_mask=flags.get("reset_attention_mask", False),
         eod_mask_loss=flags.get("eod_mask_loss", False),
         create_attention_mask=flags.get("create_attention_mask", True),
-        add_extra_token_to_sequence=bool(extra_token), drop_last_partial_validation_sequence=drop_last,
+        add_extra_token_to_sequence=bool(extra_token),
+        drop_last_partial_validation_sequence=drop_last,
     )
     assert drop_last or split == 1  # megatron applies drop_last=False to the valid split only
     theirs = mg.GPTDataset(MIndexed(prefix), prefix, indices, num_samples, Split(split), mcfg)
@@ -162,7 +194,8 @@ def test_indices_and_samples_equal_megatron(tmp_path, num_samples, split, flags,
     assert_same_samples(ours, theirs, range(len(ours)))
     # same cache file names, same bytes in the arrays
     assert {f for f in os.listdir(tmp_path / "theirs")} == {
-        f for f in os.listdir(tmp_path / "ours") if not f.endswith(".lock")}
+        f for f in os.listdir(tmp_path / "ours") if not f.endswith(".lock")
+    }
     for f in os.listdir(tmp_path / "theirs"):
         if f.endswith(".npy"):
             a, b = np.load(tmp_path / "ours" / f), np.load(tmp_path / "theirs" / f)
@@ -188,8 +221,14 @@ def test_default_cache_dir_is_beside_the_prefix_and_reloads_by_mmap(tmp_path):
 def test_masks_and_position_ids_by_hand():
     eod = 9
     tokens = torch.tensor([1, 9, 2, 3, 9, 4])
-    cfg = DataConfig(seq_length=6, blend=(["p"], None), split="1", eod_mask_loss=True,
-                     reset_position_ids=True, reset_attention_mask=True)
+    cfg = DataConfig(
+        seq_length=6,
+        blend=(["p"], None),
+        split="1",
+        eod_mask_loss=True,
+        reset_position_ids=True,
+        reset_attention_mask=True,
+    )
     mask, loss_mask, pos = masks_and_position_ids(tokens, eod, cfg)
     assert pos.tolist() == [0, 1, 0, 1, 2, 0]
     assert loss_mask.tolist() == [1, 0, 1, 1, 0, 1]
@@ -211,7 +250,12 @@ def test_masks_and_position_ids_by_hand():
 
 def test_too_small_split_is_a_user_error(tmp_path):
     from pretrain.errors import UserError
+
     prefix = write_corpus(str(tmp_path / "c"), [1, 1])
-    cfg = DataConfig(seq_length=16, blend=([prefix], None), split="1", data_cache_path=str(tmp_path / "x"))
+    cfg = DataConfig(
+        seq_length=16, blend=([prefix], None), split="1", data_cache_path=str(tmp_path / "x")
+    )
     with pytest.raises(UserError, match="too few"):
-        GPTDataset(IndexedDataset(prefix), prefix, np.array([0], np.int32), 5, "train", cfg, TOKENIZER)
+        GPTDataset(
+            IndexedDataset(prefix), prefix, np.array([0], np.int32), 5, "train", cfg, TOKENIZER
+        )

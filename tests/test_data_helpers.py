@@ -14,6 +14,7 @@ from megatron.core.datasets import helpers_cpp  # test-only oracle (dev dependen
 
 # ---- pure-Python references, transcribed from specs/megatron-data.md §3/§4 pseudocode ----------
 
+
 def reference_sample_index(sizes, doc_idx, S, E, T, drop_last, x):
     if drop_last:
         n = (E * T - x) // S
@@ -73,6 +74,7 @@ def reference_exhaustive_blending(sizes):
 
 # ---- worked examples from the spec ----------------------------------------------------------------
 
+
 def test_spec_worked_example_sample_index():
     sizes = np.array([5, 3, 7], dtype=np.int32)
     doc_idx = np.array([2, 0, 1], dtype=np.int32)
@@ -96,23 +98,33 @@ def test_sample_index_dtype_becomes_int64_past_int32():
     sizes = np.array([big], dtype=np.int64)
     out = helpers.build_sample_index(sizes, np.array([0], np.int32), 2**30, 1, big)
     assert out.dtype == np.int64
-    assert out.tolist() == [list(r) for r in reference_sample_index(sizes, [0], 2**30, 1, big, True, 1)]
+    assert out.tolist() == [
+        list(r) for r in reference_sample_index(sizes, [0], 2**30, 1, big, True, 1)
+    ]
     assert out.tolist() == [[0, 0], [0, 2**30], [0, 2**31]]
 
 
 def test_exhaustive_blending_small():
     di, dsi = helpers.build_exhaustive_blending_indices(np.array([2, 0, 3]))
-    assert list(zip(di.tolist(), dsi.tolist())) == list(zip(*reference_exhaustive_blending([2, 0, 3])))
+    assert list(zip(di.tolist(), dsi.tolist())) == list(
+        zip(*reference_exhaustive_blending([2, 0, 3]))
+    )
     assert sorted(zip(di.tolist(), dsi.tolist())) == [(0, 0), (0, 1), (2, 0), (2, 1), (2, 2)]
 
 
 # ---- random inputs ---------------------------------------------------------------------------------
 
+
 @st.composite
 def sample_index_inputs(draw):
     num_seq = draw(st.integers(1, 12))
-    sizes = np.array(draw(st.lists(st.integers(0, 20), min_size=num_seq, max_size=num_seq)), np.int32)
-    indices = np.array(sorted(set(draw(st.lists(st.integers(0, num_seq - 1), min_size=1, max_size=num_seq)))), np.int32)
+    sizes = np.array(
+        draw(st.lists(st.integers(0, 20), min_size=num_seq, max_size=num_seq)), np.int32
+    )
+    indices = np.array(
+        sorted(set(draw(st.lists(st.integers(0, num_seq - 1), min_size=1, max_size=num_seq)))),
+        np.int32,
+    )
     x = draw(st.sampled_from([0, 1]))
     T = int(sizes[indices].sum())
     if T <= x:  # megatron needs at least one token beyond the extra token per epoch
@@ -132,7 +144,9 @@ def sample_index_inputs(draw):
 def test_sample_index_matches_reference_and_megatron(args):
     sizes, doc_idx, S, E, T, drop_last, x = args
     ours = helpers.build_sample_index(sizes, doc_idx, S, E, T, drop_last=drop_last, extra_token=x)
-    assert ours.tolist() == [list(r) for r in reference_sample_index(sizes, doc_idx, S, E, T, drop_last, x)]
+    assert ours.tolist() == [
+        list(r) for r in reference_sample_index(sizes, doc_idx, S, E, T, drop_last, x)
+    ]
     theirs = helpers_cpp.build_sample_idx_int32(sizes, doc_idx, S, E, T, drop_last, x)
     assert ours.dtype == theirs.dtype == np.int32
     np.testing.assert_array_equal(ours, theirs)
@@ -164,6 +178,8 @@ def test_exhaustive_blending_matches_reference_and_megatron(sizes):
         return  # megatron never passes an empty dataset here (it asserts weights > 0); its C++ would overrun
     m_di = np.zeros(sum(sizes), np.int16)
     m_dsi = np.zeros(sum(sizes), np.int64)
-    helpers_cpp.build_exhaustive_blending_indices(m_di, m_dsi, np.array(sizes, np.int64), len(sizes))
+    helpers_cpp.build_exhaustive_blending_indices(
+        m_di, m_dsi, np.array(sizes, np.int64), len(sizes)
+    )
     np.testing.assert_array_equal(di, m_di)
     np.testing.assert_array_equal(dsi, m_dsi)

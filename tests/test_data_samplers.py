@@ -11,20 +11,28 @@ from hypothesis import strategies as st
 from pretrain.data.config import DataConfig
 from pretrain.data.gpt_dataset import GPTDataset
 from pretrain.data.indexed_dataset import IndexedDataset
-from pretrain.data.samplers import PretrainingRandomSampler, PretrainingSampler, build_pretraining_data_loader
+from pretrain.data.samplers import (
+    PretrainingRandomSampler,
+    PretrainingSampler,
+    build_pretraining_data_loader,
+)
 from pretrain.errors import UserError
 from test_data_gpt_dataset import TOKENIZER, random_lengths, write_corpus
 
 
 @settings(max_examples=60, deadline=None)
-@given(total=st.integers(1, 200), mbs=st.integers(1, 4), dp=st.sampled_from([1, 2, 4]), data=st.data())
+@given(
+    total=st.integers(1, 200), mbs=st.integers(1, 4), dp=st.sampled_from([1, 2, 4]), data=st.data()
+)
 def test_single_sampler_matches_spec_formula(total, mbs, dp, data):
     block = mbs * dp
     consumed = data.draw(st.integers(0, max(0, total - 1)))
     for r in range(dp):
         got = list(PretrainingSampler(total, consumed, mbs, r, dp))
         steps = (total - consumed) // block  # trailing partial block dropped
-        assert got == [[consumed + m * block + r * mbs + j for j in range(mbs)] for m in range(steps)]
+        assert got == [
+            [consumed + m * block + r * mbs + j for j in range(mbs)] for m in range(steps)
+        ]
 
 
 @settings(max_examples=40, deadline=None)
@@ -38,9 +46,16 @@ def test_single_sampler_global_order_does_not_depend_on_dp(total, mbs, data):
         per_rank = [list(PretrainingSampler(total, consumed, mbs, r, dp)) for r in range(dp)]
         micro_per_step = gbs // (mbs * dp)
         n_steps = len(per_rank[0]) // micro_per_step
-        steps[dp] = [sorted(itertools.chain.from_iterable(
-            per_rank[r][s * micro_per_step + k] for r in range(dp) for k in range(micro_per_step)))
-            for s in range(n_steps)]
+        steps[dp] = [
+            sorted(
+                itertools.chain.from_iterable(
+                    per_rank[r][s * micro_per_step + k]
+                    for r in range(dp)
+                    for k in range(micro_per_step)
+                )
+            )
+            for s in range(n_steps)
+        ]
     assert steps[1] == steps[2] == steps[4]
     assert steps[1] and steps[1][0] == list(range(consumed, consumed + gbs))
 
@@ -65,7 +80,9 @@ def test_cyclic_sampler_first_epoch_matches_spec(sharding):
         perm = torch.randperm(bucket, generator=g).tolist()
         for r in range(dp):
             got = _take(PretrainingRandomSampler(total, 0, mbs, r, dp, True), bucket // mbs)
-            assert got == [[r * bucket + perm[k + j] for j in range(mbs)] for k in range(0, bucket, mbs)]
+            assert got == [
+                [r * bucket + perm[k + j] for j in range(mbs)] for k in range(0, bucket, mbs)
+            ]
     else:
         perm = torch.randperm((total // mbs) * mbs, generator=g).tolist()
         for r in range(dp):
@@ -78,17 +95,24 @@ def test_cyclic_sampler_epochs_cover_each_sample_once_and_resume(sharding):
     total, mbs, dp = 50, 3, 2
     active = total - total % (mbs * dp)
     per_epoch = active // (mbs * dp)
-    runs = [_take(PretrainingRandomSampler(total, 0, mbs, r, dp, sharding), 3 * per_epoch) for r in range(dp)]
+    runs = [
+        _take(PretrainingRandomSampler(total, 0, mbs, r, dp, sharding), 3 * per_epoch)
+        for r in range(dp)
+    ]
     for e in range(3):
-        seen = sorted(i for r in range(dp) for b in runs[r][e * per_epoch:(e + 1) * per_epoch] for i in b)
+        seen = sorted(
+            i for r in range(dp) for b in runs[r][e * per_epoch : (e + 1) * per_epoch] for i in b
+        )
         assert len(seen) == len(set(seen)) == active
         assert all(0 <= i < total for i in seen)
-    assert runs[0][:per_epoch] != runs[0][per_epoch:2 * per_epoch]  # a new order each epoch
+    assert runs[0][:per_epoch] != runs[0][per_epoch : 2 * per_epoch]  # a new order each epoch
     # resume at any step (also across an epoch boundary) continues the exact sequence
     for step in (1, per_epoch - 1, per_epoch, per_epoch + 2):
         for r in range(dp):
-            resumed = _take(PretrainingRandomSampler(total, step * mbs * dp, mbs, r, dp, sharding), 5)
-            assert resumed == runs[r][step:step + 5]
+            resumed = _take(
+                PretrainingRandomSampler(total, step * mbs * dp, mbs, r, dp, sharding), 5
+            )
+            assert resumed == runs[r][step : step + 5]
 
 
 def test_cyclic_sampler_rejects_misaligned_resume():
@@ -99,22 +123,34 @@ def test_cyclic_sampler_rejects_misaligned_resume():
 @pytest.mark.timeout(120)
 def test_loader_resume_continues_exact_sequence(tmp_path):
     prefix = write_corpus(str(tmp_path / "c"), random_lengths(60, seed=5))
-    cfg = DataConfig(seq_length=16, blend=([prefix], None), split="1", data_cache_path=str(tmp_path / "cache"),
-                     num_workers=1)
+    cfg = DataConfig(
+        seq_length=16,
+        blend=([prefix], None),
+        split="1",
+        data_cache_path=str(tmp_path / "cache"),
+        num_workers=1,
+    )
     indexed = IndexedDataset(prefix)
-    ds = GPTDataset(indexed, prefix, np.arange(len(indexed), dtype=np.int32), 64, "train", cfg, TOKENIZER)
+    ds = GPTDataset(
+        indexed, prefix, np.arange(len(indexed), dtype=np.int32), 64, "train", cfg, TOKENIZER
+    )
     mbs, dp = 2, 2
     full = [list(build_pretraining_data_loader(ds, 0, mbs, r, dp, cfg)) for r in range(dp)]
     batch = full[0][0]
     assert batch["tokens"].shape == (mbs, 16) and batch["tokens"].dtype == torch.int64
     assert batch["labels"].dtype == torch.int64 and batch["position_ids"].dtype == torch.int64
     assert batch["loss_mask"].dtype == torch.float32
-    assert batch["attention_mask"].shape == (mbs, 1, 16, 16) and batch["attention_mask"].dtype == torch.bool
+    assert (
+        batch["attention_mask"].shape == (mbs, 1, 16, 16)
+        and batch["attention_mask"].dtype == torch.bool
+    )
     causal_masked = ~torch.ones(16, 16).tril().bool()
     assert all(torch.equal(batch["attention_mask"][i, 0], causal_masked) for i in range(mbs))
     assert torch.equal(batch["position_ids"], torch.arange(16).expand(mbs, 16))
     # micro-batch m on rank r is samples consumed + m*mbs*dp + r*mbs + [0, mbs)
-    assert torch.equal(full[1][3]["tokens"], torch.stack([ds[3 * 4 + 2]["tokens"], ds[3 * 4 + 3]["tokens"]]))
+    assert torch.equal(
+        full[1][3]["tokens"], torch.stack([ds[3 * 4 + 2]["tokens"], ds[3 * 4 + 3]["tokens"]])
+    )
     consumed = 5 * mbs * dp
     for r in range(dp):
         resumed = list(build_pretraining_data_loader(ds, consumed, mbs, r, dp, cfg))

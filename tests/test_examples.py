@@ -19,9 +19,19 @@ def example_args(tmp_path_factory):
     root = tmp_path_factory.mktemp("examples")
     prefix = make_corpus(root / "corpus", num_docs=20)
     env = {"DATA_PREFIX": str(prefix), "SAVE_DIR": str(root / "save"), "PATH": "/usr/bin:/bin"}
-    out = subprocess.run(["bash", "-c", 'source examples/model_gpt2_1.3b.sh && '
-                          'printf "%s\\n" "${GPT_ARGS[@]}" "${DATA_ARGS[@]}" "${TRAIN_ARGS[@]}"'],
-                         cwd=REPO, env=env, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [
+            "bash",
+            "-c",
+            "source examples/model_gpt2_1.3b.sh && "
+            'printf "%s\\n" "${GPT_ARGS[@]}" "${DATA_ARGS[@]}" "${TRAIN_ARGS[@]}"',
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return out.splitlines()
 
 
@@ -30,12 +40,22 @@ def test_recipe_flags_parse(example_args, world, tp, pp):
     # the recipes use the GPT-2 BPE files; point them at a NullTokenizer so the test needs no data/
     argv = list(example_args)
     i = argv.index("--tokenizer-type")
-    argv[i:i + 6] = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "50257"]
-    env = {"RANK": "0", "WORLD_SIZE": str(world), "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": "29999"}
-    cfg = parse_args(argv + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)],
-                     env=env)
-    assert (cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size) == (tp, pp)
+    argv[i : i + 6] = ["--tokenizer-type", "NullTokenizer", "--vocab-size", "50257"]
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29999",
+    }
+    cfg = parse_args(
+        argv + ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)],
+        env=env,
+    )
+    assert (cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size) == (
+        tp,
+        pp,
+    )
     assert cfg.parallel.data_parallel_size == world // (tp * pp)
     assert cfg.training.bf16 and cfg.parallel.zero_stage == 1
     assert cfg.training.global_batch_size == 512

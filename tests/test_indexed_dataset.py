@@ -52,7 +52,9 @@ def _spec_idx_bytes(docs, code, itemsize):
 @pytest.mark.parametrize("dtype,code", [(np.uint16, 8), (np.int32, 4)])
 def test_idx_and_bin_bytes_match_spec(tmp_path, dtype, code):
     prefix = _build(str(tmp_path / "d"), dtype)
-    assert open(prefix + ".idx", "rb").read() == _spec_idx_bytes(DOCS, code, np.dtype(dtype).itemsize)
+    assert open(prefix + ".idx", "rb").read() == _spec_idx_bytes(
+        DOCS, code, np.dtype(dtype).itemsize
+    )
     tokens = [t for doc in DOCS for seq in doc for t in seq]
     fmt = "<H" if code == 8 else "<i"
     assert open(prefix + ".bin", "rb").read() == b"".join(struct.pack(fmt, t) for t in tokens)
@@ -68,7 +70,9 @@ def test_reader_views(tmp_path):
     assert ds.get(2, offset=1, length=2).tolist() == [6, 7]
     assert [a.tolist() for a in ds[4:6]] == [[10, 11], [12]]
     assert not ds[2].flags.owndata  # a view into the memory map, not a copy
-    assert IndexedDataset.exists(str(tmp_path / "d")) and not IndexedDataset.exists(str(tmp_path / "x"))
+    assert IndexedDataset.exists(str(tmp_path / "d")) and not IndexedDataset.exists(
+        str(tmp_path / "x")
+    )
 
 
 def test_add_item_end_document_equals_add_document(tmp_path):
@@ -114,7 +118,12 @@ def test_pointers_are_int64_past_2gb(tmp_path):
 def test_optimal_dtype_and_codes():
     assert optimal_dtype(50257) == np.uint16 and optimal_dtype(65499) == np.uint16
     assert optimal_dtype(65500) == np.int32 and optimal_dtype(None) == np.int32
-    assert [DType.code_from_dtype(t) for t in (np.uint8, np.int32, np.int64, np.uint16)] == [1, 4, 5, 8]
+    assert [DType.code_from_dtype(t) for t in (np.uint8, np.int32, np.int64, np.uint16)] == [
+        1,
+        4,
+        5,
+        8,
+    ]
 
 
 def test_token_overflow_is_an_error(tmp_path):
@@ -142,8 +151,14 @@ def _corrupt(path, offset, data):
         (lambda p: os.truncate(p + ".bin", 10), "truncated, 10 bytes"),
         (lambda p: os.remove(p + ".bin"), "missing"),
         # document indices [0, 2, 2, 3, 6] -> [0, 2, 4, 3, 6]: decreasing
-        (lambda p: _corrupt(p + ".idx", 34 + 12 * 6 + 16, struct.pack("<q", 4)), "decrease at position 3"),
-        (lambda p: _corrupt(p + ".idx", 34 + 12 * 6 + 32, struct.pack("<q", 5)), "end at the sequence count"),
+        (
+            lambda p: _corrupt(p + ".idx", 34 + 12 * 6 + 16, struct.pack("<q", 4)),
+            "decrease at position 3",
+        ),
+        (
+            lambda p: _corrupt(p + ".idx", 34 + 12 * 6 + 32, struct.pack("<q", 5)),
+            "end at the sequence count",
+        ),
     ],
 )
 def test_corrupt_files_name_the_file(tmp_path, damage, message):

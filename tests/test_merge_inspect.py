@@ -49,7 +49,9 @@ def test_merge_dir_lexicographic_equals_megatron_core(tmp_path):
     (tmp_path / "shards").mkdir()
     for name, docs in SHARDS.items():
         _write(tmp_path / "shards" / name, docs)
-    ds = merge_tool.main(["--input", str(tmp_path / "shards"), "--output-prefix", str(tmp_path / "out" / "m")])
+    ds = merge_tool.main(
+        ["--input", str(tmp_path / "shards"), "--output-prefix", str(tmp_path / "out" / "m")]
+    )
     expected = _write(tmp_path / "whole", SHARDS["a"] + SHARDS["b"] + SHARDS["c"])
     assert _bytes(str(tmp_path / "out" / "m")) == _bytes(expected)
     assert len(ds) == 7 and ds.num_documents == 5
@@ -67,7 +69,9 @@ def test_merge_dir_lexicographic_equals_megatron_core(tmp_path):
 def test_merge_explicit_prefixes_keep_the_given_order(tmp_path):
     prefixes = [_write(tmp_path / n, SHARDS[n]) for n in ("c", "a", "b")]
     merge_tool.main(["--prefixes", *prefixes, "--output-prefix", str(tmp_path / "m")])
-    assert _bytes(str(tmp_path / "m")) == _bytes(_write(tmp_path / "w", SHARDS["c"] + SHARDS["a"] + SHARDS["b"]))
+    assert _bytes(str(tmp_path / "m")) == _bytes(
+        _write(tmp_path / "w", SHARDS["c"] + SHARDS["a"] + SHARDS["b"])
+    )
 
 
 def test_merge_errors(tmp_path):
@@ -79,17 +83,44 @@ def test_merge_errors(tmp_path):
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(UserError, match="notes.txt: not a .bin/.idx file"):
         merge_tool.prefixes_in_dir(str(tmp_path))
-    r = subprocess.run([sys.executable, os.path.join(REPO, "tools", "merge_datasets.py"), "--prefixes", a,
-                        "--output-prefix", a], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "is also an input" in r.stderr
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "tools", "merge_datasets.py"),
+            "--prefixes",
+            a,
+            "--output-prefix",
+            a,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "is also an input" in r.stderr
+    )
 
 
 def test_inspect_summary_and_decode(tmp_path, capsys):
     tok = build_tokenizer(TokenizerConfig("GPT2BPETokenizer", VOCAB, MERGES))
     docs = [["Hello world.", " Second sentence 😀"], [], ["漢字 é"]]
     prefix = _write(tmp_path / "d", [[tok.tokenize(s) for s in d] for d in docs])
-    info = inspect_tool.main(["--input", prefix, "--document", "0", "--document", "2", "--tokenizer-type",
-                              "GPT2BPETokenizer", "--vocab-file", VOCAB, "--merge-file", MERGES])
+    info = inspect_tool.main(
+        [
+            "--input",
+            prefix,
+            "--document",
+            "0",
+            "--document",
+            "2",
+            "--tokenizer-type",
+            "GPT2BPETokenizer",
+            "--vocab-file",
+            VOCAB,
+            "--merge-file",
+            MERGES,
+        ]
+    )
     lengths = [len(tok.tokenize(s)) for d in docs for s in d]
     assert info["sequences"] == 3 and info["documents"] == 3 and info["empty_documents"] == 1
     assert info["tokens"] == sum(lengths) and info["dtype"] == "uint16"

@@ -21,12 +21,28 @@ from pretrain.parallel.grad_norm import global_grad_norm
 from pretrain.parallel.random import seed_everything
 from pretrain.parallel.sharding import is_tensor_parallel, merge_shards
 
-GPT2 = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100, seq_length=12,
-                   max_position_embeddings=16, make_vocab_size_divisible_by=32,
-                   hidden_dropout=0.0, attention_dropout=0.0)
-LLAMA = dataclasses.replace(GPT2, num_attention_heads=8, num_query_groups=4, position_embedding_type="rope",
-                            normalization="RMSNorm", swiglu=True, add_bias_linear=False,
-                            untie_embeddings_and_output_weights=True, rotary_base=500)
+GPT2 = ModelConfig(
+    num_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    vocab_size=100,
+    seq_length=12,
+    max_position_embeddings=16,
+    make_vocab_size_divisible_by=32,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+)
+LLAMA = dataclasses.replace(
+    GPT2,
+    num_attention_heads=8,
+    num_query_groups=4,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    swiglu=True,
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+    rotary_base=500,
+)
 TOL = 1e-5
 
 
@@ -76,12 +92,23 @@ def check_tp_equivalence(rank: int, config: ModelConfig, tp: int, with_mask: boo
     model, loss, logits = run_model(config, mask, positions)
     what = f"{'llama' if config.swiglu else 'gpt2'} tp={tp} mask={with_mask}"
     assert logits.shape == ref_logits.shape
-    torch.testing.assert_close(logits, ref_logits, rtol=TOL, atol=TOL, msg=lambda m: f"{what} logits: {m}")
-    torch.testing.assert_close(loss, ref_loss, rtol=TOL, atol=TOL, msg=lambda m: f"{what} loss: {m}")
+    torch.testing.assert_close(
+        logits, ref_logits, rtol=TOL, atol=TOL, msg=lambda m: f"{what} logits: {m}"
+    )
+    torch.testing.assert_close(
+        loss, ref_loss, rtol=TOL, atol=TOL, msg=lambda m: f"{what} loss: {m}"
+    )
     for name, param in model.named_parameters():
-        assert torch.equal(gathered(param.detach(), param), ref_params[name].detach()), f"{what} init of {name}"
-        torch.testing.assert_close(gathered(param.grad, param), ref_params[name].grad, rtol=TOL, atol=TOL,
-                                   msg=lambda m, name=name: f"{what} grad of {name}: {m}")
+        assert torch.equal(gathered(param.detach(), param), ref_params[name].detach()), (
+            f"{what} init of {name}"
+        )
+        torch.testing.assert_close(
+            gathered(param.grad, param),
+            ref_params[name].grad,
+            rtol=TOL,
+            atol=TOL,
+            msg=lambda m, name=name: f"{what} grad of {name}: {m}",
+        )
     torch.testing.assert_close(global_grad_norm(model.parameters()), ref_norm, rtol=TOL, atol=0.0)
     state.destroy_model_parallel()
 
@@ -99,14 +126,18 @@ def check_recompute_and_dropout(rank: int) -> None:
         model(tokens, labels=labels).mean().backward()
         results.append({n: p.grad for n, p in model.named_parameters()})
     for name, grad in results[0].items():
-        torch.testing.assert_close(results[1][name], grad, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            results[1][name], grad, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}"
+        )
     norm_grad = results[0]["layers.0.input_norm.weight"]
     peers = [torch.empty_like(norm_grad) for _ in range(2)]
     dist.all_gather(peers, norm_grad, group=state.get_tensor_model_parallel_group())
     assert torch.equal(peers[0], peers[1])
     no_dropout = GPTModel(dataclasses.replace(config, hidden_dropout=0.0, attention_dropout=0.0))
     no_dropout(tokens, labels=labels).mean().backward()
-    assert not torch.allclose(no_dropout.layers[0].input_norm.weight.grad, norm_grad), "dropout had no effect"
+    assert not torch.allclose(no_dropout.layers[0].input_norm.weight.grad, norm_grad), (
+        "dropout had no effect"
+    )
     state.destroy_model_parallel()
 
 
@@ -132,11 +163,18 @@ def test_pipeline_parts_start_from_the_whole_models_weights(config):
     head = FinalNormAndHead(config)
     embedding = Embedding(config)
     layer0 = TransformerLayer(config, 0)
-    for part, prefix in ((embedding, "embedding"), (layer0, "layers.0"), (layer1, "layers.1"), (head, "head")):
+    for part, prefix in (
+        (embedding, "embedding"),
+        (layer0, "layers.0"),
+        (layer1, "layers.1"),
+        (head, "head"),
+    ):
         for name, param in part.named_parameters():
             assert torch.equal(param, whole.get_parameter(f"{prefix}.{name}")), f"{prefix}.{name}"
     hidden = layer1(layer0(embedding(tokens)))
-    output_weight = None if config.untie_embeddings_and_output_weights else embedding.word_embeddings.weight
+    output_weight = (
+        None if config.untie_embeddings_and_output_weights else embedding.word_embeddings.weight
+    )
     loss = vocab_parallel_cross_entropy(head(hidden, output_weight), labels)
     torch.testing.assert_close(loss, whole(tokens, labels=labels), rtol=0, atol=0)
 
@@ -178,14 +216,46 @@ def test_megatron_defaults_and_vocab_padding():
     assert [gpt2.padded_vocab_size(t) for t in (1, 2, 4, 8)] == [50304, 50432, 50688, 51200]
 
 
-@pytest.mark.parametrize("change, tp, pp, world, expected", [
-    (dict(num_attention_heads=6), 4, 1, None, r"--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4"),
-    (dict(num_attention_heads=8, num_query_groups=2), 4, 1, None,
-     r"--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4"),
-    (dict(hidden_size=30), 1, 1, None, r"--hidden-size 30 is not divisible by --num-attention-heads 4"),
-    (dict(), 2, 2, 6, r"world size 6 is not divisible by tensor-parallel size 2 x pipeline-parallel size 2 = 4"),
-    (dict(num_layers=3), 1, 2, None, r"--num-layers 3 is not divisible by --pipeline-model-parallel-size 2"),
-])
+@pytest.mark.parametrize(
+    "change, tp, pp, world, expected",
+    [
+        (
+            dict(num_attention_heads=6),
+            4,
+            1,
+            None,
+            r"--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4",
+        ),
+        (
+            dict(num_attention_heads=8, num_query_groups=2),
+            4,
+            1,
+            None,
+            r"--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4",
+        ),
+        (
+            dict(hidden_size=30),
+            1,
+            1,
+            None,
+            r"--hidden-size 30 is not divisible by --num-attention-heads 4",
+        ),
+        (
+            dict(),
+            2,
+            2,
+            6,
+            r"world size 6 is not divisible by tensor-parallel size 2 x pipeline-parallel size 2 = 4",
+        ),
+        (
+            dict(num_layers=3),
+            1,
+            2,
+            None,
+            r"--num-layers 3 is not divisible by --pipeline-model-parallel-size 2",
+        ),
+    ],
+)
 def test_bad_configurations_raise_one_clear_error(change, tp, pp, world, expected):
     config = dataclasses.replace(GPT2, **change)
     with pytest.raises(UserError, match=expected) as err:
@@ -197,7 +267,9 @@ def test_all_problems_in_one_error():
     config = dataclasses.replace(GPT2, num_attention_heads=8, hidden_size=30)
     with pytest.raises(UserError) as err:
         config.validate(3)
-    assert "--hidden-size 30" in str(err.value) and "--tensor-model-parallel-size 3" in str(err.value)
+    assert "--hidden-size 30" in str(err.value) and "--tensor-model-parallel-size 3" in str(
+        err.value
+    )
 
 
 @pytest.mark.parametrize("config", [GPT2, LLAMA], ids=["gpt2", "llama"])
@@ -216,10 +288,16 @@ def test_megatron_init_scales_output_projections():
     config = dataclasses.replace(GPT2, hidden_size=64, num_layers=8, init_method_std=0.05)
     layer = TransformerLayer(config, 3)
     output_std = 0.05 / (2 * 8) ** 0.5
-    for weight, std in ((layer.attention.qkv.weight, 0.05), (layer.mlp.fc1.weight, 0.05),
-                        (layer.attention.proj.weight, output_std), (layer.mlp.fc2.weight, output_std)):
+    for weight, std in (
+        (layer.attention.qkv.weight, 0.05),
+        (layer.mlp.fc1.weight, 0.05),
+        (layer.attention.proj.weight, output_std),
+        (layer.mlp.fc2.weight, output_std),
+    ):
         assert abs(weight.std().item() / std - 1) < 0.1
     assert torch.equal(layer.attention.qkv.bias, torch.zeros_like(layer.attention.qkv.bias))
     assert torch.equal(layer.input_norm.weight, torch.ones(64))
     other = TransformerLayer(config, 4)
-    assert not torch.equal(layer.attention.qkv.weight, other.attention.qkv.weight), "layers get their own draws"
+    assert not torch.equal(layer.attention.qkv.weight, other.attention.qkv.weight), (
+        "layers get their own draws"
+    )

@@ -25,14 +25,21 @@ TOL = 1e-6
 
 
 def assert_rel(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.shape == expected.shape, (
+        f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    )
     err = ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
     assert err <= TOL, f"{what}: relative error {err:.3e} > {TOL}"
 
 
 def my_shard(full: torch.Tensor, dim: int, stride: int = 1) -> torch.Tensor:
-    return shard_tensor(full, dim, state.get_tensor_model_parallel_rank(),
-                        state.get_tensor_model_parallel_world_size(), stride)
+    return shard_tensor(
+        full,
+        dim,
+        state.get_tensor_model_parallel_rank(),
+        state.get_tensor_model_parallel_world_size(),
+        stride,
+    )
 
 
 def check_column(tp: int, gather_output: bool, stride: int) -> None:
@@ -75,12 +82,18 @@ def check_row(tp: int, input_is_parallel: bool) -> None:
     with torch.no_grad():
         layer.weight.copy_(my_shard(ref.weight, 1))
         layer.bias.copy_(ref.bias)
-    x_in = (x.detach() if not input_is_parallel else my_shard(x.detach(), -1)).clone().requires_grad_(True)
+    x_in = (
+        (x.detach() if not input_is_parallel else my_shard(x.detach(), -1))
+        .clone()
+        .requires_grad_(True)
+    )
     out = layer(x_in)
     what = f"row tp={tp} input_is_parallel={input_is_parallel}"
     assert_rel(out, ref(x).detach(), f"{what} output")
     (out * upstream).sum().backward()
-    assert_rel(x_in.grad, x.grad if not input_is_parallel else my_shard(x.grad, -1), f"{what} input grad")
+    assert_rel(
+        x_in.grad, x.grad if not input_is_parallel else my_shard(x.grad, -1), f"{what} input grad"
+    )
     assert_rel(layer.weight.grad, my_shard(ref.weight.grad, 1), f"{what} weight grad")
     assert_rel(layer.bias.grad, ref.bias.grad, f"{what} bias grad")
 
@@ -122,29 +135,46 @@ def check_cross_entropy(tp: int) -> None:
 def check_groups(rank: int, world: int, tp: int, pp: int) -> None:
     dp = world // (tp * pp)
     t, d, p = rank % tp, (rank // tp) % dp, rank // (tp * dp)
-    assert (state.get_tensor_model_parallel_rank(), state.get_data_parallel_rank(),
-            state.get_pipeline_model_parallel_rank()) == (t, d, p)
-    assert (state.get_tensor_model_parallel_world_size(), state.get_data_parallel_world_size(),
-            state.get_pipeline_model_parallel_world_size()) == (tp, dp, pp)
+    assert (
+        state.get_tensor_model_parallel_rank(),
+        state.get_data_parallel_rank(),
+        state.get_pipeline_model_parallel_rank(),
+    ) == (t, d, p)
+    assert (
+        state.get_tensor_model_parallel_world_size(),
+        state.get_data_parallel_world_size(),
+        state.get_pipeline_model_parallel_world_size(),
+    ) == (tp, dp, pp)
 
     def members(group, size):
         out = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
         dist.all_gather(out, torch.tensor([rank]), group=group)
         return [int(x) for x in out]
 
-    assert members(state.get_tensor_model_parallel_group(), tp) == [t2 + tp * (d + dp * p) for t2 in range(tp)]
-    assert members(state.get_data_parallel_group(), dp) == [t + tp * (d2 + dp * p) for d2 in range(dp)]
-    assert members(state.get_pipeline_model_parallel_group(), pp) == [t + tp * (d + dp * p2) for p2 in range(pp)]
+    assert members(state.get_tensor_model_parallel_group(), tp) == [
+        t2 + tp * (d + dp * p) for t2 in range(tp)
+    ]
+    assert members(state.get_data_parallel_group(), dp) == [
+        t + tp * (d2 + dp * p) for d2 in range(dp)
+    ]
+    assert members(state.get_pipeline_model_parallel_group(), pp) == [
+        t + tp * (d + dp * p2) for p2 in range(pp)
+    ]
     assert state.get_data_parallel_group_ranks() == [t + tp * (d2 + dp * p) for d2 in range(dp)]
     embedding = sorted({t + tp * d, t + tp * (d + dp * (pp - 1))})
     in_embedding = p in (0, pp - 1)
     assert (state.get_embedding_group() is not None) == in_embedding
     if in_embedding:
         assert members(state.get_embedding_group(), len(embedding)) == embedding
-    assert state.is_pipeline_first_stage() == (p == 0) and state.is_pipeline_last_stage() == (p == pp - 1)
+    assert state.is_pipeline_first_stage() == (p == 0) and state.is_pipeline_last_stage() == (
+        p == pp - 1
+    )
     mpu = state.mpu
     assert mpu.get_model_parallel_world_size() == tp and mpu.get_model_parallel_rank() == t
-    assert mpu.get_data_parallel_world_size() == dp and mpu.get_tensor_model_parallel_src_rank() == tp * (d + dp * p)
+    assert (
+        mpu.get_data_parallel_world_size() == dp
+        and mpu.get_tensor_model_parallel_src_rank() == tp * (d + dp * p)
+    )
 
 
 def check_tp_rng(tp: int) -> None:
@@ -179,8 +209,10 @@ def check_grad_norm_over_tp_and_pp() -> None:
     shared = torch.nn.Parameter(torch.zeros(2))
     shared.grad, shared.shared = torch.full((2,), 100.0), True
     no_grad = torch.nn.Parameter(torch.zeros(2))
-    expected = sum((torch.arange(8.0) + 10 * q).pow(2).sum() + 3 * (q + 1) ** 2
-                   for q in range(state.get_pipeline_model_parallel_world_size())).sqrt()
+    expected = sum(
+        (torch.arange(8.0) + 10 * q).pow(2).sum() + 3 * (q + 1) ** 2
+        for q in range(state.get_pipeline_model_parallel_world_size())
+    ).sqrt()
     norm = global_grad_norm([sharded, replicated, shared, no_grad])
     torch.testing.assert_close(norm, expected.float(), rtol=1e-6, atol=0.0)
 
@@ -223,11 +255,17 @@ def test_shard_and_merge_round_trip():
 
 
 def test_single_process_defaults_without_initialisation():
-    assert state.get_tensor_model_parallel_world_size() == 1 and state.get_data_parallel_world_size() == 1
+    assert (
+        state.get_tensor_model_parallel_world_size() == 1
+        and state.get_data_parallel_world_size() == 1
+    )
     assert state.is_pipeline_first_stage() and state.is_pipeline_last_stage()
     torch.manual_seed(0)
     logits, target = torch.randn(3, 10), torch.randint(0, 10, (3,))
-    assert torch.allclose(vocab_parallel_cross_entropy(logits, target), F.cross_entropy(logits, target, reduction="none"))
+    assert torch.allclose(
+        vocab_parallel_cross_entropy(logits, target),
+        F.cross_entropy(logits, target, reduction="none"),
+    )
 
 
 def fails_on_rank_1(rank: int, world: int) -> int:
@@ -252,7 +290,9 @@ def test_run_on_ranks_reports_the_failing_rank_and_enforces_the_timeout():
     import time
 
     start = time.monotonic()
-    with pytest.raises(AssertionError, match=r"(?s)rank 1 of 2 failed in fails_on_rank_1.*boom on purpose"):
+    with pytest.raises(
+        AssertionError, match=r"(?s)rank 1 of 2 failed in fails_on_rank_1.*boom on purpose"
+    ):
         run_on_ranks(fails_on_rank_1, 2, timeout=60)
     with pytest.raises(TimeoutError, match=r"hangs on 2 ranks did not finish in 12 s"):
         run_on_ranks(hangs, 2, timeout=12)

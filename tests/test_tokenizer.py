@@ -33,9 +33,20 @@ def awkward_texts(seed=0, n=60):
         "1234567890 3.14159 1e-10 0x1F",
         "\U0001d538\U0001d539 \U00020000\U0002a6d6 \U000e0041 \U0010fffd \ufeff\ufffd",
     ]
-    pools = [(0x20, 0x7E), (0x00, 0x1F), (0x80, 0x2FF), (0x300, 0x36F), (0x400, 0x4FF), (0x590, 0x6FF),
-             (0x3040, 0x30FF), (0x4E00, 0x9FFF), (0xAC00, 0xD7A3), (0xE000, 0xF8FF), (0x1F300, 0x1FAFF),
-             (0x10000, 0x10FFFF)]
+    pools = [
+        (0x20, 0x7E),
+        (0x00, 0x1F),
+        (0x80, 0x2FF),
+        (0x300, 0x36F),
+        (0x400, 0x4FF),
+        (0x590, 0x6FF),
+        (0x3040, 0x30FF),
+        (0x4E00, 0x9FFF),
+        (0xAC00, 0xD7A3),
+        (0xE000, 0xF8FF),
+        (0x1F300, 0x1FAFF),
+        (0x10000, 0x10FFFF),
+    ]
     out = list(fixed)
     for _ in range(n):
         chars = []
@@ -90,13 +101,19 @@ def test_tiktoken_cl100k(tmp_path):
     shutil.copyfile(CL100K, other)
     with pytest.raises(UserError, match="--tiktoken-pattern is required"):
         build_tokenizer(TokenizerConfig("TikTokenizer", tokenizer_model=str(other)))
-    v2 = build_tokenizer(TokenizerConfig("TikTokenizer", tokenizer_model=str(other), tiktoken_pattern="v2"))
-    assert v2.eod == v2.vocab_size - 1 and v2.detokenize(v2.tokenize("Hello  world")) == "Hello  world"
+    v2 = build_tokenizer(
+        TokenizerConfig("TikTokenizer", tokenizer_model=str(other), tiktoken_pattern="v2")
+    )
+    assert (
+        v2.eod == v2.vocab_size - 1 and v2.detokenize(v2.tokenize("Hello  world")) == "Hello  world"
+    )
 
 
 def test_huggingface_tokenizer_json(tmp_path, gpt2):
     gpt2.save_pretrained(str(tmp_path / "export"))
-    hf = build_tokenizer(TokenizerConfig("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "export")))
+    hf = build_tokenizer(
+        TokenizerConfig("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "export"))
+    )
     texts = awkward_texts(seed=4, n=10)
     assert hf.tokenize_batch(texts) == gpt2.tokenize_batch(texts)
     assert hf.eod == 50256 and hf.vocab_size == 50257
@@ -120,9 +137,15 @@ def test_null_tokenizer():
         (TokenizerConfig("SentencePieceTokenizer"), "HuggingFaceTokenizer"),
         (TokenizerConfig(None), "--tokenizer-type is required"),
         (TokenizerConfig("GPT2BPETokenizer", None, MERGES), "--vocab-file is required"),
-        (TokenizerConfig("GPT2BPETokenizer", VOCAB, "/nonexistent/merges.txt"), "--merge-file /nonexistent"),
+        (
+            TokenizerConfig("GPT2BPETokenizer", VOCAB, "/nonexistent/merges.txt"),
+            "--merge-file /nonexistent",
+        ),
         (TokenizerConfig("GPT2BPETokenizer", MERGES, VOCAB), "not a GPT-2 vocab.json"),
-        (TokenizerConfig("HuggingFaceTokenizer", tokenizer_model="/nonexistent"), "--tokenizer-model"),
+        (
+            TokenizerConfig("HuggingFaceTokenizer", tokenizer_model="/nonexistent"),
+            "--tokenizer-model",
+        ),
         (TokenizerConfig("NullTokenizer"), "--vocab-size is required"),
     ],
 )
@@ -135,7 +158,13 @@ def test_flags_parse_into_config():
     import argparse
 
     ns = add_tokenizer_args(argparse.ArgumentParser()).parse_args(
-        ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "x", "--tokenizer-hf-no-include-special-tokens"]
+        [
+            "--tokenizer-type",
+            "HuggingFaceTokenizer",
+            "--tokenizer-model",
+            "x",
+            "--tokenizer-hf-no-include-special-tokens",
+        ]
     )
     cfg = TokenizerConfig.from_args(ns)
     assert cfg.tokenizer_type == "HuggingFaceTokenizer" and cfg.tokenizer_model == "x"

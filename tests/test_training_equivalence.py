@@ -14,7 +14,15 @@ import os
 
 import pytest
 
-from training_fixtures import layout_flags, make_corpus, model_flags, multirun_cmd, read_metrics, run, train_flags
+from training_fixtures import (
+    layout_flags,
+    make_corpus,
+    model_flags,
+    multirun_cmd,
+    read_metrics,
+    run,
+    train_flags,
+)
 
 LAYOUTS_BY_WORLD = {  # (TP, PP, DP, ZeRO)
     1: [(1, 1, 1, 0)],
@@ -45,13 +53,21 @@ def runs(tmp_path_factory):
             for tp, pp, dp, zero in layouts:
                 path = tmp / f"{flavour}_tp{tp}_pp{pp}_dp{dp}_zero{zero}.jsonl"
                 metrics[flavour, (tp, pp, dp, zero)] = path
-                argvs.append(model_flags(flavour) + train_flags(corpus, iters=ITERATIONS)
-                             + layout_flags(tp, pp, zero) + ["--metrics-file", str(path)])
+                argvs.append(
+                    model_flags(flavour)
+                    + train_flags(corpus, iters=ITERATIONS)
+                    + layout_flags(tp, pp, zero)
+                    + ["--metrics-file", str(path)]
+                )
         result = run(multirun_cmd(world, argvs, tmp / f"runs_{world}.json"), timeout=240)
         outputs[world] = result.stdout
         assert result.returncode == 0, f"world {world} failed:\n{result.stdout[-8000:]}"
-    return {"metrics": {k: read_metrics(p) for k, p in metrics.items()}, "outputs": outputs,
-            "shm_before": shm_before, "shm_after": _shm_deepspeed_files()}
+    return {
+        "metrics": {k: read_metrics(p) for k, p in metrics.items()},
+        "outputs": outputs,
+        "shm_before": shm_before,
+        "shm_after": _shm_deepspeed_files(),
+    }
 
 
 def _rel(a: float, b: float) -> float:
@@ -59,17 +75,27 @@ def _rel(a: float, b: float) -> float:
 
 
 @pytest.mark.parametrize("flavour", FLAVOURS)
-@pytest.mark.parametrize("layout", [lay for lays in LAYOUTS_BY_WORLD.values() for lay in lays if lay != (1, 1, 1, 0)],
-                         ids=lambda lay: "tp{}_pp{}_dp{}_zero{}".format(*lay))
+@pytest.mark.parametrize(
+    "layout",
+    [lay for lays in LAYOUTS_BY_WORLD.values() for lay in lays if lay != (1, 1, 1, 0)],
+    ids=lambda lay: "tp{}_pp{}_dp{}_zero{}".format(*lay),
+)
 def test_layout_matches_one_process(runs, flavour, layout):
     ref = runs["metrics"][flavour, (1, 1, 1, 0)]
     got = runs["metrics"][flavour, layout]
     assert sorted(ref) == sorted(got) == list(range(1, ITERATIONS + 1))
     for it in ref:
         assert got[it]["grad-norm"] is not None, f"no grad norm logged at iteration {it}"
-        assert _rel(got[it]["lm-loss"], ref[it]["lm-loss"]) <= RTOL, (it, got[it]["lm-loss"], ref[it]["lm-loss"])
-        assert _rel(got[it]["grad-norm"], ref[it]["grad-norm"]) <= RTOL, (it, got[it]["grad-norm"],
-                                                                         ref[it]["grad-norm"])
+        assert _rel(got[it]["lm-loss"], ref[it]["lm-loss"]) <= RTOL, (
+            it,
+            got[it]["lm-loss"],
+            ref[it]["lm-loss"],
+        )
+        assert _rel(got[it]["grad-norm"], ref[it]["grad-norm"]) <= RTOL, (
+            it,
+            got[it]["grad-norm"],
+            ref[it]["grad-norm"],
+        )
     # clipping was active (norm above --clip-grad), so the norm fed into the update
     assert all(ref[it]["grad-norm"] > 0.05 for it in ref)
     # and the model learned something in 5 steps: not a frozen or diverging run
@@ -78,7 +104,10 @@ def test_layout_matches_one_process(runs, flavour, layout):
 
 def test_log_lines_in_megatron_format(runs):
     out = runs["outputs"][8]
-    assert " iteration        5/       5 | consumed samples:           40 | elapsed time per iteration (ms): " in out
+    assert (
+        " iteration        5/       5 | consumed samples:           40 | elapsed time per iteration (ms): "
+        in out
+    )
     assert "| global batch size:     8 | lm loss: " in out
     assert " layout           |  TP=2  PP=2  DP=2  ZeRO-1  (fp32)" in out
 

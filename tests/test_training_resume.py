@@ -12,8 +12,16 @@ import time
 import pytest
 
 from training_fixtures import (
-    PYTHON, REPO, layout_flags, make_corpus, model_flags, multirun_cmd, read_metrics, run,
-    torchrun_cmd, train_flags,
+    PYTHON,
+    REPO,
+    layout_flags,
+    make_corpus,
+    model_flags,
+    multirun_cmd,
+    read_metrics,
+    run,
+    torchrun_cmd,
+    train_flags,
 )
 from training_fixtures import test_env as clean_env  # (a plain name: pytest would collect test_env)
 
@@ -28,9 +36,19 @@ ELASTIC_LAYOUT = (1, 1, 2, 2)
 
 def _flags(corpus, layout, iters, metrics, *extra):
     tp, pp, _, zero = layout
-    dropout = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]  # after model_flags: overrides 0
-    return (model_flags("gpt2") + dropout + train_flags(corpus, iters=iters) + layout_flags(tp, pp, zero)
-            + ["--metrics-file", str(metrics), *extra])
+    dropout = [
+        "--attention-dropout",
+        "0.1",
+        "--hidden-dropout",
+        "0.1",
+    ]  # after model_flags: overrides 0
+    return (
+        model_flags("gpt2")
+        + dropout
+        + train_flags(corpus, iters=iters)
+        + layout_flags(tp, pp, zero)
+        + ["--metrics-file", str(metrics), *extra]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +59,25 @@ def world2(tmp_path_factory):
     first, second = [], []
     for name, layout in RESUME_LAYOUTS.items():
         first.append(_flags(corpus, layout, ITERS, tmp / f"{name}_full.jsonl"))
-        stop = ["--save", str(tmp / f"ckpt_{name}"), "--save-interval", "100", "--exit-interval", str(STOP_AT)]
+        stop = [
+            "--save",
+            str(tmp / f"ckpt_{name}"),
+            "--save-interval",
+            "100",
+            "--exit-interval",
+            str(STOP_AT),
+        ]
         first.append(_flags(corpus, layout, ITERS, tmp / f"{name}_resumed.jsonl", *stop))
-        second.append(_flags(corpus, layout, ITERS, tmp / f"{name}_resumed.jsonl", "--load", str(tmp / f"ckpt_{name}")))
+        second.append(
+            _flags(
+                corpus,
+                layout,
+                ITERS,
+                tmp / f"{name}_resumed.jsonl",
+                "--load",
+                str(tmp / f"ckpt_{name}"),
+            )
+        )
     first.append(_flags(corpus, ELASTIC_LAYOUT, ELASTIC_ITERS, tmp / "elastic_reference.jsonl"))
     for runs, label in ((first, "first"), (second, "second")):
         result = run(multirun_cmd(2, runs, tmp / f"{label}.json"), timeout=240)
@@ -73,9 +107,14 @@ def test_resume_banner_and_log(world2):
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     corpus = make_corpus(tmp_path / "corpus")
     ckpt = tmp_path / "ckpt"
-    flags = _flags(corpus, (1, 1, 1, 0), 4, tmp_path / "m.jsonl", "--save", str(ckpt), "--save-interval", "2")
-    crashed = run([PYTHON, str(REPO / "pretrain_gpt.py"), *flags], timeout=120,
-                  env=clean_env(PRETRAIN_TEST_SIGKILL_BEFORE_COMMIT="4"))
+    flags = _flags(
+        corpus, (1, 1, 1, 0), 4, tmp_path / "m.jsonl", "--save", str(ckpt), "--save-interval", "2"
+    )
+    crashed = run(
+        [PYTHON, str(REPO / "pretrain_gpt.py"), *flags],
+        timeout=120,
+        env=clean_env(PRETRAIN_TEST_SIGKILL_BEFORE_COMMIT="4"),
+    )
     assert crashed.returncode == -signal.SIGKILL, crashed.stdout[-4000:]
     assert (ckpt / "global_step4").is_dir()  # the interrupted save had written files
     assert (ckpt / "latest").read_text() == "global_step2"
@@ -85,15 +124,35 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     (tmp_path / "m.jsonl").unlink()
     resumed = run([PYTHON, str(REPO / "pretrain_gpt.py"), *flags, "--load", str(ckpt)], timeout=120)
     assert resumed.returncode == 0, resumed.stdout[-4000:]
-    assert "loaded checkpoint" in resumed.stdout and "at iteration 2 (16 samples consumed)" in resumed.stdout
+    assert (
+        "loaded checkpoint" in resumed.stdout
+        and "at iteration 2 (16 samples consumed)" in resumed.stdout
+    )
     again = read_metrics(tmp_path / "m.jsonl")
     assert sorted(again) == [3, 4]
     assert [again[i]["lm-loss"] for i in (3, 4)] == [first[i]["lm-loss"] for i in (3, 4)]
     assert (ckpt / "latest").read_text() == "global_step4"
     # another TP: refused before any process group work, naming the converters
-    world2 = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29998"}
-    other = run([PYTHON, str(REPO / "pretrain_gpt.py"), *flags, "--load", str(ckpt), "--tensor-model-parallel-size",
-                 "2"], timeout=60, env=clean_env(**world2))
+    world2 = {
+        "RANK": "0",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29998",
+    }
+    other = run(
+        [
+            PYTHON,
+            str(REPO / "pretrain_gpt.py"),
+            *flags,
+            "--load",
+            str(ckpt),
+            "--tensor-model-parallel-size",
+            "2",
+        ],
+        timeout=60,
+        env=clean_env(**world2),
+    )
     assert other.returncode == 2, other.stdout[-3000:]
     assert "--tensor-model-parallel-size 1, this run uses 2" in other.stdout
     assert "tools/convert_from_hf.py --target-tensor-parallel-size T" in other.stdout
@@ -109,11 +168,30 @@ def test_elastic_restart_after_kill_9(world2, tmp_path):
     reference = read_metrics(ref_dir / "elastic_reference.jsonl")
     metrics = tmp_path / "m.jsonl"
     ckpt = tmp_path / "ckpt"
-    flags = _flags(corpus, ELASTIC_LAYOUT, ELASTIC_ITERS, metrics, "--save", str(ckpt), "--save-interval", "4",
-                   "--load", str(ckpt), "--distributed-timeout-minutes", "1")
+    flags = _flags(
+        corpus,
+        ELASTIC_LAYOUT,
+        ELASTIC_ITERS,
+        metrics,
+        "--save",
+        str(ckpt),
+        "--save-interval",
+        "4",
+        "--load",
+        str(ckpt),
+        "--distributed-timeout-minutes",
+        "1",
+    )
     cmd = torchrun_cmd(2, flags, "--standalone", "--max-restarts", "1", "--monitor-interval", "0.5")
-    proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 150
         killed = None

@@ -19,7 +19,11 @@ import numpy as np
 from pretrain.training.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[1]
-PYTHON = str(REPO / ".venv" / "bin" / "python") if (REPO / ".venv" / "bin" / "python").exists() else sys.executable
+PYTHON = (
+    str(REPO / ".venv" / "bin" / "python")
+    if (REPO / ".venv" / "bin" / "python").exists()
+    else sys.executable
+)
 BIN = Path(PYTHON).parent
 VOCAB = 100  # NullTokenizer ids 0..99, eod = 100; padded to 128 (x TP)
 
@@ -39,44 +43,120 @@ def make_corpus(prefix: Path, num_docs: int = 200, seed: int = 0) -> str:
 
 
 def model_flags(flavour: str, layers: int = 2, hidden: int = 32) -> list[str]:
-    common = ["--num-layers", str(layers), "--hidden-size", str(hidden), "--num-attention-heads", "4",
-              "--seq-length", "16", "--make-vocab-size-divisible-by", "64", "--attention-dropout", "0", "--hidden-dropout", "0"]
+    common = [
+        "--num-layers",
+        str(layers),
+        "--hidden-size",
+        str(hidden),
+        "--num-attention-heads",
+        "4",
+        "--seq-length",
+        "16",
+        "--make-vocab-size-divisible-by",
+        "64",
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0",
+    ]
     if flavour == "gpt2":
         return common
     if flavour == "llama":
-        return common + ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
-                         "--ffn-hidden-size", "64", "--group-query-attention", "--num-query-groups", "2",
-                         "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+        return common + [
+            "--position-embedding-type",
+            "rope",
+            "--normalization",
+            "RMSNorm",
+            "--swiglu",
+            "--ffn-hidden-size",
+            "64",
+            "--group-query-attention",
+            "--num-query-groups",
+            "2",
+            "--untie-embeddings-and-output-weights",
+            "--disable-bias-linear",
+        ]
     raise ValueError(flavour)
 
 
 def train_flags(data_prefix: str, iters: int = 5, gbs: int = 8, mbs: int = 2) -> list[str]:
-    return ["--micro-batch-size", str(mbs), "--global-batch-size", str(gbs), "--train-iters", str(iters),
-            "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine",
-            "--clip-grad", "0.05", "--weight-decay", "0.1", "--seed", "7",
-            "--data-path", data_prefix, "--split", "90,10,0", "--tokenizer-type", "NullTokenizer",
-            "--vocab-size", str(VOCAB), "--log-interval", "1", "--eval-interval", "1000", "--eval-iters", "0",
-            "--num-workers", "0", "--distributed-backend", "gloo"]
+    return [
+        "--micro-batch-size",
+        str(mbs),
+        "--global-batch-size",
+        str(gbs),
+        "--train-iters",
+        str(iters),
+        "--lr",
+        "3e-3",
+        "--min-lr",
+        "3e-4",
+        "--lr-warmup-iters",
+        "2",
+        "--lr-decay-style",
+        "cosine",
+        "--clip-grad",
+        "0.05",
+        "--weight-decay",
+        "0.1",
+        "--seed",
+        "7",
+        "--data-path",
+        data_prefix,
+        "--split",
+        "90,10,0",
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        str(VOCAB),
+        "--log-interval",
+        "1",
+        "--eval-interval",
+        "1000",
+        "--eval-iters",
+        "0",
+        "--num-workers",
+        "0",
+        "--distributed-backend",
+        "gloo",
+    ]
 
 
 def layout_flags(tp: int, pp: int, zero: int) -> list[str]:
-    return ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
-            "--zero-stage", str(zero)]
+    return [
+        "--tensor-model-parallel-size",
+        str(tp),
+        "--pipeline-model-parallel-size",
+        str(pp),
+        "--zero-stage",
+        str(zero),
+    ]
 
 
 def test_env(**extra) -> dict:
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
+    env.update(
+        OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO)
+    )
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "LOCAL_SIZE"):
         env.pop(key, None)
     env.update(extra)
     return env
 
 
-def run(cmd: list[str], timeout: float, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
+def run(
+    cmd: list[str], timeout: float, env: dict | None = None, cwd: Path = REPO
+) -> subprocess.CompletedProcess:
     """Run `cmd` in a new session; kill the whole process group on timeout."""
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env or test_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env or test_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -87,8 +167,15 @@ def run(cmd: list[str], timeout: float, env: dict | None = None, cwd: Path = REP
 
 
 def deepspeed_cmd(nproc: int, args: list[str], script: str = "pretrain_gpt.py") -> list[str]:
-    return [str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()),
-            str(REPO / script), *args]
+    return [
+        str(BIN / "deepspeed"),
+        "--num_gpus",
+        str(nproc),
+        "--master_port",
+        str(free_port()),
+        str(REPO / script),
+        *args,
+    ]
 
 
 def multirun_cmd(nproc: int, runs: list[list[str]], runs_file: Path) -> list[str]:
@@ -98,7 +185,14 @@ def multirun_cmd(nproc: int, runs: list[list[str]], runs_file: Path) -> list[str
 
 
 def torchrun_cmd(nproc: int, args: list[str], *extra: str) -> list[str]:
-    return [str(BIN / "torchrun"), "--nproc_per_node", str(nproc), *extra, str(REPO / "pretrain_gpt.py"), *args]
+    return [
+        str(BIN / "torchrun"),
+        "--nproc_per_node",
+        str(nproc),
+        *extra,
+        str(REPO / "pretrain_gpt.py"),
+        *args,
+    ]
 
 
 def read_metrics(path: Path) -> dict[int, dict]:
@@ -110,7 +204,9 @@ def read_metrics(path: Path) -> dict[int, dict]:
     return out
 
 
-LOG_LINE = re.compile(r" iteration\s+(\d+)/\s*(\d+) \| consumed samples:\s+(\d+) \| .* lm loss: ([0-9.E+-]+) \|")
+LOG_LINE = re.compile(
+    r" iteration\s+(\d+)/\s*(\d+) \| consumed samples:\s+(\d+) \| .* lm loss: ([0-9.E+-]+) \|"
+)
 
 
 def logged_losses(output: str) -> dict[int, float]:

@@ -26,8 +26,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tqdm import tqdm  # noqa: E402
 
 from pretrain.data.builder import build_train_valid_test_datasets, count_builds  # noqa: E402
-from pretrain.data.config import (SPLIT_NAMES, DataConfig, add_data_args, add_sample_count_args,  # noqa: E402
-                                  train_valid_test_num_samples)
+from pretrain.data.config import (
+    SPLIT_NAMES,
+    DataConfig,
+    add_data_args,
+    add_sample_count_args,  # noqa: E402
+    train_valid_test_num_samples,
+)
 from pretrain.errors import exit_on_user_error  # noqa: E402
 from pretrain.tokenizer import TokenizerConfig, add_tokenizer_args, build_tokenizer  # noqa: E402
 
@@ -35,7 +40,10 @@ from pretrain.tokenizer import TokenizerConfig, add_tokenizer_args, build_tokeni
 def build_parser() -> argparse.ArgumentParser:
     # allow_abbrev=False: an unknown training flag must never be taken for an abbreviation of ours
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
     add_data_args(parser)
     add_sample_count_args(parser)
     add_tokenizer_args(parser)
@@ -48,12 +56,17 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = DataConfig.from_args(ns)
     tokenizer = build_tokenizer(TokenizerConfig.from_args(ns))
-    counts = train_valid_test_num_samples(ns.train_iters, ns.train_samples, ns.eval_interval, ns.eval_iters,
-                                          ns.global_batch_size)
+    counts = train_valid_test_num_samples(
+        ns.train_iters, ns.train_samples, ns.eval_interval, ns.eval_iters, ns.global_batch_size
+    )
     if ignored:
-        print(f"ignoring {len([a for a in ignored if a.startswith('--')])} non-data flags", file=sys.stderr)
+        print(
+            f"ignoring {len([a for a in ignored if a.startswith('--')])} non-data flags",
+            file=sys.stderr,
+        )
     start = time.time()
     with tqdm(total=count_builds(cfg), desc="index caches", unit="dataset") as bar:
+
         def progress(what: str) -> None:
             bar.set_postfix_str(what[-60:])
             bar.update()

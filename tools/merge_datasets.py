@@ -29,12 +29,16 @@ def prefixes_in_dir(directory: str) -> list[str]:
     for name in names:
         stem, ext = os.path.splitext(name)
         if ext not in (".bin", ".idx"):
-            raise UserError(f"{os.path.join(directory, name)}: not a .bin/.idx file (move it out of --input)")
+            raise UserError(
+                f"{os.path.join(directory, name)}: not a .bin/.idx file (move it out of --input)"
+            )
         stems.setdefault(stem, set()).add(ext)
     for stem, exts in stems.items():
         if exts != {".bin", ".idx"}:
             missing = ({".bin", ".idx"} - exts).pop()
-            raise UserError(f"{os.path.join(directory, stem)}{missing}: missing (each dataset needs .bin and .idx)")
+            raise UserError(
+                f"{os.path.join(directory, stem)}{missing}: missing (each dataset needs .bin and .idx)"
+            )
     if not stems:
         raise UserError(f"--input {directory}: no .bin/.idx pairs found")
     return [os.path.join(directory, s) for s in sorted(stems)]
@@ -60,7 +64,9 @@ def merge(prefixes: list[str], output_prefix: str) -> IndexedDataset:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--input", help="directory holding only .bin/.idx pairs (merged in lexicographic order)")
+    src.add_argument(
+        "--input", help="directory holding only .bin/.idx pairs (merged in lexicographic order)"
+    )
     src.add_argument("--prefixes", nargs="+", help="dataset prefixes, merged in the order given")
     p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
     return p
@@ -71,11 +77,15 @@ def main(argv: list[str] | None = None) -> IndexedDataset:
     prefixes = prefixes_in_dir(args.input) if args.input else args.prefixes
     out_abs = os.path.abspath(args.output_prefix)
     if any(os.path.abspath(p) == out_abs for p in prefixes):
-        raise UserError(f"--output-prefix {args.output_prefix}: is also an input (choose another name)")
+        raise UserError(
+            f"--output-prefix {args.output_prefix}: is also an input (choose another name)"
+        )
     ds = merge(prefixes, args.output_prefix)
     tokens = int(ds.sequence_lengths.sum(dtype="int64"))
-    print(f"merged {len(prefixes)} datasets: {len(ds):,} sequences, {ds.num_documents:,} documents, "
-          f"{tokens:,} tokens ({ds.dtype.name})")
+    print(
+        f"merged {len(prefixes)} datasets: {len(ds):,} sequences, {ds.num_documents:,} documents, "
+        f"{tokens:,} tokens ({ds.dtype.name})"
+    )
     print(f"wrote {args.output_prefix}.bin and {args.output_prefix}.idx")
     return ds
 

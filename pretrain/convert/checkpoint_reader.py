@@ -50,14 +50,20 @@ class LoadedCheckpoint:
 
 
 def _available_tags(load_dir: str) -> list[str]:
-    tags = [d for d in os.listdir(load_dir) if _TAG.match(d) and os.path.isdir(os.path.join(load_dir, d))]
+    tags = [
+        d
+        for d in os.listdir(load_dir)
+        if _TAG.match(d) and os.path.isdir(os.path.join(load_dir, d))
+    ]
     return sorted(tags, key=lambda t: int(_TAG.match(t).group(1)))
 
 
 def find_checkpoint(load_dir: str, iteration: int | None = None) -> tuple[str, dict]:
     """(global_step directory, metadata) for `load_dir` (a --save directory or one global_step<N>)."""
     if not os.path.isdir(load_dir):
-        raise UserError(f"--load {load_dir}: no such directory (point it at the --save directory of a training run)")
+        raise UserError(
+            f"--load {load_dir}: no such directory (point it at the --save directory of a training run)"
+        )
     if os.path.isfile(os.path.join(load_dir, META_FILE)) and iteration is None:
         step_dir = load_dir
     else:
@@ -68,39 +74,53 @@ def find_checkpoint(load_dir: str, iteration: int | None = None) -> tuple[str, d
                 tag = f.read().strip()
         else:
             tags = _available_tags(load_dir)
-            raise UserError(f"--load {load_dir}: not a checkpoint directory (no `{LATEST_FILE}` file"
-                            + (f"; it holds {', '.join(tags)}: pick one with --iteration)" if tags else
-                               " and no global_step<N> directories; point --load at a --save directory of "
-                               "pretrain_gpt.py)"))
+            raise UserError(
+                f"--load {load_dir}: not a checkpoint directory (no `{LATEST_FILE}` file"
+                + (
+                    f"; it holds {', '.join(tags)}: pick one with --iteration)"
+                    if tags
+                    else " and no global_step<N> directories; point --load at a --save directory of "
+                    "pretrain_gpt.py)"
+                )
+            )
         step_dir = os.path.join(load_dir, tag)
         if not os.path.isdir(step_dir):
             tags = _available_tags(load_dir)
-            raise UserError(f"--load {load_dir}: there is no {tag} (available: {', '.join(tags) or 'none'})")
+            raise UserError(
+                f"--load {load_dir}: there is no {tag} (available: {', '.join(tags) or 'none'})"
+            )
     meta_path = os.path.join(step_dir, META_FILE)
     if not os.path.isfile(meta_path):
-        raise UserError(f"{step_dir}: no {META_FILE} (not a complete checkpoint written by pretrain_gpt.py; a run "
-                        f"killed while saving leaves such a directory: use an earlier --iteration)")
+        raise UserError(
+            f"{step_dir}: no {META_FILE} (not a complete checkpoint written by pretrain_gpt.py; a run "
+            f"killed while saving leaves such a directory: use an earlier --iteration)"
+        )
     try:
         with open(meta_path) as f:
             return step_dir, json.load(f)
     except (OSError, ValueError) as err:
-        raise UserError(f"{meta_path}: unreadable ({err}); the checkpoint is damaged, use another --iteration") \
-            from None
+        raise UserError(
+            f"{meta_path}: unreadable ({err}); the checkpoint is damaged, use another --iteration"
+        ) from None
 
 
 def _load(path: str) -> dict:
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
     except Exception as err:  # noqa: BLE001 - any unpickling failure means a damaged file
-        raise UserError(f"{path}: cannot be read ({type(err).__name__}: {err}); the checkpoint is damaged") from None
+        raise UserError(
+            f"{path}: cannot be read ({type(err).__name__}: {err}); the checkpoint is damaged"
+        ) from None
 
 
 def _require(paths: list[str], step_dir: str, what: str) -> None:
     missing = [os.path.basename(p) for p in paths if not os.path.isfile(p)]
     if missing:
-        raise UserError(f"{step_dir}: missing {len(missing)} {what} file(s): {', '.join(missing[:4])}"
-                        f"{' ...' if len(missing) > 4 else ''} (the checkpoint is incomplete; copy every "
-                        f"rank's files, or use another --iteration)")
+        raise UserError(
+            f"{step_dir}: missing {len(missing)} {what} file(s): {', '.join(missing[:4])}"
+            f"{' ...' if len(missing) > 4 else ''} (the checkpoint is incomplete; copy every "
+            f"rank's files, or use another --iteration)"
+        )
 
 
 def _read_data_parallel_module(step_dir: str, tp: int) -> list[dict]:
@@ -120,17 +140,31 @@ def _read_zero3(step_dir: str, tp: int, dp: int) -> list[dict]:
 
     shards = []
     for t in range(tp):
-        model_files = [os.path.join(step_dir, f"zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt") for d in range(dp)]
-        optim_files = [os.path.join(step_dir, f"zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt") for d in range(dp)]
+        model_files = [
+            os.path.join(step_dir, f"zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt")
+            for d in range(dp)
+        ]
+        optim_files = [
+            os.path.join(step_dir, f"zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt")
+            for d in range(dp)
+        ]
         _require(model_files, step_dir, "ZeRO-3 model-state")
-        _require(optim_files, step_dir, "ZeRO-3 optimizer-state (at ZeRO-3 they hold the weights; copy "
-                                        "every rank's files into the checkpoint folder)")
+        _require(
+            optim_files,
+            step_dir,
+            "ZeRO-3 optimizer-state (at ZeRO-3 they hold the weights; copy "
+            "every rank's files into the checkpoint folder)",
+        )
         with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 prints progress lines
             states = zero_to_fp32.parse_model_states(model_files)
             stage, world, flat_groups, _ = zero_to_fp32.parse_optim_states(optim_files, step_dir)
             if stage != 3:
-                raise UserError(f"{step_dir}: {META_FILE} says ZeRO-3, the optimizer files say ZeRO-{stage}")
-            lazy = zero_to_fp32._get_fp32_state_dict_from_zero3_checkpoint(world, flat_groups, states, False)
+                raise UserError(
+                    f"{step_dir}: {META_FILE} says ZeRO-3, the optimizer files say ZeRO-{stage}"
+                )
+            lazy = zero_to_fp32._get_fp32_state_dict_from_zero3_checkpoint(
+                world, flat_groups, states, False
+            )
             shards.append(zero_to_fp32.to_torch_tensor(lazy))
     return shards
 
@@ -143,9 +177,11 @@ def _read_pipeline(step_dir: str, tp: int, config: ModelConfig) -> list[dict]:
         prefix = layer_name_prefix(index, config.num_layers)
         paths = sorted(glob.glob(os.path.join(step_dir, f"layer_{index:02d}-*model_states.pt")))
         if len(paths) != tp:
-            raise UserError(f"{step_dir}: pipeline layer {index} ({prefix[:-1]}) has {len(paths)} file(s) "
-                            f"layer_{index:02d}-model_XX-model_states.pt, expected one per tensor-parallel rank "
-                            f"({tp}); the checkpoint is incomplete (copy every rank's files)")
+            raise UserError(
+                f"{step_dir}: pipeline layer {index} ({prefix[:-1]}) has {len(paths)} file(s) "
+                f"layer_{index:02d}-model_XX-model_states.pt, expected one per tensor-parallel rank "
+                f"({tp}); the checkpoint is incomplete (copy every rank's files)"
+            )
         for t, path in enumerate(paths):
             shards[t].update({prefix + k: v for k, v in _load(path).items()})
     return shards
@@ -156,12 +192,18 @@ def read_checkpoint(load_dir: str, iteration: int | None = None) -> LoadedCheckp
     try:
         config = model_config_from_meta(meta["model"])
         par = meta["parallel"]
-        tp, pp, zero = par["tensor_model_parallel_size"], par["pipeline_model_parallel_size"], par["zero_stage"]
+        tp, pp, zero = (
+            par["tensor_model_parallel_size"],
+            par["pipeline_model_parallel_size"],
+            par["zero_stage"],
+        )
         dp = par["data_parallel_size"]
         tokenizer = TokenizerConfig(**meta["tokenizer"])
     except (KeyError, TypeError) as err:
-        raise UserError(f"{os.path.join(step_dir, META_FILE)}: missing or bad entry {err} (not written by this "
-                        f"version of pretrain_gpt.py?)") from None
+        raise UserError(
+            f"{os.path.join(step_dir, META_FILE)}: missing or bad entry {err} (not written by this "
+            f"version of pretrain_gpt.py?)"
+        ) from None
     if pp > 1:
         shards = _read_pipeline(step_dir, tp, config)
     elif zero == 3:
@@ -171,7 +213,9 @@ def read_checkpoint(load_dir: str, iteration: int | None = None) -> LoadedCheckp
     partitions = parameter_partitions(config)
     missing, unexpected = partitions.keys() - shards[0].keys(), shards[0].keys() - partitions.keys()
     if missing or unexpected:
-        raise UserError(f"{step_dir}: the weights do not match the model in {META_FILE}: missing "
-                        f"{sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}")
+        raise UserError(
+            f"{step_dir}: the weights do not match the model in {META_FILE}: missing "
+            f"{sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}"
+        )
     full = trim_vocab(merge_tp(shards, partitions), config.vocab_size)
     return LoadedCheckpoint(step_dir, int(meta.get("iteration", 0)), config, tokenizer, meta, full)

@@ -31,7 +31,13 @@ import torch
 from pretrain.convert.state_dict import pad_vocab, parameter_partitions, split_tp
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
-from pretrain.training.checkpointing import FORMAT_VERSION, LATEST_FILE, META_FILE, MEGATRON_LATEST_FILE, tag_for
+from pretrain.training.checkpointing import (
+    FORMAT_VERSION,
+    LATEST_FILE,
+    META_FILE,
+    MEGATRON_LATEST_FILE,
+    tag_for,
+)
 
 ITERATION = 0  # --finetune restarts at iteration 0 whatever the tag says
 
@@ -39,13 +45,30 @@ ITERATION = 0  # --finetune restarts at iteration 0 whatever the tag says
 def finetune_flags(config: ModelConfig) -> list[str]:
     """The pretrain_gpt.py model flags that build exactly `config` (what --finetune checks, plus the
     sequence length and dropout the model was configured with)."""
-    flags = ["--num-layers", config.num_layers, "--hidden-size", config.hidden_size,
-             "--num-attention-heads", config.num_attention_heads, "--seq-length", config.seq_length,
-             "--max-position-embeddings", config.max_positions, "--hidden-dropout", config.hidden_dropout,
-             "--attention-dropout", config.attention_dropout,
-             "--norm-epsilon", config.norm_epsilon, "--normalization", config.normalization,
-             "--position-embedding-type", config.position_embedding_type,
-             "--make-vocab-size-divisible-by", config.make_vocab_size_divisible_by]
+    flags = [
+        "--num-layers",
+        config.num_layers,
+        "--hidden-size",
+        config.hidden_size,
+        "--num-attention-heads",
+        config.num_attention_heads,
+        "--seq-length",
+        config.seq_length,
+        "--max-position-embeddings",
+        config.max_positions,
+        "--hidden-dropout",
+        config.hidden_dropout,
+        "--attention-dropout",
+        config.attention_dropout,
+        "--norm-epsilon",
+        config.norm_epsilon,
+        "--normalization",
+        config.normalization,
+        "--position-embedding-type",
+        config.position_embedding_type,
+        "--make-vocab-size-divisible-by",
+        config.make_vocab_size_divisible_by,
+    ]
     if config.num_query_groups is not None:
         flags += ["--group-query-attention", "--num-query-groups", config.num_query_groups]
     if config.ffn_hidden_size is not None:
@@ -64,55 +87,105 @@ def finetune_flags(config: ModelConfig) -> list[str]:
 
 
 def _metadata(config: ModelConfig, tp: int, pp: int, tokenizer: dict | None, source: str) -> dict:
-    model = {k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v)
-             for k, v in vars(config).items()}
-    return {"format_version": FORMAT_VERSION, "iteration": ITERATION, "consumed_train_samples": 0,
-            "consumed_valid_samples": 0, "model": model, "padded_vocab_size": config.padded_vocab_size(tp),
-            "parallel": {"tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp,
-                         "data_parallel_size": 1, "world_size": tp * pp, "zero_stage": 0, "pipeline_engine": pp > 1},
-            "tokenizer": tokenizer or {}, "weights_only": True, "converted_from": source}
+    model = {
+        k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v)
+        for k, v in vars(config).items()
+    }
+    return {
+        "format_version": FORMAT_VERSION,
+        "iteration": ITERATION,
+        "consumed_train_samples": 0,
+        "consumed_valid_samples": 0,
+        "model": model,
+        "padded_vocab_size": config.padded_vocab_size(tp),
+        "parallel": {
+            "tensor_model_parallel_size": tp,
+            "pipeline_model_parallel_size": pp,
+            "data_parallel_size": 1,
+            "world_size": tp * pp,
+            "zero_stage": 0,
+            "pipeline_engine": pp > 1,
+        },
+        "tokenizer": tokenizer or {},
+        "weights_only": True,
+        "converted_from": source,
+    }
 
 
 def _engine_record(module: dict | None, mp_world_size: int) -> dict:
     """The DeepSpeed model-state file's fields that `load_checkpoint(load_module_only=True)` reads."""
-    return {"module": module, "buffer_names": [], "optimizer": None, "lr_scheduler": None, "param_shapes": None,
-            "skipped_steps": 0, "global_steps": ITERATION, "global_samples": 0, "dp_world_size": 1,
-            "mp_world_size": mp_world_size, "ds_version": deepspeed.__version__, "iteration": ITERATION}
+    return {
+        "module": module,
+        "buffer_names": [],
+        "optimizer": None,
+        "lr_scheduler": None,
+        "param_shapes": None,
+        "skipped_steps": 0,
+        "global_steps": ITERATION,
+        "global_samples": 0,
+        "dp_world_size": 1,
+        "mp_world_size": mp_world_size,
+        "ds_version": deepspeed.__version__,
+        "iteration": ITERATION,
+    }
 
 
-def _pipeline_layers(shard: dict[str, torch.Tensor], num_layers: int) -> dict[int, dict[str, torch.Tensor]]:
+def _pipeline_layers(
+    shard: dict[str, torch.Tensor], num_layers: int
+) -> dict[int, dict[str, torch.Tensor]]:
     """One TP rank's full-model names -> {pipeline layer index: that layer's state dict}."""
     from pretrain.model.pipeline import layer_name_prefix
 
     layers: dict[int, dict] = {}
     for index in range(num_layers + 2):
         prefix = layer_name_prefix(index, num_layers)
-        layers[index] = {k[len(prefix):]: v for k, v in shard.items() if k.startswith(prefix)}
+        layers[index] = {k[len(prefix) :]: v for k, v in shard.items() if k.startswith(prefix)}
     return layers
 
 
 def _write_step_dir(step_dir: str, full: dict, config: ModelConfig, tp: int, pp: int) -> None:
-    shards = split_tp(pad_vocab(full, config.padded_vocab_size(tp)), parameter_partitions(config), tp)
+    shards = split_tp(
+        pad_vocab(full, config.padded_vocab_size(tp)), parameter_partitions(config), tp
+    )
     if pp == 1:
         for t, shard in enumerate(shards):
-            torch.save(_engine_record(shard, tp), os.path.join(step_dir, f"mp_rank_{t:02d}_model_states.pt"))
+            torch.save(
+                _engine_record(shard, tp),
+                os.path.join(step_dir, f"mp_rank_{t:02d}_model_states.pt"),
+            )
         return
     for r in range(pp * tp):
-        torch.save(_engine_record(None, pp * tp), os.path.join(step_dir, f"mp_rank_{r:02d}_model_states.pt"))
+        torch.save(
+            _engine_record(None, pp * tp),
+            os.path.join(step_dir, f"mp_rank_{r:02d}_model_states.pt"),
+        )
     for t, shard in enumerate(shards):
         for index, layer in _pipeline_layers(shard, config.num_layers).items():
-            torch.save(layer, os.path.join(step_dir, f"layer_{index:02d}-model_{t:02d}-model_states.pt"))
+            torch.save(
+                layer, os.path.join(step_dir, f"layer_{index:02d}-model_{t:02d}-model_states.pt")
+            )
 
 
-def write_checkpoint(out_dir: str, full: dict[str, torch.Tensor], config: ModelConfig, tp: int = 1, pp: int = 1,
-                     tokenizer: dict | None = None, source: str = "") -> str:
+def write_checkpoint(
+    out_dir: str,
+    full: dict[str, torch.Tensor],
+    config: ModelConfig,
+    tp: int = 1,
+    pp: int = 1,
+    tokenizer: dict | None = None,
+    source: str = "",
+) -> str:
     """Write `full` (unpadded, TP = 1 names) as a --finetune checkpoint at (tp, pp); returns out_dir."""
     config.validate(tp, pp)
     if os.path.exists(out_dir) and os.listdir(out_dir):
-        raise UserError(f"{out_dir} exists and is not empty (choose a new directory; nothing was written)")
+        raise UserError(
+            f"{out_dir} exists and is not empty (choose a new directory; nothing was written)"
+        )
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}.partial.", dir=parent)
+    tmp = tempfile.mkdtemp(
+        prefix=f".{os.path.basename(os.path.abspath(out_dir))}.partial.", dir=parent
+    )
     try:
         tag = tag_for(ITERATION)
         step_dir = os.path.join(tmp, tag)

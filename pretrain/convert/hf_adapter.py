@@ -32,10 +32,13 @@ HF_CLASSES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM"}
 
 # --------------------------------------------------------------------------- architecture checks
 
+
 def _gpt2_mismatches(c: ModelConfig) -> list[str]:
     problems = []
     if c.position_embedding_type != "learned_absolute":
-        problems.append(f"position_embedding_type={c.position_embedding_type} (needs learned_absolute)")
+        problems.append(
+            f"position_embedding_type={c.position_embedding_type} (needs learned_absolute)"
+        )
     if c.normalization != "LayerNorm":
         problems.append(f"normalization={c.normalization} (needs LayerNorm)")
     if c.swiglu:
@@ -67,45 +70,73 @@ def hf_flavour(config: ModelConfig) -> str:
         return GPT2
     if not llama:
         return LLAMA
-    raise UserError("this model has no Hugging Face equivalent: as GPT2LMHeadModel it has " + "; ".join(gpt2)
-                    + ". As LlamaForCausalLM it has " + "; ".join(llama)
-                    + ". Train with the GPT-2 flags (default) or the Llama flags (--position-embedding-type rope "
-                      "--normalization RMSNorm --swiglu) to export")
+    raise UserError(
+        "this model has no Hugging Face equivalent: as GPT2LMHeadModel it has "
+        + "; ".join(gpt2)
+        + ". As LlamaForCausalLM it has "
+        + "; ".join(llama)
+        + ". Train with the GPT-2 flags (default) or the Llama flags (--position-embedding-type rope "
+        "--normalization RMSNorm --swiglu) to export"
+    )
 
 
 # --------------------------------------------------------------------------- configs
 
-def to_hf_config(config: ModelConfig, bos: int | None = None, eos: int | None = None,
-                 pad: int | None = None) -> transformers.PretrainedConfig:
+
+def to_hf_config(
+    config: ModelConfig, bos: int | None = None, eos: int | None = None, pad: int | None = None
+) -> transformers.PretrainedConfig:
     """The transformers config of `config` (true vocabulary size, no padding)."""
     tied = not config.untie_embeddings_and_output_weights
     specials = dict(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
     if hf_flavour(config) == GPT2:
         return transformers.GPT2Config(
-            vocab_size=config.vocab_size, n_positions=config.max_positions, n_embd=config.hidden_size,
-            n_layer=config.num_layers, n_head=config.num_attention_heads,
+            vocab_size=config.vocab_size,
+            n_positions=config.max_positions,
+            n_embd=config.hidden_size,
+            n_layer=config.num_layers,
+            n_head=config.num_attention_heads,
             n_inner=None if config.ffn_size == 4 * config.hidden_size else config.ffn_size,
-            activation_function="gelu", layer_norm_epsilon=config.norm_epsilon,
-            resid_pdrop=config.hidden_dropout, embd_pdrop=config.hidden_dropout,
-            attn_pdrop=config.attention_dropout, initializer_range=config.init_method_std,
-            tie_word_embeddings=tied, architectures=[HF_CLASSES[GPT2]], **specials)
+            activation_function="gelu",
+            layer_norm_epsilon=config.norm_epsilon,
+            resid_pdrop=config.hidden_dropout,
+            embd_pdrop=config.hidden_dropout,
+            attn_pdrop=config.attention_dropout,
+            initializer_range=config.init_method_std,
+            tie_word_embeddings=tied,
+            architectures=[HF_CLASSES[GPT2]],
+            **specials,
+        )
     return transformers.LlamaConfig(
-        vocab_size=config.vocab_size, hidden_size=config.hidden_size, intermediate_size=config.ffn_size,
-        num_hidden_layers=config.num_layers, num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.query_groups, head_dim=config.head_dim, hidden_act="silu",
-        max_position_embeddings=config.max_positions, initializer_range=config.init_method_std,
-        rms_norm_eps=config.norm_epsilon, tie_word_embeddings=tied,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.ffn_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.query_groups,
+        head_dim=config.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=config.max_positions,
+        initializer_range=config.init_method_std,
+        rms_norm_eps=config.norm_epsilon,
+        tie_word_embeddings=tied,
         rope_parameters={"rope_type": "default", "rope_theta": float(config.rotary_base)},
-        attention_bias=config.add_bias_linear, mlp_bias=config.add_bias_linear,
-        attention_dropout=config.attention_dropout, architectures=[HF_CLASSES[LLAMA]], **specials)
+        attention_bias=config.add_bias_linear,
+        mlp_bias=config.add_bias_linear,
+        attention_dropout=config.attention_dropout,
+        architectures=[HF_CLASSES[LLAMA]],
+        **specials,
+    )
 
 
 def _rope_theta(hf) -> float:
     params = getattr(hf, "rope_parameters", None) or {}
     rope_type = params.get("rope_type", "default")
     if rope_type != "default":
-        raise UserError(f"rope_parameters.rope_type={rope_type!r}: scaled RoPE is not supported by our model "
-                        f"(only the default RoPE is)")
+        raise UserError(
+            f"rope_parameters.rope_type={rope_type!r}: scaled RoPE is not supported by our model "
+            f"(only the default RoPE is)"
+        )
     theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
     return int(theta) if float(theta).is_integer() else float(theta)
 
@@ -113,11 +144,17 @@ def _rope_theta(hf) -> float:
 def _defaults_as_none(config: ModelConfig) -> ModelConfig:
     """Sizes that equal Megatron's defaults become None, as when their flags are left out: the
     checkpoint then matches a run that does not pass --ffn-hidden-size / --kv-channels / GQA flags."""
-    default = dataclasses.replace(config, num_query_groups=None, ffn_hidden_size=None, kv_channels=None)
+    default = dataclasses.replace(
+        config, num_query_groups=None, ffn_hidden_size=None, kv_channels=None
+    )
     return dataclasses.replace(
-        config, num_query_groups=None if config.query_groups == default.query_groups else config.num_query_groups,
+        config,
+        num_query_groups=None
+        if config.query_groups == default.query_groups
+        else config.num_query_groups,
         ffn_hidden_size=None if config.ffn_size == default.ffn_size else config.ffn_hidden_size,
-        kv_channels=None if config.head_dim == default.head_dim else config.kv_channels)
+        kv_channels=None if config.head_dim == default.head_dim else config.kv_channels,
+    )
 
 
 def from_hf_config(hf: transformers.PretrainedConfig, seq_length: int | None = None) -> ModelConfig:
@@ -130,110 +167,185 @@ def _from_hf_config(hf: transformers.PretrainedConfig, seq_length: int | None) -
     if model_type == GPT2:
         problems = []
         if hf.activation_function != "gelu":
-            problems.append(f"activation_function={hf.activation_function!r} (our GPT-2 flavour uses the exact "
-                            f"GELU, 'gelu'; OpenAI's GPT-2 uses the tanh approximation 'gelu_new')")
+            problems.append(
+                f"activation_function={hf.activation_function!r} (our GPT-2 flavour uses the exact "
+                f"GELU, 'gelu'; OpenAI's GPT-2 uses the tanh approximation 'gelu_new')"
+            )
         if getattr(hf, "scale_attn_by_inverse_layer_idx", False):
             problems.append("scale_attn_by_inverse_layer_idx=True")
         if not getattr(hf, "scale_attn_weights", True):
             problems.append("scale_attn_weights=False")
         if problems:
-            raise UserError("this GPT-2 model cannot be expressed by our model: " + "; ".join(problems))
+            raise UserError(
+                "this GPT-2 model cannot be expressed by our model: " + "; ".join(problems)
+            )
         return ModelConfig(
-            num_layers=hf.n_layer, hidden_size=hf.n_embd, num_attention_heads=hf.n_head, vocab_size=hf.vocab_size,
-            seq_length=seq_length or hf.n_positions, max_position_embeddings=hf.n_positions,
-            ffn_hidden_size=hf.n_inner or 4 * hf.n_embd, norm_epsilon=hf.layer_norm_epsilon,
-            untie_embeddings_and_output_weights=not hf.tie_word_embeddings, hidden_dropout=hf.resid_pdrop,
-            attention_dropout=hf.attn_pdrop, init_method_std=hf.initializer_range)
+            num_layers=hf.n_layer,
+            hidden_size=hf.n_embd,
+            num_attention_heads=hf.n_head,
+            vocab_size=hf.vocab_size,
+            seq_length=seq_length or hf.n_positions,
+            max_position_embeddings=hf.n_positions,
+            ffn_hidden_size=hf.n_inner or 4 * hf.n_embd,
+            norm_epsilon=hf.layer_norm_epsilon,
+            untie_embeddings_and_output_weights=not hf.tie_word_embeddings,
+            hidden_dropout=hf.resid_pdrop,
+            attention_dropout=hf.attn_pdrop,
+            init_method_std=hf.initializer_range,
+        )
     if model_type == LLAMA:
         if hf.hidden_act != "silu":
-            raise UserError(f"this Llama model cannot be expressed by our model: hidden_act={hf.hidden_act!r} "
-                            f"(our SwiGLU uses silu)")
+            raise UserError(
+                f"this Llama model cannot be expressed by our model: hidden_act={hf.hidden_act!r} "
+                f"(our SwiGLU uses silu)"
+            )
         if bool(hf.attention_bias) != bool(hf.mlp_bias):
-            raise UserError(f"this Llama model cannot be expressed by our model: attention_bias={hf.attention_bias} "
-                            f"but mlp_bias={hf.mlp_bias} (our --disable-bias-linear applies to every linear layer, "
-                            f"so both must be equal)")
+            raise UserError(
+                f"this Llama model cannot be expressed by our model: attention_bias={hf.attention_bias} "
+                f"but mlp_bias={hf.mlp_bias} (our --disable-bias-linear applies to every linear layer, "
+                f"so both must be equal)"
+            )
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         return ModelConfig(
-            num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, num_attention_heads=hf.num_attention_heads,
-            vocab_size=hf.vocab_size, seq_length=seq_length or hf.max_position_embeddings,
-            max_position_embeddings=hf.max_position_embeddings, num_query_groups=hf.num_key_value_heads,
-            ffn_hidden_size=hf.intermediate_size, kv_channels=head_dim, position_embedding_type="rope",
-            rotary_base=_rope_theta(hf), normalization="RMSNorm", norm_epsilon=hf.rms_norm_eps, swiglu=True,
+            num_layers=hf.num_hidden_layers,
+            hidden_size=hf.hidden_size,
+            num_attention_heads=hf.num_attention_heads,
+            vocab_size=hf.vocab_size,
+            seq_length=seq_length or hf.max_position_embeddings,
+            max_position_embeddings=hf.max_position_embeddings,
+            num_query_groups=hf.num_key_value_heads,
+            ffn_hidden_size=hf.intermediate_size,
+            kv_channels=head_dim,
+            position_embedding_type="rope",
+            rotary_base=_rope_theta(hf),
+            normalization="RMSNorm",
+            norm_epsilon=hf.rms_norm_eps,
+            swiglu=True,
             add_bias_linear=bool(hf.attention_bias),
             untie_embeddings_and_output_weights=not hf.tie_word_embeddings,
-            hidden_dropout=0.0, attention_dropout=hf.attention_dropout, init_method_std=hf.initializer_range)
-    raise UserError(f"model_type={model_type!r} is not supported (convert a GPT-2 or Llama model: "
-                    f"config.json's model_type must be 'gpt2' or 'llama')")
+            hidden_dropout=0.0,
+            attention_dropout=hf.attention_dropout,
+            init_method_std=hf.initializer_range,
+        )
+    raise UserError(
+        f"model_type={model_type!r} is not supported (convert a GPT-2 or Llama model: "
+        f"config.json's model_type must be 'gpt2' or 'llama')"
+    )
 
 
 # --------------------------------------------------------------------------- weights
 
+
 def _gpt2_layer_to_hf(ours: dict, o: str, t: str, c: ModelConfig) -> dict:
     nh, d, h = c.num_attention_heads, c.head_dim, c.hidden_size
     # ours: per head [q_h; k_h; v_h] rows; HF Conv1D: [in, q_all | k_all | v_all]
-    qkv_w = ours[o + "attention.qkv.weight"].view(nh, 3, d, h).transpose(0, 1).reshape(3 * nh * d, h)
+    qkv_w = (
+        ours[o + "attention.qkv.weight"].view(nh, 3, d, h).transpose(0, 1).reshape(3 * nh * d, h)
+    )
     qkv_b = ours[o + "attention.qkv.bias"].view(nh, 3, d).transpose(0, 1).reshape(-1)
-    return {t + "ln_1.weight": ours[o + "input_norm.weight"], t + "ln_1.bias": ours[o + "input_norm.bias"],
-            t + "attn.c_attn.weight": qkv_w.t(), t + "attn.c_attn.bias": qkv_b,
-            t + "attn.c_proj.weight": ours[o + "attention.proj.weight"].t(),
-            t + "attn.c_proj.bias": ours[o + "attention.proj.bias"],
-            t + "ln_2.weight": ours[o + "post_attention_norm.weight"],
-            t + "ln_2.bias": ours[o + "post_attention_norm.bias"],
-            t + "mlp.c_fc.weight": ours[o + "mlp.fc1.weight"].t(), t + "mlp.c_fc.bias": ours[o + "mlp.fc1.bias"],
-            t + "mlp.c_proj.weight": ours[o + "mlp.fc2.weight"].t(), t + "mlp.c_proj.bias": ours[o + "mlp.fc2.bias"]}
+    return {
+        t + "ln_1.weight": ours[o + "input_norm.weight"],
+        t + "ln_1.bias": ours[o + "input_norm.bias"],
+        t + "attn.c_attn.weight": qkv_w.t(),
+        t + "attn.c_attn.bias": qkv_b,
+        t + "attn.c_proj.weight": ours[o + "attention.proj.weight"].t(),
+        t + "attn.c_proj.bias": ours[o + "attention.proj.bias"],
+        t + "ln_2.weight": ours[o + "post_attention_norm.weight"],
+        t + "ln_2.bias": ours[o + "post_attention_norm.bias"],
+        t + "mlp.c_fc.weight": ours[o + "mlp.fc1.weight"].t(),
+        t + "mlp.c_fc.bias": ours[o + "mlp.fc1.bias"],
+        t + "mlp.c_proj.weight": ours[o + "mlp.fc2.weight"].t(),
+        t + "mlp.c_proj.bias": ours[o + "mlp.fc2.bias"],
+    }
 
 
 def _gpt2_layer_from_hf(hf: dict, t: str, o: str, c: ModelConfig) -> dict:
     nh, d, h = c.num_attention_heads, c.head_dim, c.hidden_size
-    qkv_w = hf[t + "attn.c_attn.weight"].t().reshape(3, nh, d, h).transpose(0, 1).reshape(3 * nh * d, h)
+    qkv_w = (
+        hf[t + "attn.c_attn.weight"].t().reshape(3, nh, d, h).transpose(0, 1).reshape(3 * nh * d, h)
+    )
     qkv_b = hf[t + "attn.c_attn.bias"].reshape(3, nh, d).transpose(0, 1).reshape(-1)
-    return {o + "input_norm.weight": hf[t + "ln_1.weight"], o + "input_norm.bias": hf[t + "ln_1.bias"],
-            o + "attention.qkv.weight": qkv_w, o + "attention.qkv.bias": qkv_b,
-            o + "attention.proj.weight": hf[t + "attn.c_proj.weight"].t(),
-            o + "attention.proj.bias": hf[t + "attn.c_proj.bias"],
-            o + "post_attention_norm.weight": hf[t + "ln_2.weight"],
-            o + "post_attention_norm.bias": hf[t + "ln_2.bias"],
-            o + "mlp.fc1.weight": hf[t + "mlp.c_fc.weight"].t(), o + "mlp.fc1.bias": hf[t + "mlp.c_fc.bias"],
-            o + "mlp.fc2.weight": hf[t + "mlp.c_proj.weight"].t(), o + "mlp.fc2.bias": hf[t + "mlp.c_proj.bias"]}
+    return {
+        o + "input_norm.weight": hf[t + "ln_1.weight"],
+        o + "input_norm.bias": hf[t + "ln_1.bias"],
+        o + "attention.qkv.weight": qkv_w,
+        o + "attention.qkv.bias": qkv_b,
+        o + "attention.proj.weight": hf[t + "attn.c_proj.weight"].t(),
+        o + "attention.proj.bias": hf[t + "attn.c_proj.bias"],
+        o + "post_attention_norm.weight": hf[t + "ln_2.weight"],
+        o + "post_attention_norm.bias": hf[t + "ln_2.bias"],
+        o + "mlp.fc1.weight": hf[t + "mlp.c_fc.weight"].t(),
+        o + "mlp.fc1.bias": hf[t + "mlp.c_fc.bias"],
+        o + "mlp.fc2.weight": hf[t + "mlp.c_proj.weight"].t(),
+        o + "mlp.fc2.bias": hf[t + "mlp.c_proj.bias"],
+    }
 
 
 def _llama_layer_to_hf(ours: dict, o: str, t: str, c: ModelConfig) -> dict:
     nh, ng, d = c.num_attention_heads, c.query_groups, c.head_dim
     per_group = nh // ng
-    out = {t + "input_layernorm.weight": ours[o + "input_norm.weight"],
-           t + "post_attention_layernorm.weight": ours[o + "post_attention_norm.weight"]}
-    for suffix in (("weight", "bias") if c.add_bias_linear else ("weight",)):
+    out = {
+        t + "input_layernorm.weight": ours[o + "input_norm.weight"],
+        t + "post_attention_layernorm.weight": ours[o + "post_attention_norm.weight"],
+    }
+    for suffix in ("weight", "bias") if c.add_bias_linear else ("weight",):
         qkv = ours[o + "attention.qkv." + suffix]
         grouped = qkv.reshape(ng, per_group + 2, d, *qkv.shape[1:])  # per group: q heads, k, v
         gate, up = ours[o + "mlp.fc1." + suffix].chunk(2, dim=0)
-        out.update({t + "self_attn.q_proj." + suffix: grouped[:, :per_group].reshape(nh * d, *qkv.shape[1:]),
-                    t + "self_attn.k_proj." + suffix: grouped[:, per_group].reshape(ng * d, *qkv.shape[1:]),
-                    t + "self_attn.v_proj." + suffix: grouped[:, per_group + 1].reshape(ng * d, *qkv.shape[1:]),
-                    t + "self_attn.o_proj." + suffix: ours[o + "attention.proj." + suffix],
-                    t + "mlp.gate_proj." + suffix: gate, t + "mlp.up_proj." + suffix: up,
-                    t + "mlp.down_proj." + suffix: ours[o + "mlp.fc2." + suffix]})
+        out.update(
+            {
+                t + "self_attn.q_proj." + suffix: grouped[:, :per_group].reshape(
+                    nh * d, *qkv.shape[1:]
+                ),
+                t + "self_attn.k_proj." + suffix: grouped[:, per_group].reshape(
+                    ng * d, *qkv.shape[1:]
+                ),
+                t + "self_attn.v_proj." + suffix: grouped[:, per_group + 1].reshape(
+                    ng * d, *qkv.shape[1:]
+                ),
+                t + "self_attn.o_proj." + suffix: ours[o + "attention.proj." + suffix],
+                t + "mlp.gate_proj." + suffix: gate,
+                t + "mlp.up_proj." + suffix: up,
+                t + "mlp.down_proj." + suffix: ours[o + "mlp.fc2." + suffix],
+            }
+        )
     return out
 
 
 def _llama_layer_from_hf(hf: dict, t: str, o: str, c: ModelConfig) -> dict:
     nh, ng, d = c.num_attention_heads, c.query_groups, c.head_dim
-    out = {o + "input_norm.weight": hf[t + "input_layernorm.weight"],
-           o + "post_attention_norm.weight": hf[t + "post_attention_layernorm.weight"]}
-    for suffix in (("weight", "bias") if c.add_bias_linear else ("weight",)):
+    out = {
+        o + "input_norm.weight": hf[t + "input_layernorm.weight"],
+        o + "post_attention_norm.weight": hf[t + "post_attention_layernorm.weight"],
+    }
+    for suffix in ("weight", "bias") if c.add_bias_linear else ("weight",):
         q, k, v = (hf[t + f"self_attn.{p}_proj." + suffix] for p in "qkv")
         rest = q.shape[1:]
-        qkv = torch.cat([q.reshape(ng, nh // ng, d, *rest), k.reshape(ng, 1, d, *rest),
-                         v.reshape(ng, 1, d, *rest)], dim=1).reshape(-1, *rest)
-        out.update({o + "attention.qkv." + suffix: qkv,
-                    o + "attention.proj." + suffix: hf[t + "self_attn.o_proj." + suffix],
-                    o + "mlp.fc1." + suffix: torch.cat([hf[t + "mlp.gate_proj." + suffix],
-                                                        hf[t + "mlp.up_proj." + suffix]]),
-                    o + "mlp.fc2." + suffix: hf[t + "mlp.down_proj." + suffix]})
+        qkv = torch.cat(
+            [
+                q.reshape(ng, nh // ng, d, *rest),
+                k.reshape(ng, 1, d, *rest),
+                v.reshape(ng, 1, d, *rest),
+            ],
+            dim=1,
+        ).reshape(-1, *rest)
+        out.update(
+            {
+                o + "attention.qkv." + suffix: qkv,
+                o + "attention.proj." + suffix: hf[t + "self_attn.o_proj." + suffix],
+                o + "mlp.fc1." + suffix: torch.cat(
+                    [hf[t + "mlp.gate_proj." + suffix], hf[t + "mlp.up_proj." + suffix]]
+                ),
+                o + "mlp.fc2." + suffix: hf[t + "mlp.down_proj." + suffix],
+            }
+        )
     return out
 
 
-_PREFIXES = {GPT2: ("transformer.wte.weight", "transformer.ln_f.", "transformer.h."),
-             LLAMA: ("model.embed_tokens.weight", "model.norm.", "model.layers.")}
+_PREFIXES = {
+    GPT2: ("transformer.wte.weight", "transformer.ln_f.", "transformer.h."),
+    LLAMA: ("model.embed_tokens.weight", "model.norm.", "model.layers."),
+}
 _LAYER_TO_HF = {GPT2: _gpt2_layer_to_hf, LLAMA: _llama_layer_to_hf}
 _LAYER_FROM_HF = {GPT2: _gpt2_layer_from_hf, LLAMA: _llama_layer_from_hf}
 
@@ -242,13 +354,19 @@ def to_hf_state_dict(ours: dict[str, torch.Tensor], config: ModelConfig) -> dict
     """Full, unpadded GPTModel state dict -> the HF model's state dict (contiguous tensors)."""
     flavour = hf_flavour(config)
     embed, final_norm, layers = _PREFIXES[flavour]
-    out = {embed: ours["embedding.word_embeddings.weight"], final_norm + "weight": ours["head.final_norm.weight"]}
+    out = {
+        embed: ours["embedding.word_embeddings.weight"],
+        final_norm + "weight": ours["head.final_norm.weight"],
+    }
     if config.normalization == "LayerNorm":
         out[final_norm + "bias"] = ours["head.final_norm.bias"]
     if flavour == GPT2:
         out["transformer.wpe.weight"] = ours["embedding.position_embeddings.weight"]
-    out["lm_head.weight"] = (ours["head.output_layer.weight"] if config.untie_embeddings_and_output_weights
-                             else ours["embedding.word_embeddings.weight"])
+    out["lm_head.weight"] = (
+        ours["head.output_layer.weight"]
+        if config.untie_embeddings_and_output_weights
+        else ours["embedding.word_embeddings.weight"]
+    )
     for i in range(config.num_layers):
         out.update(_LAYER_TO_HF[flavour](ours, f"layers.{i}.", f"{layers}{i}.", config))
     return {k: v.contiguous() for k, v in out.items()}
@@ -263,8 +381,10 @@ class _ReadTracker(dict):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self:
-            raise UserError(f"the Hugging Face weights lack {name}, which config.json implies (the safetensors "
-                            f"files do not belong to this config.json)")
+            raise UserError(
+                f"the Hugging Face weights lack {name}, which config.json implies (the safetensors "
+                f"files do not belong to this config.json)"
+            )
         self.read.add(name)
         return super().__getitem__(name)
 
@@ -278,7 +398,10 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict
     flavour = hf_flavour(config)
     embed, final_norm, layers = _PREFIXES[flavour]
     hf = _ReadTracker(hf)
-    out = {"embedding.word_embeddings.weight": hf[embed], "head.final_norm.weight": hf[final_norm + "weight"]}
+    out = {
+        "embedding.word_embeddings.weight": hf[embed],
+        "head.final_norm.weight": hf[final_norm + "weight"],
+    }
     if config.normalization == "LayerNorm":
         out["head.final_norm.bias"] = hf[final_norm + "bias"]
     if flavour == GPT2:
@@ -291,7 +414,9 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict
         out.update(_LAYER_FROM_HF[flavour](hf, f"{layers}{i}.", f"layers.{i}.", config))
     unused = sorted(k for k in hf.keys() - hf.read if not k.endswith(_IGNORED_HF_SUFFIXES))
     if unused:
-        raise UserError(f"the Hugging Face weights hold {len(unused)} tensor(s) config.json does not describe, e.g. "
-                        f"{', '.join(unused[:3])} (our model would silently drop them; check config.json, e.g. "
-                        f"attention_bias / mlp_bias / num_hidden_layers)")
+        raise UserError(
+            f"the Hugging Face weights hold {len(unused)} tensor(s) config.json does not describe, e.g. "
+            f"{', '.join(unused[:3])} (our model would silently drop them; check config.json, e.g. "
+            f"attention_bias / mlp_bias / num_hidden_layers)"
+        )
     return {k: v.contiguous() for k, v in out.items()}

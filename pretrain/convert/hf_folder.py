@@ -21,7 +21,12 @@ from dataclasses import dataclass
 import torch
 import transformers
 
-from pretrain.convert.hf_adapter import from_hf_config, from_hf_state_dict, to_hf_config, to_hf_state_dict
+from pretrain.convert.hf_adapter import (
+    from_hf_config,
+    from_hf_state_dict,
+    to_hf_config,
+    to_hf_state_dict,
+)
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
 from pretrain.tokenizer import Tokenizer, TokenizerConfig, build_tokenizer
@@ -40,7 +45,9 @@ def special_tokens(cfg: TokenizerConfig, tokenizer: Tokenizer | None) -> Special
     if tokenizer is None:
         return SpecialTokens(None, None, None)
     eos = tokenizer.eod
-    bos = eos if cfg.tokenizer_type == "GPT2BPETokenizer" else None  # GPT-2 uses <|endoftext|> for both
+    bos = (
+        eos if cfg.tokenizer_type == "GPT2BPETokenizer" else None
+    )  # GPT-2 uses <|endoftext|> for both
     return SpecialTokens(bos=bos, eos=eos, pad=getattr(tokenizer, "pad", None))
 
 
@@ -51,30 +58,39 @@ def build_tokenizer_from_checkpoint(cfg: TokenizerConfig) -> Tokenizer | None:
     try:
         return build_tokenizer(cfg)
     except UserError as err:
-        raise UserError(f"the checkpoint's tokenizer cannot be loaded: {err} (the paths in pretrain_meta.json are "
-                        f"the ones given to pretrain_gpt.py; run from the same directory, or restore the files)") \
-            from None
+        raise UserError(
+            f"the checkpoint's tokenizer cannot be loaded: {err} (the paths in pretrain_meta.json are "
+            f"the ones given to pretrain_gpt.py; run from the same directory, or restore the files)"
+        ) from None
 
 
 def save_hf_tokenizer(cfg: TokenizerConfig, tokenizer: Tokenizer | None, out_dir: str) -> bool:
     """Write HF tokenizer files to out_dir; False (nothing written) for tokenizers HF cannot load."""
     if tokenizer is None or cfg.tokenizer_type not in EXPORTABLE_TOKENIZERS:
         return False
-    tokenizer.save_pretrained(out_dir)  # vocab.json + merges.txt + tokenizer.json, or tokenizer.json (+ config)
+    tokenizer.save_pretrained(
+        out_dir
+    )  # vocab.json + merges.txt + tokenizer.json, or tokenizer.json (+ config)
     eos_text = tokenizer.detokenize([tokenizer.eod])
     if cfg.tokenizer_type == "GPT2BPETokenizer":
-        hf_tokenizer = transformers.GPT2Tokenizer(os.path.join(out_dir, "vocab.json"),  # vocab, merges
-                                                  os.path.join(out_dir, "merges.txt"),
-                                                  bos_token=eos_text, eos_token=eos_text, unk_token=eos_text)
+        hf_tokenizer = transformers.GPT2Tokenizer(
+            os.path.join(out_dir, "vocab.json"),  # vocab, merges
+            os.path.join(out_dir, "merges.txt"),
+            bos_token=eos_text,
+            eos_token=eos_text,
+            unk_token=eos_text,
+        )
     else:
-        hf_tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=os.path.join(out_dir, "tokenizer.json"),
-                                                            eos_token=eos_text)
+        hf_tokenizer = transformers.PreTrainedTokenizerFast(
+            tokenizer_file=os.path.join(out_dir, "tokenizer.json"), eos_token=eos_text
+        )
     hf_tokenizer.save_pretrained(out_dir)
     return True
 
 
-def build_hf_model(ours: dict[str, torch.Tensor], config: ModelConfig, specials: SpecialTokens,
-                   dtype: torch.dtype) -> transformers.PreTrainedModel:
+def build_hf_model(
+    ours: dict[str, torch.Tensor], config: ModelConfig, specials: SpecialTokens, dtype: torch.dtype
+) -> transformers.PreTrainedModel:
     """The transformers model holding `ours` (full, unpadded), in `dtype`."""
     hf_config = to_hf_config(config, bos=specials.bos, eos=specials.eos, pad=specials.pad)
     model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
@@ -84,7 +100,8 @@ def build_hf_model(ours: dict[str, torch.Tensor], config: ModelConfig, specials:
     if unexpected or set(missing) - set(tied_head):
         raise RuntimeError(f"HF state dict mismatch: missing {missing}, unexpected {unexpected}")
     model.generation_config = transformers.GenerationConfig(
-        bos_token_id=specials.bos, eos_token_id=specials.eos, pad_token_id=specials.pad)
+        bos_token_id=specials.bos, eos_token_id=specials.eos, pad_token_id=specials.pad
+    )
     return model.eval()
 
 
@@ -101,17 +118,24 @@ def _read_weights(folder: str) -> dict[str, torch.Tensor]:
     else:
         paths = sorted(glob.glob(os.path.join(folder, "pytorch_model*.bin")))
         if not paths:
-            raise UserError(f"{folder}: no model.safetensors, model.safetensors.index.json or pytorch_model*.bin "
-                            f"(not a Hugging Face model folder)")
+            raise UserError(
+                f"{folder}: no model.safetensors, model.safetensors.index.json or pytorch_model*.bin "
+                f"(not a Hugging Face model folder)"
+            )
     missing = [p for p in paths if not os.path.isfile(p)]
     if missing:
-        raise UserError(f"{folder}: missing weight shard(s) {', '.join(map(os.path.basename, missing))} "
-                        f"named by model.safetensors.index.json (copy the whole folder)")
+        raise UserError(
+            f"{folder}: missing weight shard(s) {', '.join(map(os.path.basename, missing))} "
+            f"named by model.safetensors.index.json (copy the whole folder)"
+        )
     weights = {}
     for path in paths:
         try:
-            weights.update(load_file(path) if path.endswith(".safetensors")
-                           else torch.load(path, map_location="cpu", weights_only=True))
+            weights.update(
+                load_file(path)
+                if path.endswith(".safetensors")
+                else torch.load(path, map_location="cpu", weights_only=True)
+            )
         except Exception as err:  # noqa: BLE001 - a damaged file
             raise UserError(f"{path}: cannot be read ({type(err).__name__}: {err})") from None
     return weights
@@ -128,20 +152,27 @@ def hf_folder_tokenizer(folder: str) -> TokenizerConfig | None:
     """The folder's tokenizer as our HuggingFaceTokenizer config, if it has a tokenizer.json."""
     if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
         return None
-    return TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=os.path.abspath(folder))
+    return TokenizerConfig(
+        tokenizer_type="HuggingFaceTokenizer", tokenizer_model=os.path.abspath(folder)
+    )
 
 
-def read_hf_folder(folder: str, seq_length: int | None = None,
-                   make_vocab_size_divisible_by: int = 128) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def read_hf_folder(
+    folder: str, seq_length: int | None = None, make_vocab_size_divisible_by: int = 128
+) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """(our ModelConfig, our full unpadded state dict) of a local HF GPT-2 / Llama folder."""
     if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise UserError(f"{folder}: no config.json (point --load at a local Hugging Face model folder)")
+        raise UserError(
+            f"{folder}: no config.json (point --load at a local Hugging Face model folder)"
+        )
     try:
         hf_config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
     except (OSError, ValueError) as err:
         raise UserError(f"{folder}/config.json: cannot be read by transformers ({err})") from None
-    config = dataclasses.replace(from_hf_config(hf_config, seq_length),
-                                 make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    config = dataclasses.replace(
+        from_hf_config(hf_config, seq_length),
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+    )
     weights = _read_weights(folder)
     if hf_config.model_type == "gpt2":
         weights = _with_gpt2_prefix(weights)

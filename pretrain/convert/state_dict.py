@@ -41,9 +41,19 @@ def _structural_twin(config: ModelConfig) -> ModelConfig:
     """The same architecture (same parameter names and split rules) at toy sizes."""
     gqa = config.query_groups != config.num_attention_heads
     return dataclasses.replace(
-        config, num_layers=1, hidden_size=8, num_attention_heads=2, num_query_groups=1 if gqa else None,
-        kv_channels=None, ffn_hidden_size=8, vocab_size=8, seq_length=4, max_position_embeddings=4,
-        make_vocab_size_divisible_by=8, params_dtype=torch.float32)
+        config,
+        num_layers=1,
+        hidden_size=8,
+        num_attention_heads=2,
+        num_query_groups=1 if gqa else None,
+        kv_channels=None,
+        ffn_hidden_size=8,
+        vocab_size=8,
+        seq_length=4,
+        max_position_embeddings=4,
+        make_vocab_size_divisible_by=8,
+        params_dtype=torch.float32,
+    )
 
 
 def layer_template(name: str) -> str:
@@ -54,14 +64,19 @@ def layer_template(name: str) -> str:
 def parameter_partitions(config: ModelConfig) -> dict[str, Partition | None]:
     """Every full-model parameter name -> its TP split (None: replicated on every TP rank)."""
     twin = GPTModel(_structural_twin(config))
-    per_template = {name: (Partition(p.partition_dim, p.partition_stride)
-                           if getattr(p, "tensor_model_parallel", False) else None)
-                    for name, p in twin.named_parameters()}
+    per_template = {
+        name: (
+            Partition(p.partition_dim, p.partition_stride)
+            if getattr(p, "tensor_model_parallel", False)
+            else None
+        )
+        for name, p in twin.named_parameters()
+    }
     out = {}
     for template, partition in per_template.items():
         if template.startswith("layers.0."):
             for i in range(config.num_layers):
-                out[f"layers.{i}." + template[len("layers.0."):]] = partition
+                out[f"layers.{i}." + template[len("layers.0.") :]] = partition
         else:
             out[template] = partition
     return out
@@ -81,7 +96,9 @@ def pad_vocab(state_dict: dict[str, torch.Tensor], padded_size: int) -> dict[str
     return out
 
 
-def merge_tp(shards: list[dict[str, torch.Tensor]], partitions: dict[str, Partition | None]) -> dict:
+def merge_tp(
+    shards: list[dict[str, torch.Tensor]], partitions: dict[str, Partition | None]
+) -> dict:
     """Per-TP-rank state dicts (rank order) -> one full state dict."""
     out = {}
     for name in shards[0]:
@@ -93,14 +110,18 @@ def merge_tp(shards: list[dict[str, torch.Tensor]], partitions: dict[str, Partit
     return out
 
 
-def split_tp(full: dict[str, torch.Tensor], partitions: dict[str, Partition | None], tp: int) -> list[dict]:
+def split_tp(
+    full: dict[str, torch.Tensor], partitions: dict[str, Partition | None], tp: int
+) -> list[dict]:
     """One full state dict -> per-TP-rank state dicts (contiguous copies, ready to save)."""
     out = []
     for rank in range(tp):
         shard = {}
         for name, tensor in full.items():
             part = partitions.get(name)
-            local = tensor if part is None else shard_tensor(tensor, part.dim, rank, tp, part.stride)
+            local = (
+                tensor if part is None else shard_tensor(tensor, part.dim, rank, tp, part.stride)
+            )
             shard[name] = local.clone().contiguous()
         out.append(shard)
     return out

@@ -76,9 +76,11 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, base: int):
         super().__init__()
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        self.register_buffer("inv_freq", 1.0 / (base ** exponents), persistent=False)
+        self.register_buffer("inv_freq", 1.0 / (base**exponents), persistent=False)
 
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, position_ids: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = position_ids.float().unsqueeze(-1) * self.inv_freq  # [b, s, d/2]
         angles = torch.cat((freqs, freqs), dim=-1).unsqueeze(1)  # [b, 1, s, d]
         return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -101,16 +103,29 @@ class Attention(nn.Module):
         self.heads_per_group = config.num_attention_heads // config.query_groups
         self.dropout = config.attention_dropout
         qkv_size = (config.num_attention_heads + 2 * config.query_groups) * config.head_dim
-        self.qkv = ColumnParallelLinear(config.hidden_size, qkv_size, bias=config.add_bias_linear,
-                                        dtype=config.params_dtype)
-        self.proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size,
-                                      bias=config.add_bias_linear, dtype=config.params_dtype)
+        self.qkv = ColumnParallelLinear(
+            config.hidden_size, qkv_size, bias=config.add_bias_linear, dtype=config.params_dtype
+        )
+        self.proj = RowParallelLinear(
+            config.num_attention_heads * config.head_dim,
+            config.hidden_size,
+            bias=config.add_bias_linear,
+            dtype=config.params_dtype,
+        )
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None,
-                attention_mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        attention_mask: torch.Tensor | None,
+    ) -> torch.Tensor:
         b, s, _ = x.shape
         mixed = self.qkv(x).view(b, s, self.local_groups, self.heads_per_group + 2, self.head_dim)
-        q = mixed[:, :, :, : self.heads_per_group].reshape(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+        q = (
+            mixed[:, :, :, : self.heads_per_group]
+            .reshape(b, s, self.local_heads, self.head_dim)
+            .transpose(1, 2)
+        )
         k = mixed[:, :, :, self.heads_per_group].transpose(1, 2)  # [b, groups, s, d]
         v = mixed[:, :, :, self.heads_per_group + 1].transpose(1, 2)
         if rotary is not None:
@@ -119,7 +134,9 @@ class Attention(nn.Module):
         # attention probabilities belong to this rank's heads: their dropout differs per TP rank
         with tensor_parallel_rng() if dropout > 0 else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(
-                q, k, v,
+                q,
+                k,
+                v,
                 attn_mask=None if attention_mask is None else ~attention_mask,
                 is_causal=attention_mask is None,
                 dropout_p=dropout,
@@ -135,10 +152,19 @@ class MLP(nn.Module):
         super().__init__()
         self.swiglu = config.swiglu
         fc1_out = 2 * config.ffn_size if config.swiglu else config.ffn_size
-        self.fc1 = ColumnParallelLinear(config.hidden_size, fc1_out, bias=config.add_bias_linear,
-                                        stride=2 if config.swiglu else 1, dtype=config.params_dtype)
-        self.fc2 = RowParallelLinear(config.ffn_size, config.hidden_size, bias=config.add_bias_linear,
-                                     dtype=config.params_dtype)
+        self.fc1 = ColumnParallelLinear(
+            config.hidden_size,
+            fc1_out,
+            bias=config.add_bias_linear,
+            stride=2 if config.swiglu else 1,
+            dtype=config.params_dtype,
+        )
+        self.fc2 = RowParallelLinear(
+            config.ffn_size,
+            config.hidden_size,
+            bias=config.add_bias_linear,
+            dtype=config.params_dtype,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.fc1(x)
@@ -159,17 +185,27 @@ class Embedding(nn.Module):
         super().__init__()
         tp = state.get_tensor_model_parallel_world_size()
         self.dropout = config.hidden_dropout
-        self.word_embeddings = VocabParallelEmbedding(config.padded_vocab_size(tp), config.hidden_size,
-                                                      dtype=config.params_dtype)
-        self.word_embeddings.initialize(f"{self.prefix}.word_embeddings", config.seed, config.init_method_std)
+        self.word_embeddings = VocabParallelEmbedding(
+            config.padded_vocab_size(tp), config.hidden_size, dtype=config.params_dtype
+        )
+        self.word_embeddings.initialize(
+            f"{self.prefix}.word_embeddings", config.seed, config.init_method_std
+        )
         self.position_embeddings = None
         if config.position_embedding_type == "learned_absolute":
-            self.position_embeddings = nn.Embedding(config.max_positions, config.hidden_size,
-                                                    dtype=config.params_dtype)
-            init_normal_(self.position_embeddings.weight, f"{self.prefix}.position_embeddings.weight",
-                         config.seed, config.init_method_std)
+            self.position_embeddings = nn.Embedding(
+                config.max_positions, config.hidden_size, dtype=config.params_dtype
+            )
+            init_normal_(
+                self.position_embeddings.weight,
+                f"{self.prefix}.position_embeddings.weight",
+                config.seed,
+                config.init_method_std,
+            )
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         hidden = self.word_embeddings(tokens)
         if self.position_embeddings is not None:
             if position_ids is None:
@@ -186,7 +222,9 @@ class TransformerLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_number: int):
         super().__init__()
-        config.validate(tp=state.get_tensor_model_parallel_world_size())  # built alone as a pipeline stage, too
+        config.validate(
+            tp=state.get_tensor_model_parallel_world_size()
+        )  # built alone as a pipeline stage, too
         self.layer_number = layer_number
         self.dropout = config.hidden_dropout
         self.recompute = config.recompute_activations
@@ -194,17 +232,26 @@ class TransformerLayer(nn.Module):
         self.attention = Attention(config)
         self.post_attention_norm = build_norm(config)
         self.mlp = MLP(config)
-        self.rotary = (RotaryEmbedding(config.head_dim, config.rotary_base)
-                       if config.position_embedding_type == "rope" else None)
+        self.rotary = (
+            RotaryEmbedding(config.head_dim, config.rotary_base)
+            if config.position_embedding_type == "rope"
+            else None
+        )
         prefix, std = f"layers.{layer_number}", config.init_method_std
-        output_std = std / math.sqrt(2.0 * config.num_layers)  # Megatron's scaled init for output projections
+        output_std = std / math.sqrt(
+            2.0 * config.num_layers
+        )  # Megatron's scaled init for output projections
         self.attention.qkv.initialize(f"{prefix}.attention.qkv", config.seed, std)
         self.attention.proj.initialize(f"{prefix}.attention.proj", config.seed, output_std)
         self.mlp.fc1.initialize(f"{prefix}.mlp.fc1", config.seed, std)
         self.mlp.fc2.initialize(f"{prefix}.mlp.fc2", config.seed, output_std)
 
-    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         if self.recompute and self.training and torch.is_grad_enabled():
             return checkpoint(self._forward, hidden, position_ids, attention_mask)
         return self._forward(hidden, position_ids, attention_mask)
@@ -236,11 +283,19 @@ class FinalNormAndHead(nn.Module):
         self.final_norm = build_norm(config)
         self.output_layer = None
         if config.untie_embeddings_and_output_weights:
-            self.output_layer = ColumnParallelLinear(config.hidden_size, config.padded_vocab_size(tp), bias=False,
-                                                     dtype=config.params_dtype)
-            self.output_layer.initialize(f"{self.prefix}.output_layer", config.seed, config.init_method_std)
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size,
+                config.padded_vocab_size(tp),
+                bias=False,
+                dtype=config.params_dtype,
+            )
+            self.output_layer.initialize(
+                f"{self.prefix}.output_layer", config.seed, config.init_method_std
+            )
 
-    def forward(self, hidden: torch.Tensor, output_weight: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, output_weight: torch.Tensor | None = None
+    ) -> torch.Tensor:
         hidden = self.final_norm(hidden)
         if self.output_layer is not None:
             return self.output_layer(hidden)
@@ -260,15 +315,24 @@ class GPTModel(nn.Module):
         self.layers = nn.ModuleList(TransformerLayer(config, i) for i in range(config.num_layers))
         self.head = FinalNormAndHead(config)
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                gather_logits: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+        gather_logits: bool = False,
+    ) -> torch.Tensor:
         """Per-token loss [b, s] (fp32) if `labels` is given; else logits [b, s, V_padded/tp]
         (this rank's vocabulary shard), or the full [b, s, V_padded] with `gather_logits=True`."""
         hidden = self.embedding(tokens, position_ids)
         for layer in self.layers:
             hidden = layer(hidden, position_ids, attention_mask)
-        tied = None if self.config.untie_embeddings_and_output_weights else self.embedding.word_embeddings.weight
+        tied = (
+            None
+            if self.config.untie_embeddings_and_output_weights
+            else self.embedding.word_embeddings.weight
+        )
         logits = self.head(hidden, tied)
         if labels is not None:
             return vocab_parallel_cross_entropy(logits, labels)

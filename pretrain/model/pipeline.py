@@ -41,7 +41,9 @@ def _split(inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
 
 
 def _pack(hidden, position_ids, attention_mask):
-    return (hidden, position_ids) if attention_mask is None else (hidden, position_ids, attention_mask)
+    return (
+        (hidden, position_ids) if attention_mask is None else (hidden, position_ids, attention_mask)
+    )
 
 
 class EmbeddingPipe(Embedding):
@@ -58,7 +60,9 @@ def tied_lm_head(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor
 class TransformerLayerPipe(TransformerLayer):
     def forward(self, inputs):
         hidden, position_ids, attention_mask = _split(inputs)
-        return _pack(super().forward(hidden, position_ids, attention_mask), position_ids, attention_mask)
+        return _pack(
+            super().forward(hidden, position_ids, attention_mask), position_ids, attention_mask
+        )
 
 
 class HeadPipe(FinalNormAndHead):
@@ -76,7 +80,9 @@ def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> t
     return (per_token_loss * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
 
 
-def pipeline_loss(logits: torch.Tensor, labels_and_mask: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def pipeline_loss(
+    logits: torch.Tensor, labels_and_mask: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
     labels, loss_mask = labels_and_mask
     return masked_mean_loss(vocab_parallel_cross_entropy(logits, labels), loss_mask)
 
@@ -94,16 +100,31 @@ def layer_name_prefix(index: int, num_layers: int) -> str | None:
 
 def build_pipeline_model(config: ModelConfig, pp: int, tp: int, dp: int) -> PipelineModule:
     tied = not config.untie_embeddings_and_output_weights
-    specs = [TiedLayerSpec(TIED_KEY, EmbeddingPipe, config, tied_weight_attr=[TIED_WEIGHT]) if tied
-             else LayerSpec(EmbeddingPipe, config)]
+    specs = [
+        TiedLayerSpec(TIED_KEY, EmbeddingPipe, config, tied_weight_attr=[TIED_WEIGHT])
+        if tied
+        else LayerSpec(EmbeddingPipe, config)
+    ]
     specs += [LayerSpec(TransformerLayerPipe, config, i) for i in range(config.num_layers)]
     specs.append(LayerSpec(HeadPipe, config))
     if tied:
-        specs.append(TiedLayerSpec(TIED_KEY, EmbeddingPipe, config, forward_fn=tied_lm_head,
-                                   tied_weight_attr=[TIED_WEIGHT]))
+        specs.append(
+            TiedLayerSpec(
+                TIED_KEY,
+                EmbeddingPipe,
+                config,
+                forward_fn=tied_lm_head,
+                tied_weight_attr=[TIED_WEIGHT],
+            )
+        )
     topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
-    model = PipelineModule(layers=specs, loss_fn=pipeline_loss, topology=topology,
-                           partition_method="type:TransformerLayerPipe", activation_checkpoint_interval=0)
+    model = PipelineModule(
+        layers=specs,
+        loss_fn=pipeline_loss,
+        topology=topology,
+        partition_method="type:TransformerLayerPipe",
+        activation_checkpoint_interval=0,
+    )
     for param in model.parameters():
         if getattr(param, "ds_pipe_replicated", False):
             param.shared = True

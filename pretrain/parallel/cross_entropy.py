@@ -34,7 +34,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         not_here = (target < start) | (target >= start + local_vocab)
         local_target = (target - start).masked_fill(not_here, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(not_here, 0.0)
+        target_logit = (
+            shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(not_here, 0.0)
+        )
         dist.all_reduce(target_logit, group=group)
 
         exp = shifted.exp_()
@@ -57,6 +59,8 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Per-token loss [...] (fp32) from TP-local logits [..., V/t] and full-vocabulary ids [...]."""
     if state.get_tensor_model_parallel_world_size() == 1:
-        flat = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none")
+        flat = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1), reduction="none"
+        )
         return flat.view(target.shape)
     return _VocabParallelCrossEntropy.apply(logits, target)

@@ -22,15 +22,22 @@ from pretrain.parallel import state
 from pretrain.parallel.sharding import is_tensor_parallel
 
 
-def global_grad_norm(parameters: Iterable[torch.nn.Parameter], model_parallel_group=None) -> torch.Tensor:
+def global_grad_norm(
+    parameters: Iterable[torch.nn.Parameter], model_parallel_group=None
+) -> torch.Tensor:
     """L2 norm (fp32 scalar tensor, identical on every rank of the group) of all gradients.
 
     `model_parallel_group` defaults to the TP x PP group of pretrain.parallel.state; pass the
     pipeline grid's model-parallel group when DeepSpeed's PipelineModule owns the layout.
     """
     is_tp_rank0 = state.get_tensor_model_parallel_rank() == 0
-    grads = [p.grad for p in parameters
-             if p.grad is not None and not getattr(p, "shared", False) and (is_tp_rank0 or is_tensor_parallel(p))]
+    grads = [
+        p.grad
+        for p in parameters
+        if p.grad is not None
+        and not getattr(p, "shared", False)
+        and (is_tp_rank0 or is_tensor_parallel(p))
+    ]
     device = grads[0].device if grads else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float32, device=device)
     for grad in grads:

@@ -32,11 +32,15 @@ from pretrain.parallel.sharding import mark_tensor_parallel, merge_shards
 
 def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator != 0:
-        raise ValueError(f"{what} ({numerator}) is not divisible by tensor-parallel size {denominator}")
+        raise ValueError(
+            f"{what} ({numerator}) is not divisible by tensor-parallel size {denominator}"
+        )
     return numerator // denominator
 
 
-def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def column_parallel_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """x (replicated over TP) @ weight-shard^T: this rank's slice of the output features."""
     return F.linear(copy_to_tensor_model_parallel_region(x), weight, bias)
 
@@ -61,22 +65,36 @@ class ColumnParallelLinear(_ParallelLinear):
     (see pretrain.parallel.sharding), e.g. SwiGLU's [gate; up].
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
-                 stride: int = 1, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        gather_output: bool = False,
+        stride: int = 1,
+        dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
         world = state.get_tensor_model_parallel_world_size()
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
         local_out = divide(out_features, world, "output features")
-        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(local_out, in_features, dtype=dtype)), 0, stride)
-        self.bias = (mark_tensor_parallel(nn.Parameter(torch.zeros(local_out, dtype=dtype)), 0, stride)
-                     if bias else None)
+        self.weight = mark_tensor_parallel(
+            nn.Parameter(torch.empty(local_out, in_features, dtype=dtype)), 0, stride
+        )
+        self.bias = (
+            mark_tensor_parallel(nn.Parameter(torch.zeros(local_out, dtype=dtype)), 0, stride)
+            if bias
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = column_parallel_linear(x, self.weight, self.bias)
         if not self.gather_output:
             return y
-        gathered = gather_from_tensor_model_parallel_region(y)  # rank order: [shard_0, shard_1, ...]
+        gathered = gather_from_tensor_model_parallel_region(
+            y
+        )  # rank order: [shard_0, shard_1, ...]
         world = state.get_tensor_model_parallel_world_size()
         return merge_shards(list(gathered.chunk(world, dim=-1)), -1, self.weight.partition_stride)
 
@@ -84,14 +102,22 @@ class ColumnParallelLinear(_ParallelLinear):
 class RowParallelLinear(_ParallelLinear):
     """Linear layer with the input features split over TP ranks; the bias is added after the reduce."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        dtype: torch.dtype = torch.float32,
+    ):
         super().__init__()
         world = state.get_tensor_model_parallel_world_size()
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel = input_is_parallel
         local_in = divide(in_features, world, "input features")
-        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(out_features, local_in, dtype=dtype)), 1)
+        self.weight = mark_tensor_parallel(
+            nn.Parameter(torch.empty(out_features, local_in, dtype=dtype)), 1
+        )
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,11 +134,16 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype = torch.float32):
         super().__init__()
-        world, rank = state.get_tensor_model_parallel_world_size(), state.get_tensor_model_parallel_rank()
+        world, rank = (
+            state.get_tensor_model_parallel_world_size(),
+            state.get_tensor_model_parallel_rank(),
+        )
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         local = divide(num_embeddings, world, "vocabulary size")
         self.vocab_start, self.vocab_end = rank * local, (rank + 1) * local
-        self.weight = mark_tensor_parallel(nn.Parameter(torch.empty(local, embedding_dim, dtype=dtype)), 0)
+        self.weight = mark_tensor_parallel(
+            nn.Parameter(torch.empty(local, embedding_dim, dtype=dtype)), 0
+        )
 
     def initialize(self, name: str, seed: int, std: float) -> None:
         init_normal_(self.weight, f"{name}.weight", seed, std)

@@ -32,7 +32,9 @@ def _split_last_dim(x: torch.Tensor) -> torch.Tensor:
     if world == 1:
         return x
     if x.shape[-1] % world != 0:
-        raise ValueError(f"last dimension {x.shape[-1]} is not divisible by tensor-parallel size {world}")
+        raise ValueError(
+            f"last dimension {x.shape[-1]} is not divisible by tensor-parallel size {world}"
+        )
     return x.chunk(world, dim=-1)[state.get_tensor_model_parallel_rank()].contiguous()
 
 

@@ -58,7 +58,11 @@ class TensorParallelRNG:
     def fork(self):
         """Run the body with the TP generator as the default one; advance it, restore the outer."""
         if self._state is None:  # never seeded: one process, or the caller did not ask for TP seeds
-            self.seed(torch.initial_seed() + TENSOR_PARALLEL_SEED_OFFSET + state.get_tensor_model_parallel_rank())
+            self.seed(
+                torch.initial_seed()
+                + TENSOR_PARALLEL_SEED_OFFSET
+                + state.get_tensor_model_parallel_rank()
+            )
         get_state, set_state, _ = _device_rng()
         outer = get_state()
         set_state(self._state)
@@ -109,7 +113,9 @@ def checkpoint(function, *args):
     def contexts():
         return contextlib.nullcontext(), _TP_RNG.replay(saved)
 
-    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, context_fn=contexts)
+    return torch.utils.checkpoint.checkpoint(
+        function, *args, use_reentrant=False, context_fn=contexts
+    )
 
 
 def parameter_seed(seed: int, name: str) -> int:
@@ -121,7 +127,9 @@ def parameter_seed(seed: int, name: str) -> int:
 ROWS_PER_DRAW = 64
 
 
-def draw_full_normal(shape: list[int] | torch.Size, name: str, seed: int, std: float) -> torch.Tensor:
+def draw_full_normal(
+    shape: list[int] | torch.Size, name: str, seed: int, std: float
+) -> torch.Tensor:
     """The full fp32 N(0, std) tensor for parameter `name`, drawn on the CPU.
 
     Rows (dim 0) are drawn in blocks of ROWS_PER_DRAW, each from its own generator, so a row's value
@@ -132,7 +140,9 @@ def draw_full_normal(shape: list[int] | torch.Size, name: str, seed: int, std: f
     blocks = []
     for start in range(0, rows, ROWS_PER_DRAW):
         generator = torch.Generator().manual_seed(parameter_seed(seed, f"{name}#{start}"))
-        block = torch.empty([ROWS_PER_DRAW] + rest, dtype=torch.float32).normal_(0.0, std, generator=generator)
+        block = torch.empty([ROWS_PER_DRAW] + rest, dtype=torch.float32).normal_(
+            0.0, std, generator=generator
+        )
         blocks.append(block[: min(ROWS_PER_DRAW, rows - start)])
     return torch.cat(blocks).reshape(shape)
 
@@ -149,6 +159,11 @@ def init_normal_(param: torch.Tensor, name: str, seed: int, std: float) -> torch
         shape[param.partition_dim] *= world
     full = draw_full_normal(shape, name, seed, std)
     if world > 1:
-        full = shard_tensor(full, param.partition_dim, state.get_tensor_model_parallel_rank(), world,
-                            param.partition_stride)
+        full = shard_tensor(
+            full,
+            param.partition_dim,
+            state.get_tensor_model_parallel_rank(),
+            world,
+            param.partition_stride,
+        )
     return param.copy_(full)

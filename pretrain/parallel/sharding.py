@@ -24,13 +24,17 @@ def is_tensor_parallel(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False))
 
 
-def shard_tensor(full: torch.Tensor, dim: int, rank: int, world: int, stride: int = 1) -> torch.Tensor:
+def shard_tensor(
+    full: torch.Tensor, dim: int, rank: int, world: int, stride: int = 1
+) -> torch.Tensor:
     """Rank `rank`'s shard of `full` (a copy-free view when stride is 1)."""
     if world == 1:
         return full
     if full.shape[dim] % (world * stride) != 0:
-        raise ValueError(f"dimension {dim} of size {full.shape[dim]} does not split into "
-                         f"{stride} block(s) x {world} ranks")
+        raise ValueError(
+            f"dimension {dim} of size {full.shape[dim]} does not split into "
+            f"{stride} block(s) x {world} ranks"
+        )
     blocks = full.chunk(stride, dim=dim)
     return torch.cat([block.chunk(world, dim=dim)[rank] for block in blocks], dim=dim)
 

@@ -76,7 +76,9 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1) -> None:
     """
     global _LAYOUT
     if not dist.is_initialized():
-        raise RuntimeError("initialize_model_parallel needs torch.distributed.init_process_group first")
+        raise RuntimeError(
+            "initialize_model_parallel needs torch.distributed.init_process_group first"
+        )
     world, rank = dist.get_world_size(), dist.get_rank()
     check_world_divisible(world, tp, pp)
     dp = world // (tp * pp)
@@ -97,15 +99,32 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1) -> None:
     dp_group, dp_ranks = make(
         [[global_rank(t, d, p, tp, dp) for d in range(dp)] for p in range(pp) for t in range(tp)]
     )
-    pp_groups = [[global_rank(t, d, p, tp, dp) for p in range(pp)] for d in range(dp) for t in range(tp)]
+    pp_groups = [
+        [global_rank(t, d, p, tp, dp) for p in range(pp)] for d in range(dp) for t in range(tp)
+    ]
     pp_group, pp_ranks = make(pp_groups)
     model_group, _ = make(
         [[global_rank(t, d, p, tp, dp) for p in range(pp) for t in range(tp)] for d in range(dp)]
     )
     embedding_groups = [sorted({ranks[0], ranks[-1]}) for ranks in pp_groups]
     embedding_group, embedding_ranks = make(embedding_groups)
-    _LAYOUT = _Layout(tp, pp, dp, tp_rank, dp_rank, pp_rank, tp_group, dp_group, pp_group,
-                      model_group, embedding_group, tp_ranks, dp_ranks, pp_ranks, embedding_ranks)
+    _LAYOUT = _Layout(
+        tp,
+        pp,
+        dp,
+        tp_rank,
+        dp_rank,
+        pp_rank,
+        tp_group,
+        dp_group,
+        pp_group,
+        model_group,
+        embedding_group,
+        tp_ranks,
+        dp_ranks,
+        pp_ranks,
+        embedding_ranks,
+    )
 
 
 def destroy_model_parallel() -> None:

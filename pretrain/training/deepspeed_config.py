@@ -30,7 +30,7 @@ def build_deepspeed_config(cfg: Config) -> dict:
     ds["train_micro_batch_size_per_gpu"] = t.micro_batch_size
     ds["gradient_accumulation_steps"] = t.num_microbatches
     ds["gradient_clipping"] = 0.0 if we_clip_gradients(cfg) else t.clip_grad
-    ds.setdefault("steps_per_print", 2 ** 31 - 1)  # our log line replaces DeepSpeed's
+    ds.setdefault("steps_per_print", 2**31 - 1)  # our log line replaces DeepSpeed's
     ds.setdefault("wall_clock_breakdown", False)
 
     zero = ds.setdefault("zero_optimization", {})

@@ -42,7 +42,9 @@ def _int(env: Mapping[str, str], key: str) -> int:
     try:
         return int(env[key])
     except ValueError:
-        raise UserError(f"environment variable {key}={env[key]!r} is not an integer (unset it or fix the launcher)")
+        raise UserError(
+            f"environment variable {key}={env[key]!r} is not an integer (unset it or fix the launcher)"
+        )
 
 
 def _first_slurm_host(nodelist: str) -> str:
@@ -63,40 +65,64 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def detect_launch_env(env: Mapping[str, str] | None = None, local_rank_flag: int | None = None) -> LaunchEnv:
+def detect_launch_env(
+    env: Mapping[str, str] | None = None, local_rank_flag: int | None = None
+) -> LaunchEnv:
     """Read rank/world/local rank from whichever launcher started us."""
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
         launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "deepspeed"
         local_rank = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else (local_rank_flag or 0)
-        local_size = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else (
-            _int(env, "LOCAL_SIZE") if "LOCAL_SIZE" in env else _int(env, "WORLD_SIZE"))
+        local_size = (
+            _int(env, "LOCAL_WORLD_SIZE")
+            if "LOCAL_WORLD_SIZE" in env
+            else (_int(env, "LOCAL_SIZE") if "LOCAL_SIZE" in env else _int(env, "WORLD_SIZE"))
+        )
         if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
-            raise UserError("RANK and WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not "
-                            "(launch with deepspeed or torchrun, or export both)")
-        return LaunchEnv(_int(env, "RANK"), _int(env, "WORLD_SIZE"), local_rank, local_size,
-                         env["MASTER_ADDR"], _int(env, "MASTER_PORT"), launcher)
+            raise UserError(
+                "RANK and WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not "
+                "(launch with deepspeed or torchrun, or export both)"
+            )
+        return LaunchEnv(
+            _int(env, "RANK"),
+            _int(env, "WORLD_SIZE"),
+            local_rank,
+            local_size,
+            env["MASTER_ADDR"],
+            _int(env, "MASTER_PORT"),
+            launcher,
+        )
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         ntasks = _int(env, "SLURM_NTASKS")
         local_size = ntasks
         if "SLURM_NTASKS_PER_NODE" in env:
             # "4" or "4(x2)"
             local_size = int(re.match(r"\d+", env["SLURM_NTASKS_PER_NODE"]).group(0))
-        addr = env.get("MASTER_ADDR") or _first_slurm_host(env.get("SLURM_JOB_NODELIST",
-                                                                   env.get("SLURM_NODELIST", "127.0.0.1")))
+        addr = env.get("MASTER_ADDR") or _first_slurm_host(
+            env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "127.0.0.1"))
+        )
         # A job-specific default port so two jobs sharing a node do not collide.
         if "MASTER_PORT" in env:
             port = _int(env, "MASTER_PORT")
         else:
             port = 20000 + _int(env, "SLURM_JOB_ID") % 20000 if "SLURM_JOB_ID" in env else 29500
-        return LaunchEnv(_int(env, "SLURM_PROCID"), ntasks, _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
-                         local_size, addr, port, "slurm")
+        return LaunchEnv(
+            _int(env, "SLURM_PROCID"),
+            ntasks,
+            _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
+            local_size,
+            addr,
+            port,
+            "slurm",
+        )
     return LaunchEnv(0, 1, 0, 1, "127.0.0.1", free_port(), "python")
 
 
 def default_threads_per_rank(local_world_size: int) -> int:
     """One rank per core's worth of threads: cores on this node / ranks on this node, at least 1."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
     return max(1, cores // max(1, local_world_size))
 
 
@@ -112,7 +138,9 @@ def disable_deepspeed_shm_allreduce() -> None:
     module.build_shm_op = lambda: None
 
 
-def prepare_process_environment(launch: LaunchEnv, environ: MutableMapping[str, str] | None = None) -> None:
+def prepare_process_environment(
+    launch: LaunchEnv, environ: MutableMapping[str, str] | None = None
+) -> None:
     """Make the env:// variables consistent for every launcher and set CPU threads per rank."""
     environ = os.environ if environ is None else environ
     environ["RANK"] = str(launch.rank)
@@ -141,8 +169,9 @@ def _rendezvous(launch: LaunchEnv, timeout: datetime.timedelta) -> dict:
     connection), so every attempt gets its own key prefix in the agent's store."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {"init_method": "env://"}
-    store = torch.distributed.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
-                                       is_master=False, timeout=timeout)
+    store = torch.distributed.TCPStore(
+        launch.master_addr, launch.master_port, launch.world_size, is_master=False, timeout=timeout
+    )
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return {"store": torch.distributed.PrefixStore(f"pretrain/attempt_{attempt}/", store)}
 
@@ -153,17 +182,29 @@ def init_distributed(launch: LaunchEnv, backend: str, timeout_minutes: float) ->
     device = torch.device("cpu")
     if backend == "nccl":
         if not torch.cuda.is_available():
-            raise UserError("--distributed-backend nccl needs CUDA GPUs; use --distributed-backend gloo on CPU")
+            raise UserError(
+                "--distributed-backend nccl needs CUDA GPUs; use --distributed-backend gloo on CPU"
+            )
         torch.cuda.set_device(launch.local_rank)
         device = torch.device("cuda", launch.local_rank)
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(backend=backend, rank=launch.rank, world_size=launch.world_size,
-                                             timeout=timeout, **_rendezvous(launch, timeout))
+        torch.distributed.init_process_group(
+            backend=backend,
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=timeout,
+            **_rendezvous(launch, timeout),
+        )
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout,
-                               rank=launch.rank, world_size=launch.world_size)
+    deepspeed.init_distributed(
+        dist_backend=backend,
+        auto_mpi_discovery=False,
+        timeout=timeout,
+        rank=launch.rank,
+        world_size=launch.world_size,
+    )
     return device
 
 

@@ -78,8 +78,15 @@ class ScalarWriter:
     for scripts and tests that compare runs (the log line rounds the grad norm, as Megatron's does).
     """
 
-    def __init__(self, rank: int, tensorboard_dir: str | None, wandb_project: str | None,
-                 wandb_exp_name: str | None, metrics_file: str | None, run_config: dict):
+    def __init__(
+        self,
+        rank: int,
+        tensorboard_dir: str | None,
+        wandb_project: str | None,
+        wandb_exp_name: str | None,
+        metrics_file: str | None,
+        run_config: dict,
+    ):
         self.active = rank == 0
         self.tb = self.wandb = self.metrics = None
         if not self.active:
@@ -92,9 +99,13 @@ class ScalarWriter:
             try:
                 import wandb
             except ImportError:
-                logger.warning("--wandb-project given but wandb is not installed (pip install wandb); skipping")
+                logger.warning(
+                    "--wandb-project given but wandb is not installed (pip install wandb); skipping"
+                )
             else:
-                self.wandb = wandb.init(project=wandb_project, name=wandb_exp_name, config=run_config)
+                self.wandb = wandb.init(
+                    project=wandb_project, name=wandb_exp_name, config=run_config
+                )
         if metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
             self.metrics = open(metrics_file, "a", buffering=1)
@@ -120,10 +131,27 @@ class ScalarWriter:
             self.wandb.finish()
 
 
-def banner(*, tp: int, pp: int, dp: int, zero: int, world: int, launcher: str, backend: str, device: str,
-           params_total: int, tokens_per_iteration: int, global_batch: int, micro_batch: int,
-           num_microbatches: int, precision: str, save: str | None, load: str | None,
-           flops_per_iteration: float, threads: int) -> str:
+def banner(
+    *,
+    tp: int,
+    pp: int,
+    dp: int,
+    zero: int,
+    world: int,
+    launcher: str,
+    backend: str,
+    device: str,
+    params_total: int,
+    tokens_per_iteration: int,
+    global_batch: int,
+    micro_batch: int,
+    num_microbatches: int,
+    precision: str,
+    save: str | None,
+    load: str | None,
+    flops_per_iteration: float,
+    threads: int,
+) -> str:
     lines = [
         "=" * 78,
         f" pretrain_gpt.py  |  {world} rank(s) via {launcher}, backend {backend}, device {device}, "

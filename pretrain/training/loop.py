@@ -21,7 +21,13 @@ from pretrain.parallel import state
 from pretrain.training.checkpointing import TrainState, save_checkpoint
 from pretrain.training.distributed import collective_device
 from pretrain.training.engine import Engine
-from pretrain.training.logging import IterationStats, ScalarWriter, format_eval_line, format_iteration_line, logger
+from pretrain.training.logging import (
+    IterationStats,
+    ScalarWriter,
+    format_eval_line,
+    format_iteration_line,
+    logger,
+)
 
 
 class PipelineBatches:
@@ -35,15 +41,24 @@ class PipelineBatches:
 
     def __next__(self):
         b = next(self.batches)
-        inputs = (b["tokens"], b["position_ids"]) + ((b["attention_mask"],) if self.use_mask else ())
-        return (tuple(t.to(self.device) for t in inputs),
-                (b["labels"].to(self.device), b["loss_mask"].to(self.device)))
+        inputs = (b["tokens"], b["position_ids"]) + (
+            (b["attention_mask"],) if self.use_mask else ()
+        )
+        return (
+            tuple(t.to(self.device) for t in inputs),
+            (b["labels"].to(self.device), b["loss_mask"].to(self.device)),
+        )
 
 
-def _micro_batch_loss(engine: Engine, batch: dict, use_mask: bool, device: torch.device) -> torch.Tensor:
-    per_token = engine.ds(batch["tokens"].to(device), position_ids=batch["position_ids"].to(device),
-                          attention_mask=batch["attention_mask"].to(device) if use_mask else None,
-                          labels=batch["labels"].to(device))
+def _micro_batch_loss(
+    engine: Engine, batch: dict, use_mask: bool, device: torch.device
+) -> torch.Tensor:
+    per_token = engine.ds(
+        batch["tokens"].to(device),
+        position_ids=batch["position_ids"].to(device),
+        attention_mask=batch["attention_mask"].to(device) if use_mask else None,
+        labels=batch["labels"].to(device),
+    )
     return masked_mean_loss(per_token, batch["loss_mask"].to(device))
 
 
@@ -55,7 +70,9 @@ def _dp_mean(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def train_step(engine: Engine, batches, num_microbatches: int, use_mask: bool, device: torch.device) -> float:
+def train_step(
+    engine: Engine, batches, num_microbatches: int, use_mask: bool, device: torch.device
+) -> float:
     """Forward/backward over the global batch and one optimizer step; returns the iteration's loss."""
     if engine.pipeline:
         return float(engine.ds.train_batch(data_iter=batches))
@@ -69,8 +86,14 @@ def train_step(engine: Engine, batches, num_microbatches: int, use_mask: bool, d
 
 
 @torch.no_grad()
-def evaluate(engine: Engine, batches, eval_iters: int, num_microbatches: int, use_mask: bool,
-             device: torch.device) -> float:
+def evaluate(
+    engine: Engine,
+    batches,
+    eval_iters: int,
+    num_microbatches: int,
+    use_mask: bool,
+    device: torch.device,
+) -> float:
     losses = []
     if engine.pipeline:
         for _ in range(eval_iters):
@@ -99,8 +122,17 @@ def _all_ranks_agree(flag: bool) -> bool:
     return bool(t.item())
 
 
-def train(cfg: Config, engine: Engine, ts: TrainState, train_batches, valid_batches,
-          writer: ScalarWriter, throughput: Throughput, use_mask: bool, device: torch.device) -> TrainState:
+def train(
+    cfg: Config,
+    engine: Engine,
+    ts: TrainState,
+    train_batches,
+    valid_batches,
+    writer: ScalarWriter,
+    throughput: Throughput,
+    use_mask: bool,
+    device: torch.device,
+) -> TrainState:
     t, log_cfg, ck = cfg.training, cfg.logging, cfg.checkpoint
     start = time.monotonic()
     interval_loss, interval_iters, interval_time, nan_iters = 0.0, 0, 0.0, 0
@@ -123,28 +155,55 @@ def train(cfg: Config, engine: Engine, ts: TrainState, train_batches, valid_batc
         interval_iters += 1
         interval_time += elapsed
         tflops = throughput.flops_per_iteration / (elapsed * 1e12 * throughput.world_size)
-        writer.write(ts.iteration, {"lm-loss": loss, "grad-norm": grad_norm, "learning-rate": lr,
-                                    "loss-scale": loss_scale, "iteration-time": elapsed,
-                                    "tokens-per-second": throughput.tokens_per_iteration / elapsed,
-                                    "tflops-per-device": tflops, "consumed-samples": ts.consumed_train_samples})
+        writer.write(
+            ts.iteration,
+            {
+                "lm-loss": loss,
+                "grad-norm": grad_norm,
+                "learning-rate": lr,
+                "loss-scale": loss_scale,
+                "iteration-time": elapsed,
+                "tokens-per-second": throughput.tokens_per_iteration / elapsed,
+                "tflops-per-device": tflops,
+                "consumed-samples": ts.consumed_train_samples,
+            },
+        )
         if ts.iteration % log_cfg.log_interval == 0:
             per_iter = interval_time / interval_iters
             tflops = throughput.flops_per_iteration / (per_iter * 1e12 * throughput.world_size)
-            logger.info(format_iteration_line(IterationStats(
-                iteration=ts.iteration, train_iters=t.train_iters, consumed_samples=ts.consumed_train_samples,
-                elapsed_ms=per_iter * 1000, learning_rate=lr, global_batch_size=t.global_batch_size,
-                lm_loss=interval_loss / max(1, interval_iters - nan_iters), loss_scale=loss_scale,
-                grad_norm=grad_norm, skipped_iterations=engine.ds.skipped_steps - skipped_before,
-                nan_iterations=nan_iters, tokens_per_second=throughput.tokens_per_iteration / per_iter,
-                tflops_per_device=tflops,
-                mfu=None if throughput.peak_tflops is None else tflops / throughput.peak_tflops)))
+            logger.info(
+                format_iteration_line(
+                    IterationStats(
+                        iteration=ts.iteration,
+                        train_iters=t.train_iters,
+                        consumed_samples=ts.consumed_train_samples,
+                        elapsed_ms=per_iter * 1000,
+                        learning_rate=lr,
+                        global_batch_size=t.global_batch_size,
+                        lm_loss=interval_loss / max(1, interval_iters - nan_iters),
+                        loss_scale=loss_scale,
+                        grad_norm=grad_norm,
+                        skipped_iterations=engine.ds.skipped_steps - skipped_before,
+                        nan_iterations=nan_iters,
+                        tokens_per_second=throughput.tokens_per_iteration / per_iter,
+                        tflops_per_device=tflops,
+                        mfu=None
+                        if throughput.peak_tflops is None
+                        else tflops / throughput.peak_tflops,
+                    )
+                )
+            )
             interval_loss, interval_iters, interval_time, nan_iters = 0.0, 0, 0.0, 0
             skipped_before = engine.ds.skipped_steps
         if valid_batches is not None and ts.iteration % t.eval_interval == 0:
-            valid_loss = evaluate(engine, valid_batches, t.eval_iters, t.num_microbatches, use_mask, device)
+            valid_loss = evaluate(
+                engine, valid_batches, t.eval_iters, t.num_microbatches, use_mask, device
+            )
             ts.consumed_valid_samples += t.eval_iters * t.global_batch_size
-            writer.write(ts.iteration, {"validation-loss": valid_loss,
-                                        "validation-ppl": math.exp(min(20.0, valid_loss))})
+            writer.write(
+                ts.iteration,
+                {"validation-loss": valid_loss, "validation-ppl": math.exp(min(20.0, valid_loss))},
+            )
             logger.info(format_eval_line(ts.iteration, valid_loss))
 
         if ck.save and ck.save_interval and ts.iteration % ck.save_interval == 0:
@@ -152,11 +211,15 @@ def train(cfg: Config, engine: Engine, ts: TrainState, train_batches, valid_batc
             last_saved = ts.iteration
         stop = t.exit_interval is not None and ts.iteration % t.exit_interval == 0
         if t.exit_duration_in_mins is not None:
-            stop = stop or _all_ranks_agree((time.monotonic() - start) / 60 > t.exit_duration_in_mins)
+            stop = stop or _all_ranks_agree(
+                (time.monotonic() - start) / 60 > t.exit_duration_in_mins
+            )
         if stop:
             if ck.save and last_saved != ts.iteration:
                 save_checkpoint(cfg, engine, ts)
-            logger.info(f"exiting after iteration {ts.iteration} (--exit-interval / --exit-duration-in-mins)")
+            logger.info(
+                f"exiting after iteration {ts.iteration} (--exit-interval / --exit-duration-in-mins)"
+            )
             return ts
     if ck.save and last_saved != ts.iteration:
         save_checkpoint(cfg, engine, ts)

@@ -16,8 +16,16 @@ import math
 import torch
 
 
-def lr_at(samples: int, *, max_lr: float, min_lr: float, warmup_samples: int, decay_samples: int,
-          style: str, warmup_init: float = 0.0) -> float:
+def lr_at(
+    samples: int,
+    *,
+    max_lr: float,
+    min_lr: float,
+    warmup_samples: int,
+    decay_samples: int,
+    style: str,
+    warmup_init: float = 0.0,
+) -> float:
     if warmup_samples > 0 and samples <= warmup_samples:
         return warmup_init + (max_lr - warmup_init) * samples / warmup_samples
     if style == "constant":
@@ -41,12 +49,28 @@ class SampleLRScheduler:
     `state_dict()` in its checkpoints, so the schedule resumes where it stopped.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, global_batch_size: int, max_lr: float,
-                 min_lr: float, warmup_samples: int, decay_samples: int, style: str, warmup_init: float = 0.0):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        global_batch_size: int,
+        max_lr: float,
+        min_lr: float,
+        warmup_samples: int,
+        decay_samples: int,
+        style: str,
+        warmup_init: float = 0.0,
+    ):
         self.optimizer = optimizer
         self.global_batch_size = global_batch_size
-        self._kwargs = dict(max_lr=max_lr, min_lr=min_lr, warmup_samples=warmup_samples,
-                            decay_samples=decay_samples, style=style, warmup_init=warmup_init)
+        self._kwargs = dict(
+            max_lr=max_lr,
+            min_lr=min_lr,
+            warmup_samples=warmup_samples,
+            decay_samples=decay_samples,
+            style=style,
+            warmup_init=warmup_init,
+        )
         self.num_samples = 0
         self._apply()
 

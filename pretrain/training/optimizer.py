@@ -18,14 +18,18 @@ import torch
 from pretrain.parallel.grad_norm import global_grad_norm
 
 
-def param_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float) -> list[dict]:
+def param_groups(
+    named_params: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float
+) -> list[dict]:
     decay, no_decay = [], []
     for name, param in named_params:
         if not param.requires_grad:
             continue
         (no_decay if name.endswith(".bias") or param.dim() == 1 else decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
     return [g for g in groups if g["params"]]
 
 
@@ -50,11 +54,26 @@ class ClippedAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
-def build_optimizer(named_params, *, lr: float, weight_decay: float, betas: tuple[float, float], eps: float,
-                    clip_grad: float | None, model_parallel_group=None) -> torch.optim.Optimizer:
+def build_optimizer(
+    named_params,
+    *,
+    lr: float,
+    weight_decay: float,
+    betas: tuple[float, float],
+    eps: float,
+    clip_grad: float | None,
+    model_parallel_group=None,
+) -> torch.optim.Optimizer:
     """`clip_grad=None`: plain AdamW (DeepSpeed's ZeRO/bf16/fp16 optimizer clips)."""
     groups = param_groups(named_params, weight_decay)
     if clip_grad is None:
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    return ClippedAdamW(groups, clip_grad=clip_grad, model_parallel_group=model_parallel_group,
-                        lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    return ClippedAdamW(
+        groups,
+        clip_grad=clip_grad,
+        model_parallel_group=model_parallel_group,
+        lr=lr,
+        betas=betas,
+        eps=eps,
+        weight_decay=weight_decay,
+    )
