@@ -32,7 +32,7 @@ def build_corpus(src: str, dest: str, target_mb: float) -> tuple[int, int, int]:
     total = texts = docs = 0
     with open(dest, "wb") as f:
         while total < target_mb * 1e6:
-            for line, tb in zip(lines, text_bytes):
+            for line, tb in zip(lines, text_bytes, strict=False):
                 f.write(line)
                 total, texts, docs = total + len(line), texts + tb, docs + 1
     return total, texts, docs

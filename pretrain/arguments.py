@@ -19,8 +19,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -430,7 +431,7 @@ def _load_deepspeed_json(path: str) -> dict:
         with open(path) as f:
             return json.load(f)
     except json.JSONDecodeError as err:
-        raise UserError(f"{path}:{err.lineno}: invalid JSON: {err.msg} (fix the file)")
+        raise UserError(f"{path}:{err.lineno}: invalid JSON: {err.msg} (fix the file)") from None
 
 
 def _check_deepspeed_json(

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
-from typing import BinaryIO, Callable
+from collections.abc import Callable
+from typing import BinaryIO
 
 
 def atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:

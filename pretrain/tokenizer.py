@@ -59,7 +59,7 @@ class TokenizerConfig:
     tiktoken_pattern: str | None = None
 
     @classmethod
-    def from_args(cls, ns: argparse.Namespace) -> "TokenizerConfig":
+    def from_args(cls, ns: argparse.Namespace) -> TokenizerConfig:
         return cls(
             tokenizer_type=getattr(ns, "tokenizer_type", None),
             vocab_file=getattr(ns, "vocab_file", None),
@@ -166,7 +166,8 @@ class _HFBackedTokenizer(Tokenizer):
 
 class GPT2BPETokenizer(_HFBackedTokenizer):
     def __init__(self, vocab_file: str, merge_file: str):
-        from tokenizers import AddedToken, Tokenizer as HFTokenizer, decoders, pre_tokenizers
+        from tokenizers import AddedToken, decoders, pre_tokenizers
+        from tokenizers import Tokenizer as HFTokenizer
         from tokenizers.models import BPE
 
         self.vocab_file = _require_file(

@@ -98,7 +98,7 @@ def run_on_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0) 
                     raise AssertionError(
                         f"rank {dead[0]} of {fn.__name__} died with exit code "
                         f"{procs[dead[0]].exitcode} before reporting"
-                    )
+                    ) from None
                 continue
             if not ok:
                 failures = [(rank, payload)]

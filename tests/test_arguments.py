@@ -8,6 +8,8 @@ import subprocess
 
 import pytest
 import torch
+from training_fixtures import PYTHON, REPO, make_corpus, model_flags, train_flags
+from training_fixtures import test_env as clean_env
 
 from pretrain.arguments import parse_args
 from pretrain.errors import UserError
@@ -17,8 +19,6 @@ from pretrain.training.flops import flops_per_iteration
 from pretrain.training.logging import IterationStats, format_iteration_line
 from pretrain.training.lr_schedule import SampleLRScheduler, lr_at
 from pretrain.training.optimizer import param_groups
-from training_fixtures import PYTHON, REPO, make_corpus, model_flags, train_flags
-from training_fixtures import test_env as clean_env
 
 ONE_RANK = {}  # no launcher variables: one process
 
@@ -285,7 +285,7 @@ def test_validation_errors_through_the_real_cli(corpus, tmp_path):
     for proc, words in procs:
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 2, (words, out[-2000:], err[-2000:])
-        lines = [l for l in err.splitlines() if l.startswith("error: ")]
+        lines = [line for line in err.splitlines() if line.startswith("error: ")]
         assert len(lines) == 1 and "Traceback" not in err, err
         assert all(w in lines[0] for w in words), lines[0]
 

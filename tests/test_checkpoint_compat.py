@@ -4,13 +4,13 @@ checkpoint needs --finetune, and model shapes are compared as resolved sizes, no
 import dataclasses
 
 import pytest
+from training_fixtures import make_corpus, model_flags, train_flags
 
 from pretrain.arguments import parse_args
 from pretrain.convert.checkpoint_writer import write_checkpoint
 from pretrain.errors import UserError
 from pretrain.model import GPTModel
 from pretrain.training.checkpointing import check_before_launch
-from training_fixtures import make_corpus, model_flags, train_flags
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,7 @@ import pytest
 import tokenizers
 import torch
 import transformers
-from convert_fixtures import (  # noqa: F401 (fixtures)
-    checkpoints,
-    corpus,
+from convert_fixtures import (
     launch_runs,
     layout_flags,
     load_tool,

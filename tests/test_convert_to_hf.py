@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 import transformers
-from convert_fixtures import FLAVOURS, LAYOUTS, checkpoints, corpus, load_tool  # noqa: F401 (fixtures)
+from convert_fixtures import FLAVOURS, LAYOUTS, load_tool
 from training_fixtures import PYTHON, REPO, run
 
 from pretrain.convert.checkpoint_reader import read_checkpoint

@@ -9,11 +9,6 @@ import os
 import numpy as np
 import pytest
 import torch
-
-from pretrain.data.blended_dataset import BlendedDataset
-from pretrain.data.builder import build_train_valid_test_datasets, sizes_per_dataset
-from pretrain.data.config import DataConfig
-from pretrain.data.gpt_dataset import GPTDataset
 from test_data_gpt_dataset import (
     TOKENIZER,
     MegatronView,
@@ -23,6 +18,11 @@ from test_data_gpt_dataset import (
     random_lengths,
     write_corpus,
 )
+
+from pretrain.data.blended_dataset import BlendedDataset
+from pretrain.data.builder import build_train_valid_test_datasets, sizes_per_dataset
+from pretrain.data.config import DataConfig
+from pretrain.data.gpt_dataset import GPTDataset
 
 GPT_ARRAYS = ["document_index", "sample_index", "shuffle_index"]
 S = 32
@@ -91,7 +91,7 @@ def assert_same_dataset(ours, theirs):
     assert len(ours) == len(theirs)
     if isinstance(ours, BlendedDataset):
         assert_same_arrays(ours, theirs, ["dataset_index", "dataset_sample_index"])
-        for a, b in zip(ours.datasets, theirs.datasets):
+        for a, b in zip(ours.datasets, theirs.datasets, strict=False):
             assert_same_arrays(a, b, GPT_ARRAYS)
     else:
         assert isinstance(ours, GPTDataset)
@@ -111,7 +111,7 @@ def test_blends_equal_megatron(tmp_path, corpora, megatron_world, form):
     }[form]
     split = "90,10,0" if form == "unweighted" else "80,15,5"
     ours, theirs = build_both(tmp_path, [300, 40, 12], blend=blend, split=split)
-    for o, t in zip(ours, theirs):
+    for o, t in zip(ours, theirs, strict=False):
         assert_same_dataset(o, t)
     if form == "weighted":  # today's sizing: size = sum ceil(N*w), mid-level ceil(ceil(N*w)*1.005)
         assert len(ours[0]) == sum(math.ceil(300 * w) for w in (0.3, 0.5, 0.2))
@@ -129,7 +129,7 @@ def test_per_split_blends_equal_megatron(tmp_path, corpora, megatron_world):
     per_split = [([a, b], [0.7, 0.3]), ([c], None), None]
     ours, theirs = build_both(tmp_path, [200, 30, 10], blend_per_split=per_split)
     assert ours[2] is None and isinstance(ours[1], GPTDataset)
-    for o, t in zip(ours, theirs):
+    for o, t in zip(ours, theirs, strict=False):
         assert_same_dataset(o, t)
 
 

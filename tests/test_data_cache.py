@@ -9,12 +9,12 @@ import time
 
 import numpy as np
 import pytest
+from test_data_gpt_dataset import TOKENIZER, random_lengths, write_corpus
 
 from pretrain.data import gpt_dataset
 from pretrain.data.config import DataConfig
 from pretrain.data.gpt_dataset import GPTDataset
 from pretrain.data.indexed_dataset import IndexedDataset
-from test_data_gpt_dataset import TOKENIZER, random_lengths, write_corpus
 
 NAMES = ("document_index", "sample_index", "shuffle_index")
 

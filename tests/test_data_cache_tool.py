@@ -6,11 +6,11 @@ import subprocess
 import sys
 
 import pytest
+from test_data_gpt_dataset import TOKENIZER, random_lengths, write_corpus
 
 from pretrain.data import gpt_dataset
 from pretrain.data.builder import build_train_valid_test_datasets
 from pretrain.data.config import DataConfig, train_valid_test_num_samples
-from test_data_gpt_dataset import TOKENIZER, random_lengths, write_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "build_data_cache.py")

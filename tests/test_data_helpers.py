@@ -6,11 +6,9 @@ import math
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from pretrain.data import helpers
-
 from megatron.core.datasets import helpers_cpp  # test-only oracle (dev dependency)
 
+from pretrain.data import helpers
 
 # ---- pure-Python references, transcribed from specs/megatron-data.md §3/§4 pseudocode ----------
 
@@ -45,7 +43,7 @@ def reference_blending(weights, size):
     di, dsi = [], []
     for i in range(size):
         t = float(max(i, 1))
-        errors = [w * t - c for w, c in zip(weights, counts)]
+        errors = [w * t - c for w, c in zip(weights, counts, strict=False)]
         best = max(range(len(weights)), key=lambda j: (errors[j], -j))
         di.append(best)
         dsi.append(counts[best])
@@ -106,10 +104,16 @@ def test_sample_index_dtype_becomes_int64_past_int32():
 
 def test_exhaustive_blending_small():
     di, dsi = helpers.build_exhaustive_blending_indices(np.array([2, 0, 3]))
-    assert list(zip(di.tolist(), dsi.tolist())) == list(
-        zip(*reference_exhaustive_blending([2, 0, 3]))
+    assert list(zip(di.tolist(), dsi.tolist(), strict=False)) == list(
+        zip(*reference_exhaustive_blending([2, 0, 3]), strict=False)
     )
-    assert sorted(zip(di.tolist(), dsi.tolist())) == [(0, 0), (0, 1), (2, 0), (2, 1), (2, 2)]
+    assert sorted(zip(di.tolist(), dsi.tolist(), strict=False)) == [
+        (0, 0),
+        (0, 1),
+        (2, 0),
+        (2, 1),
+        (2, 2),
+    ]
 
 
 # ---- random inputs ---------------------------------------------------------------------------------

@@ -6,9 +6,9 @@ the argument parser. The CPU launch line itself is what `make train` / `make dem
 import subprocess
 
 import pytest
+from training_fixtures import REPO, make_corpus
 
 from pretrain.arguments import parse_args
-from training_fixtures import REPO, make_corpus
 
 # (world size, TP, PP) of each recipe: single node deepspeed/torchrun, multi-node, Slurm, Kubeflow
 LAYOUTS = [(8, 8, 1), (8, 2, 2), (16, 8, 2), (32, 8, 2)]

@@ -8,11 +8,11 @@ import warnings
 
 import numpy as np
 import pytest
+from tokenizer_fixtures import MERGES, VOCAB
 
 from pretrain.data.indexed_dataset import IndexedDatasetBuilder
 from pretrain.errors import UserError
 from pretrain.tokenizer import TokenizerConfig, build_tokenizer
-from test_tokenizer import MERGES, VOCAB
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

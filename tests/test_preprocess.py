@@ -13,11 +13,11 @@ import warnings
 
 import numpy as np
 import pytest
+from tokenizer_fixtures import CL100K, MERGES, VOCAB, awkward_texts
 
 from pretrain.data.preprocess import PreprocessConfig, run
 from pretrain.errors import UserError
 from pretrain.tokenizer import TokenizerConfig
-from test_tokenizer import CL100K, MERGES, VOCAB, awkward_texts, hf_reference  # noqa: F401 (fixture)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPT2 = TokenizerConfig("GPT2BPETokenizer", VOCAB, MERGES)

@@ -13,7 +13,6 @@ The same launches check that DeepSpeed leaves nothing behind in /dev/shm.
 import os
 
 import pytest
-
 from training_fixtures import (
     layout_flags,
     make_corpus,

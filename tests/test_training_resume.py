@@ -10,7 +10,6 @@ import subprocess
 import time
 
 import pytest
-
 from training_fixtures import (
     PYTHON,
     REPO,

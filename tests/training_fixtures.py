@@ -162,7 +162,9 @@ def run(
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        raise AssertionError(f"timed out after {timeout} s: {' '.join(cmd)}\n{out[-6000:]}")
+        raise AssertionError(
+            f"timed out after {timeout} s: {' '.join(cmd)}\n{out[-6000:]}"
+        ) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 

@@ -26,11 +26,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tqdm import tqdm  # noqa: E402
 
 from pretrain.data.builder import build_train_valid_test_datasets, count_builds  # noqa: E402
-from pretrain.data.config import (
+from pretrain.data.config import (  # noqa: E402
     SPLIT_NAMES,
     DataConfig,
     add_data_args,
-    add_sample_count_args,  # noqa: E402
+    add_sample_count_args,
     train_valid_test_num_samples,
 )
 from pretrain.errors import exit_on_user_error  # noqa: E402
@@ -72,7 +72,7 @@ def main(argv=None) -> int:
             bar.update()
 
         datasets = build_train_valid_test_datasets(cfg, tokenizer, counts, progress=progress)
-    for name, requested, ds in zip(SPLIT_NAMES, counts, datasets):
+    for name, requested, ds in zip(SPLIT_NAMES, counts, datasets, strict=False):
         if ds is None:
             print(f"{name:5s}: not built (empty split)")
         else:

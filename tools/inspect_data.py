@@ -34,7 +34,7 @@ def summary(ds: IndexedDataset) -> dict:
         "empty_documents": int((per_doc == 0).sum()),
         "tokens": int(lengths.sum(dtype=np.int64)),
         "dtype": ds.dtype.name,
-        "sequence_length_percentiles": dict(zip((f"p{p}" for p in PERCENTILES), pct)),
+        "sequence_length_percentiles": dict(zip((f"p{p}" for p in PERCENTILES), pct, strict=False)),
     }
 
 

@@ -34,8 +34,8 @@ from pretrain.model.config import ModelConfig
 from pretrain.training.checkpointing import (
     FORMAT_VERSION,
     LATEST_FILE,
-    META_FILE,
     MEGATRON_LATEST_FILE,
+    META_FILE,
     tag_for,
 )
 

@@ -13,7 +13,7 @@ replicas hold the same (averaged) gradients and are not summed.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist

@@ -19,8 +19,8 @@ import importlib
 import os
 import re
 import socket
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
-from typing import Mapping, MutableMapping
 
 import torch
 
@@ -44,7 +44,7 @@ def _int(env: Mapping[str, str], key: str) -> int:
     except ValueError:
         raise UserError(
             f"environment variable {key}={env[key]!r} is not an integer (unset it or fix the launcher)"
-        )
+        ) from None
 
 
 def _first_slurm_host(nodelist: str) -> str:

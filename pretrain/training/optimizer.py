@@ -11,7 +11,7 @@ from `_global_grad_norm` (DeepSpeed's convention) for logging.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

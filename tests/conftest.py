@@ -1,0 +1,3 @@
+"""Fixtures shared across test modules."""
+
+pytest_plugins = ["convert_fixtures", "tokenizer_fixtures"]
