@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import OrderedDict
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -28,33 +28,56 @@ def normalize(weights: Sequence[float]) -> list[float]:
 
 
 class BlendedDataset(torch.utils.data.Dataset):
-    def __init__(self, datasets: list, weights: Sequence[float], size: Optional[int], cache_dir: Optional[str]):
+    def __init__(
+        self,
+        datasets: list,
+        weights: Sequence[float],
+        size: int | None,
+        cache_dir: str | None,
+    ):
         if not datasets or len(datasets) != len(weights):
             raise ValueError("BlendedDataset needs one weight per dataset")
         if len(datasets) >= MAX_DATASETS:
-            raise UserError(f"{len(datasets)} datasets in one blend; at most {MAX_DATASETS - 1} are supported "
-                            "(merge small prefixes with tools/merge_datasets.py)")
+            raise UserError(
+                f"{len(datasets)} datasets in one blend; at most {MAX_DATASETS - 1} are supported "
+                "(merge small prefixes with tools/merge_datasets.py)"
+            )
         if any(not w > 0 for w in weights):
-            raise UserError(f"{datasets[0].index_split} blend: weights must all be > 0, got {list(weights)} "
-                            "(unweighted blends weigh prefixes by their sample counts; use more data or another --split)")
+            raise UserError(
+                f"{datasets[0].index_split} blend: weights must all be > 0, got {list(weights)} "
+                "(unweighted blends weigh prefixes by their sample counts; use more data or another --split)"
+            )
         if len({d.index_split for d in datasets}) != 1:
             raise ValueError("all blended datasets must come from the same split")
         self.datasets = datasets
         self.split = datasets[0].index_split
         self.weights = normalize(weights) if size is not None else list(weights)
         self.size = size
-        self.unique_identifiers = OrderedDict([
-            ("class", "BlendedDataset"), ("datasets", [d.unique_identifiers for d in datasets]),
-            ("split", self.split), ("weights", self.weights), ("size", size),
-        ])
+        self.unique_identifiers = OrderedDict(
+            [
+                ("class", "BlendedDataset"),
+                ("datasets", [d.unique_identifiers for d in datasets]),
+                ("split", self.split),
+                ("weights", self.weights),
+                ("size", size),
+            ]
+        )
         self.unique_description = json.dumps(self.unique_identifiers, indent=4)
-        self.unique_description_hash = hashlib.md5(self.unique_description.encode("utf-8")).hexdigest()
+        self.unique_description_hash = hashlib.md5(
+            self.unique_description.encode("utf-8")
+        ).hexdigest()
 
         n = size if size is not None else int(sum(self.weights))
-        expect = {"dataset_index": (np.dtype(np.int16), (n,)), "dataset_sample_index": (np.dtype(np.int64), (n,))}
+        expect = {
+            "dataset_index": (np.dtype(np.int16), (n,)),
+            "dataset_sample_index": (np.dtype(np.int64), (n,)),
+        }
         arrays = load_or_build(
-            cache_dir, f"{self.unique_description_hash}-BlendedDataset-{self.split}", self.unique_description,
-            expect, self._build,
+            cache_dir,
+            f"{self.unique_description_hash}-BlendedDataset-{self.split}",
+            self.unique_description,
+            expect,
+            self._build,
         )
         self.dataset_index = arrays["dataset_index"]
         self.dataset_sample_index = arrays["dataset_sample_index"]
@@ -63,7 +86,9 @@ class BlendedDataset(torch.utils.data.Dataset):
         if self.size is not None:
             di, dsi = helpers.build_blending_indices(np.array(self.weights), self.size)
         else:
-            di, dsi = helpers.build_exhaustive_blending_indices(np.array(self.weights, dtype=np.int64))
+            di, dsi = helpers.build_exhaustive_blending_indices(
+                np.array(self.weights, dtype=np.int64)
+            )
         return {"dataset_index": di, "dataset_sample_index": dsi}
 
     def samples_drawn(self) -> np.ndarray:
@@ -84,7 +109,7 @@ class BlendedDataset(torch.utils.data.Dataset):
         ids = self.dataset_index[indices].tolist()
         samples = self.dataset_sample_index[indices].tolist()
         text = np.empty((len(indices), first.cfg.seq_length + first.extra_token), dtype=np.int64)
-        for row, (d, k) in enumerate(zip(ids, samples)):
+        for row, (d, k) in enumerate(zip(ids, samples, strict=False)):
             self.datasets[d].sample_tokens(k, out=text[row])
         return {"dataset_id": torch.tensor(ids, dtype=torch.int64), **first.tensors(text)}
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Optional, Sequence
 
 from pretrain.data.blended_dataset import BlendedDataset, normalize
 from pretrain.data.config import SPLIT_NAMES, Blend, DataConfig
@@ -23,14 +23,21 @@ log = logging.getLogger(__name__)
 FULL_RANGE = (0.0, 1.0)
 
 
-def sizes_per_dataset(weights: Sequence[float], split_sizes: Sequence[Optional[int]], surplus: float = 0.0):
+def sizes_per_dataset(
+    weights: Sequence[float], split_sizes: Sequence[int | None], surplus: float = 0.0
+):
     """[dataset][split] sample counts: ceil(ceil(N * w) * (1 + surplus)) (surplus 0: the targets)."""
-    return [[None if n is None else int(math.ceil(math.ceil(n * w) * (1 + surplus))) for n in split_sizes]
-            for w in weights]
+    return [
+        [
+            None if n is None else int(math.ceil(math.ceil(n * w) * (1 + surplus)))
+            for n in split_sizes
+        ]
+        for w in weights
+    ]
 
 
 class _Builder:
-    def __init__(self, cfg: DataConfig, tokenizer, progress: Optional[Callable[[str], None]]):
+    def __init__(self, cfg: DataConfig, tokenizer, progress: Callable[[str], None] | None):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.progress = progress or (lambda what: None)
@@ -39,12 +46,14 @@ class _Builder:
     def indexed(self, prefix: str) -> IndexedDataset:
         if prefix not in self._indexed:
             if not IndexedDataset.exists(prefix):
-                raise UserError(f"{prefix}: no {prefix}.bin/{prefix}.idx pair (check the --data-path prefix; "
-                                "tools/preprocess_data.py writes PREFIX_text_document.bin/.idx)")
+                raise UserError(
+                    f"{prefix}: no {prefix}.bin/{prefix}.idx pair (check the --data-path prefix; "
+                    "tools/preprocess_data.py writes PREFIX_text_document.bin/.idx)"
+                )
             self._indexed[prefix] = IndexedDataset(prefix)
         return self._indexed[prefix]
 
-    def gpt(self, prefix: str, matrix, split: int, num_samples: Optional[int]) -> Optional[GPTDataset]:
+    def gpt(self, prefix: str, matrix, split: int, num_samples: int | None) -> GPTDataset | None:
         if matrix[split] is None:
             return None
         indexed = self.indexed(prefix)
@@ -52,15 +61,22 @@ class _Builder:
         if len(indices) == 0:
             # Megatron loops forever here (no tokens can never reach the requested samples)
             # info, not warning: every rank reaches this, and only rank 0 logs at info
-            log.info("%s: the %s split gets 0 of %d sequences with --split %s; it is not built",
-                        prefix, SPLIT_NAMES[split], len(indexed), self.cfg.split)
+            log.info(
+                "%s: the %s split gets 0 of %d sequences with --split %s; it is not built",
+                prefix,
+                SPLIT_NAMES[split],
+                len(indexed),
+                self.cfg.split,
+            )
             self.progress(f"{SPLIT_NAMES[split]} {prefix} (empty)")
             return None
-        ds = GPTDataset(indexed, prefix, indices, num_samples, SPLIT_NAMES[split], self.cfg, self.tokenizer)
+        ds = GPTDataset(
+            indexed, prefix, indices, num_samples, SPLIT_NAMES[split], self.cfg, self.tokenizer
+        )
         self.progress(f"{SPLIT_NAMES[split]} {prefix}")
         return ds
 
-    def gpt_splits(self, prefix: str, matrix, sizes) -> list[Optional[GPTDataset]]:
+    def gpt_splits(self, prefix: str, matrix, sizes) -> list[GPTDataset | None]:
         return [self.gpt(prefix, matrix, i, sizes[i]) for i in range(3)]
 
     def blend_splits(self, blend: Blend, matrix, sizes) -> list:
@@ -74,23 +90,34 @@ class _Builder:
             buffered = [[None] * 3 for _ in prefixes]
         threads = max(1, self.cfg.num_dataset_builder_threads)
         with ThreadPoolExecutor(threads) as pool:
-            per_prefix = list(pool.map(lambda pb: self.gpt_splits(pb[0], matrix, pb[1]), zip(prefixes, buffered)))
+            per_prefix = list(
+                pool.map(
+                    lambda pb: self.gpt_splits(pb[0], matrix, pb[1]),
+                    zip(prefixes, buffered, strict=False),
+                )
+            )
         out = []
         for i in range(3):
             present = [p for p in range(len(prefixes)) if per_prefix[p][i] is not None]
             if not present:  # the split is empty in the split string, or in every prefix
                 out.append(None)
                 continue
-            if weights is None:  # blended by size: a prefix whose split holds no full sample adds nothing
+            if (
+                weights is None
+            ):  # blended by size: a prefix whose split holds no full sample adds nothing
                 present = [p for p in present if len(per_prefix[p][i]) > 0] or present
             datasets = [per_prefix[p][i] for p in present]
             if weights is not None:
                 if sizes[i] is None:
-                    raise ValueError("a weighted blend needs a sample count for every split it builds")
+                    raise ValueError(
+                        "a weighted blend needs a sample count for every split it builds"
+                    )
                 w, size = [weights[p] for p in present], sum(targets[p][i] for p in present)
             else:
                 w = [len(d) for d in datasets]
-                size = None if sizes[i] is None else min(sizes[i], sum(w))  # None: every sample once
+                size = (
+                    None if sizes[i] is None else min(sizes[i], sum(w))
+                )  # None: every sample once
             out.append(self.blended(datasets, w, size, [prefixes[p] for p in present], matrix, i))
         return out
 
@@ -101,8 +128,15 @@ class _Builder:
             # Megatron raises IndexError here (issues #705, PR #1007). The blend's indices depend only
             # on the weights and size, so building the short datasets a little longer fixes it.
             for p, needed in short.items():
-                log.warning("%s split: the blend takes %d samples from %s, which has %d; building it with "
-                            "%d samples", SPLIT_NAMES[split], needed, prefixes[p], len(datasets[p]), needed)
+                log.warning(
+                    "%s split: the blend takes %d samples from %s, which has %d; building it with "
+                    "%d samples",
+                    SPLIT_NAMES[split],
+                    needed,
+                    prefixes[p],
+                    len(datasets[p]),
+                    needed,
+                )
                 datasets[p] = self.gpt(prefixes[p], matrix, split, needed)
             blended = BlendedDataset(datasets, weights, size, self.cfg.data_cache_path)
             assert not blended.oversampled()
@@ -113,8 +147,8 @@ class _Builder:
 def build_train_valid_test_datasets(
     cfg: DataConfig,
     tokenizer,
-    num_samples: Sequence[Optional[int]],
-    progress: Optional[Callable[[str], None]] = None,
+    num_samples: Sequence[int | None],
+    progress: Callable[[str], None] | None = None,
 ) -> list:
     """[train, valid, test] datasets (GPTDataset, BlendedDataset or None) for `num_samples` per split."""
     b = _Builder(cfg, tokenizer, progress)

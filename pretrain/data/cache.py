@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import numpy as np
 from filelock import FileLock, Timeout
@@ -37,7 +37,7 @@ def cache_file_base(directory: str, description_hash: str, cls_name: str, split:
     return os.path.join(directory, f"{description_hash}-{cls_name}-{split}")
 
 
-def _try_load(base: str, description: str, expect: Expectation) -> Optional[dict[str, np.ndarray]]:
+def _try_load(base: str, description: str, expect: Expectation) -> dict[str, np.ndarray] | None:
     """The cached arrays if the cache is complete and matches, else None."""
     try:
         with open(f"{base}-description.txt", encoding="utf-8") as f:
@@ -58,7 +58,7 @@ def _try_load(base: str, description: str, expect: Expectation) -> Optional[dict
 
 
 def load_or_build(
-    directory: Optional[str],
+    directory: str | None,
     base_name: str,
     description: str,
     expect: Expectation,
@@ -84,8 +84,10 @@ def load_or_build(
             log.info("waiting for another process to finish building %s", base)
             lock.acquire()
     except OSError as err:
-        raise UserError(f"cannot write the index cache in {directory} ({err.strerror}); pass "
-                        "--data-cache-path DIR pointing to a writable directory (node-local is fine)") from err
+        raise UserError(
+            f"cannot write the index cache in {directory} ({err.strerror}); pass "
+            "--data-cache-path DIR pointing to a writable directory (node-local is fine)"
+        ) from err
     try:
         arrays = _try_load(base, description, expect)  # another process may have built it meanwhile
         if arrays is not None:
@@ -98,7 +100,9 @@ def load_or_build(
         for name, (dtype, shape) in expect.items():
             arr = arrays[name]
             if arr.dtype != dtype or arr.shape != shape:
-                raise AssertionError(f"{name}: built {arr.dtype}{arr.shape}, expected {dtype}{shape}")
+                raise AssertionError(
+                    f"{name}: built {arr.dtype}{arr.shape}, expected {dtype}{shape}"
+                )
             atomic_write(f"{base}-{name}.npy", lambda f, a=arr: np.save(f, a, allow_pickle=False))
         atomic_write_bytes(f"{base}-description.txt", description.encode("utf-8"))
         return arrays

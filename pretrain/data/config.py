@@ -13,58 +13,101 @@ import math
 import re
 import warnings
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 
 from pretrain.errors import UserError
 
 # (prefixes, weights or None)
-Blend = tuple[list[str], Optional[list[float]]]
+Blend = tuple[list[str], list[float] | None]
 SPLIT_NAMES = ("train", "valid", "test")
 LEGACY_DEFAULT_SPLIT = "969, 30, 1"
 
 
 def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g = parser.add_argument_group("data", "where the tokenized data is and how samples are made")
-    g.add_argument("--data-path", nargs="*", default=None,
-                   help="one prefix (PATH for PATH.bin/PATH.idx), several prefixes (blended by size), "
-                        "or 'W1 PREFIX1 W2 PREFIX2 ...' (blended by weight)")
-    g.add_argument("--data-args-path", default=None,
-                   help="a file holding the --data-path arguments, whitespace separated (for long blends)")
+    g.add_argument(
+        "--data-path",
+        nargs="*",
+        default=None,
+        help="one prefix (PATH for PATH.bin/PATH.idx), several prefixes (blended by size), "
+        "or 'W1 PREFIX1 W2 PREFIX2 ...' (blended by weight)",
+    )
+    g.add_argument(
+        "--data-args-path",
+        default=None,
+        help="a file holding the --data-path arguments, whitespace separated (for long blends)",
+    )
     for split in SPLIT_NAMES:
-        g.add_argument(f"--{split}-data-path", nargs="*", default=None,
-                       help=f"the {split} split's own blend (same forms as --data-path); "
-                            "replaces --data-path and --split")
-    g.add_argument("--per-split-data-args-path", default=None,
-                   help='JSON file {"train": ..., "valid": ..., "test": ...}, each a string or list in '
-                        "the --data-path forms")
-    g.add_argument("--split", default=None,
-                   help="train,valid,test proportions of each --data-path prefix, e.g. 949,50,1 "
-                        f"(default '{LEGACY_DEFAULT_SPLIT}', Megatron's legacy default)")
-    g.add_argument("--data-cache-path", default=None,
-                   help="directory for the index caches (default: PREFIX/cache/GPTDataset_indices beside "
-                        "each prefix, as Megatron); node-local directories are fine, each node builds "
-                        "its own")
-    g.add_argument("--mid-level-dataset-surplus", type=float, default=0.005,
-                   help="extra fraction of samples built per blended prefix (default 0.005)")
-    g.add_argument("--num-dataset-builder-threads", type=int, default=1,
-                   help="threads building the prefixes of a blend in parallel")
+        g.add_argument(
+            f"--{split}-data-path",
+            nargs="*",
+            default=None,
+            help=f"the {split} split's own blend (same forms as --data-path); "
+            "replaces --data-path and --split",
+        )
+    g.add_argument(
+        "--per-split-data-args-path",
+        default=None,
+        help='JSON file {"train": ..., "valid": ..., "test": ...}, each a string or list in '
+        "the --data-path forms",
+    )
+    g.add_argument(
+        "--split",
+        default=None,
+        help="train,valid,test proportions of each --data-path prefix, e.g. 949,50,1 "
+        f"(default '{LEGACY_DEFAULT_SPLIT}', Megatron's legacy default)",
+    )
+    g.add_argument(
+        "--data-cache-path",
+        default=None,
+        help="directory for the index caches (default: PREFIX/cache/GPTDataset_indices beside "
+        "each prefix, as Megatron); node-local directories are fine, each node builds "
+        "its own",
+    )
+    g.add_argument(
+        "--mid-level-dataset-surplus",
+        type=float,
+        default=0.005,
+        help="extra fraction of samples built per blended prefix (default 0.005)",
+    )
+    g.add_argument(
+        "--num-dataset-builder-threads",
+        type=int,
+        default=1,
+        help="threads building the prefixes of a blend in parallel",
+    )
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on EOD input tokens")
-    g.add_argument("--reset-position-ids", action="store_true",
-                   help="position ids restart after each EOD")
-    g.add_argument("--reset-attention-mask", action="store_true",
-                   help="tokens cannot attend across an EOD")
-    g.add_argument("--no-create-attention-mask-in-dataloader", dest="create_attention_mask",
-                   action="store_false", help="do not build the [1,S,S] mask in the loader "
-                                              "(use with a causal attention kernel)")
-    g.add_argument("--allow-ambiguous-pad-tokens", action="store_true",
-                   help="keep a tokenizer pad id equal to another special token (not recommended)")
+    g.add_argument(
+        "--reset-position-ids", action="store_true", help="position ids restart after each EOD"
+    )
+    g.add_argument(
+        "--reset-attention-mask", action="store_true", help="tokens cannot attend across an EOD"
+    )
+    g.add_argument(
+        "--no-create-attention-mask-in-dataloader",
+        dest="create_attention_mask",
+        action="store_false",
+        help="do not build the [1,S,S] mask in the loader (use with a causal attention kernel)",
+    )
+    g.add_argument(
+        "--allow-ambiguous-pad-tokens",
+        action="store_true",
+        help="keep a tokenizer pad id equal to another special token (not recommended)",
+    )
     g.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes")
-    g.add_argument("--dataloader-type", choices=["single", "cyclic"], default="single",
-                   help="single: Megatron's sequential sampler; cyclic: random order per epoch")
-    g.add_argument("--no-data-sharding", dest="data_sharding", action="store_false",
-                   help="cyclic sampler: one global permutation instead of one bucket per DP rank")
+    g.add_argument(
+        "--dataloader-type",
+        choices=["single", "cyclic"],
+        default="single",
+        help="single: Megatron's sequential sampler; cyclic: random order per epoch",
+    )
+    g.add_argument(
+        "--no-data-sharding",
+        dest="data_sharding",
+        action="store_false",
+        help="cyclic sampler: one global permutation instead of one bucket per DP rank",
+    )
     return parser
 
 
@@ -74,21 +117,27 @@ def add_sample_count_args(parser: argparse.ArgumentParser) -> argparse.ArgumentP
     g.add_argument("--seq-length", type=int, default=None, help="tokens per sample")
     g.add_argument("--seed", type=int, default=1234, help="random seed (data order and init)")
     g.add_argument("--train-iters", type=int, default=None, help="training iterations")
-    g.add_argument("--train-samples", type=int, default=None,
-                   help="training samples (instead of --train-iters)")
+    g.add_argument(
+        "--train-samples",
+        type=int,
+        default=None,
+        help="training samples (instead of --train-iters)",
+    )
     g.add_argument("--global-batch-size", type=int, default=None, help="samples per iteration")
-    g.add_argument("--micro-batch-size", type=int, default=1, help="samples per forward pass per rank")
+    g.add_argument(
+        "--micro-batch-size", type=int, default=1, help="samples per forward pass per rank"
+    )
     g.add_argument("--eval-interval", type=int, default=1000, help="iterations between evaluations")
     g.add_argument("--eval-iters", type=int, default=100, help="iterations per evaluation")
     return parser
 
 
 def train_valid_test_num_samples(
-    train_iters: Optional[int],
-    train_samples: Optional[int],
+    train_iters: int | None,
+    train_samples: int | None,
     eval_interval: int,
     eval_iters: int,
-    global_batch_size: Optional[int],
+    global_batch_size: int | None,
 ) -> tuple[int, int, int]:
     """Samples per split as Megatron's training loop consumes them."""
     if global_batch_size is None or global_batch_size <= 0:
@@ -111,7 +160,9 @@ def parse_blend(values: list[str], source: str) -> Blend:
     """`[P]`, `[P1 P2 ...]` or `[W1 P1 W2 P2 ...]` -> (prefixes, weights or None)."""
     values = [v.strip() for v in values if v.strip()]
     if not values:
-        raise UserError(f"{source}: no dataset prefix given (pass PREFIX or 'W1 PREFIX1 W2 PREFIX2 ...')")
+        raise UserError(
+            f"{source}: no dataset prefix given (pass PREFIX or 'W1 PREFIX1 W2 PREFIX2 ...')"
+        )
     if len(values) % 2 == 1:
         return values, None
     weights = []
@@ -123,11 +174,15 @@ def parse_blend(values: list[str], source: str) -> Blend:
     if all(w is None for w in weights):
         return values, None
     if any(w is None for w in weights):
-        raise UserError(f"{source}: mixes weights and prefixes ({' '.join(values)}); give either "
-                        "'PREFIX1 PREFIX2 ...' or a weight before every prefix 'W1 PREFIX1 W2 PREFIX2 ...'")
+        raise UserError(
+            f"{source}: mixes weights and prefixes ({' '.join(values)}); give either "
+            "'PREFIX1 PREFIX2 ...' or a weight before every prefix 'W1 PREFIX1 W2 PREFIX2 ...'"
+        )
     for w in weights:
         if not math.isfinite(w) or w <= 0:
-            raise UserError(f"{source}: weight {w} is not a positive number (every blend weight must be > 0)")
+            raise UserError(
+                f"{source}: weight {w} is not a positive number (every blend weight must be > 0)"
+            )
     return list(values[1::2]), weights
 
 
@@ -135,7 +190,9 @@ def parse_split(split: str) -> list[float]:
     """'949,50,1' -> normalized float64 proportions, padded to three."""
     parts = [float(p) for p in re.findall(r"[.0-9]+", split)]
     if len(parts) > 3 or not parts:
-        raise UserError(f"--split {split!r}: give up to three proportions train,valid,test (e.g. 949,50,1)")
+        raise UserError(
+            f"--split {split!r}: give up to three proportions train,valid,test (e.g. 949,50,1)"
+        )
     parts += [0.0] * (3 - len(parts))
     if sum(parts) <= 0:
         raise UserError(f"--split {split!r}: the proportions sum to zero")
@@ -143,22 +200,22 @@ def parse_split(split: str) -> list[float]:
     return (w / np.sum(w)).tolist()
 
 
-def split_matrix(split: str) -> list[Optional[tuple[float, float]]]:
+def split_matrix(split: str) -> list[tuple[float, float] | None]:
     """Bookends (lo, hi) per split from the int 0 (None where the split is empty), as Megatron."""
     bounds = [0]
     for p in parse_split(split):
         bounds.append(bounds[-1] + p)
-    return [(lo, hi) if hi > lo else None for lo, hi in zip(bounds[:-1], bounds[1:])]
+    return [(lo, hi) if hi > lo else None for lo, hi in zip(bounds[:-1], bounds[1:], strict=False)]
 
 
 @dataclass
 class DataConfig:
     seq_length: int
     seed: int = 1234
-    blend: Optional[Blend] = None
-    blend_per_split: Optional[list[Optional[Blend]]] = None
-    split: Optional[str] = None
-    data_cache_path: Optional[str] = None
+    blend: Blend | None = None
+    blend_per_split: list[Blend | None] | None = None
+    split: str | None = None
+    data_cache_path: str | None = None
     mid_level_dataset_surplus: float = 0.005
     num_dataset_builder_threads: int = 1
     eod_mask_loss: bool = False
@@ -174,16 +231,25 @@ class DataConfig:
         if self.seq_length is None or self.seq_length <= 0:
             raise UserError(f"--seq-length must be a positive integer, got {self.seq_length}")
         if self.blend is not None and self.blend_per_split is not None:
-            raise UserError("--data-path/--data-args-path cannot be combined with --train/valid/test-data-path "
-                            "or --per-split-data-args-path; use one form")
+            raise UserError(
+                "--data-path/--data-args-path cannot be combined with --train/valid/test-data-path "
+                "or --per-split-data-args-path; use one form"
+            )
         if self.blend is None and not (self.blend_per_split and any(self.blend_per_split)):
-            raise UserError("no data given: pass --data-path PREFIX (or --train-data-path ... / "
-                            "--data-args-path / --per-split-data-args-path)")
+            raise UserError(
+                "no data given: pass --data-path PREFIX (or --train-data-path ... / "
+                "--data-args-path / --per-split-data-args-path)"
+            )
         if self.blend_per_split is not None and self.split is not None:
-            raise UserError("--split cannot be combined with per-split data paths (each split uses all of "
-                            "its own prefixes); drop --split")
+            raise UserError(
+                "--split cannot be combined with per-split data paths (each split uses all of "
+                "its own prefixes); drop --split"
+            )
         if self.blend is not None and self.split is None:
-            warnings.warn(f"--split not given, using Megatron's legacy default '{LEGACY_DEFAULT_SPLIT}'")
+            warnings.warn(
+                f"--split not given, using Megatron's legacy default '{LEGACY_DEFAULT_SPLIT}'",
+                stacklevel=2,
+            )
             self.split = LEGACY_DEFAULT_SPLIT
         if self.split is not None:
             split_matrix(self.split)  # validate now, with the flag named
@@ -193,21 +259,29 @@ class DataConfig:
             raise UserError("--num-workers must be >= 0")
 
     @property
-    def split_matrix(self) -> Optional[list[Optional[tuple[float, float]]]]:
+    def split_matrix(self) -> list[tuple[float, float] | None] | None:
         return None if self.split is None else split_matrix(self.split)
 
     @classmethod
-    def from_args(cls, ns: argparse.Namespace) -> "DataConfig":
+    def from_args(cls, ns: argparse.Namespace) -> DataConfig:
         blend, blend_per_split = blends_from_args(ns)
         return cls(
-            seq_length=ns.seq_length, seed=ns.seed, blend=blend, blend_per_split=blend_per_split,
-            split=ns.split, data_cache_path=ns.data_cache_path,
+            seq_length=ns.seq_length,
+            seed=ns.seed,
+            blend=blend,
+            blend_per_split=blend_per_split,
+            split=ns.split,
+            data_cache_path=ns.data_cache_path,
             mid_level_dataset_surplus=ns.mid_level_dataset_surplus,
             num_dataset_builder_threads=ns.num_dataset_builder_threads,
-            eod_mask_loss=ns.eod_mask_loss, reset_position_ids=ns.reset_position_ids,
-            reset_attention_mask=ns.reset_attention_mask, create_attention_mask=ns.create_attention_mask,
-            allow_ambiguous_pad_tokens=ns.allow_ambiguous_pad_tokens, num_workers=ns.num_workers,
-            dataloader_type=ns.dataloader_type, data_sharding=ns.data_sharding,
+            eod_mask_loss=ns.eod_mask_loss,
+            reset_position_ids=ns.reset_position_ids,
+            reset_attention_mask=ns.reset_attention_mask,
+            create_attention_mask=ns.create_attention_mask,
+            allow_ambiguous_pad_tokens=ns.allow_ambiguous_pad_tokens,
+            num_workers=ns.num_workers,
+            dataloader_type=ns.dataloader_type,
+            data_sharding=ns.data_sharding,
         )
 
 
@@ -219,26 +293,36 @@ def _read_text(path: str, flag: str) -> str:
         raise UserError(f"{flag} {path}: cannot read ({err.strerror}); check the path") from err
 
 
-def blends_from_args(ns: argparse.Namespace) -> tuple[Optional[Blend], Optional[list[Optional[Blend]]]]:
+def blends_from_args(
+    ns: argparse.Namespace,
+) -> tuple[Blend | None, list[Blend | None] | None]:
     per_split_flags = [getattr(ns, f"{s}_data_path") for s in SPLIT_NAMES]
     use_global = ns.data_path is not None or ns.data_args_path is not None
-    use_per_split = any(p is not None for p in per_split_flags) or ns.per_split_data_args_path is not None
+    use_per_split = (
+        any(p is not None for p in per_split_flags) or ns.per_split_data_args_path is not None
+    )
     if use_global and use_per_split:
-        raise UserError("--data-path/--data-args-path cannot be combined with --train/valid/test-data-path "
-                        "or --per-split-data-args-path; use one form")
+        raise UserError(
+            "--data-path/--data-args-path cannot be combined with --train/valid/test-data-path "
+            "or --per-split-data-args-path; use one form"
+        )
     if use_global:
         if ns.data_path is not None and ns.data_args_path is not None:
             raise UserError("give either --data-path or --data-args-path, not both")
         if ns.data_args_path is not None:
-            return parse_blend(_read_text(ns.data_args_path, "--data-args-path").split(), ns.data_args_path), None
+            return parse_blend(
+                _read_text(ns.data_args_path, "--data-args-path").split(), ns.data_args_path
+            ), None
         return parse_blend(ns.data_path, "--data-path"), None
     if ns.per_split_data_args_path is not None:
         path = ns.per_split_data_args_path
         try:
             spec = json.loads(_read_text(path, "--per-split-data-args-path"))
         except json.JSONDecodeError as err:
-            raise UserError(f"{path}:{err.lineno}: not valid JSON ({err.msg}); expected "
-                            '{"train": ..., "valid": ..., "test": ...}') from err
+            raise UserError(
+                f"{path}:{err.lineno}: not valid JSON ({err.msg}); expected "
+                '{"train": ..., "valid": ..., "test": ...}'
+            ) from err
         if not isinstance(spec, dict) or not set(spec) <= set(SPLIT_NAMES):
             raise UserError(f'{path}: expected a JSON object with keys "train", "valid", "test"')
         blends = []
@@ -249,6 +333,8 @@ def blends_from_args(ns: argparse.Namespace) -> tuple[Optional[Blend], Optional[
             blends.append(None if value is None else parse_blend(value, f"{path} [{s}]"))
         return None, blends
     if use_per_split:
-        return None, [None if p is None else parse_blend(p, f"--{s}-data-path")
-                      for s, p in zip(SPLIT_NAMES, per_split_flags)]
+        return None, [
+            None if p is None else parse_blend(p, f"--{s}-data-path")
+            for s, p in zip(SPLIT_NAMES, per_split_flags, strict=False)
+        ]
     return None, None

@@ -14,8 +14,8 @@ import glob
 import gzip
 import io
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import zstandard
 
@@ -23,7 +23,9 @@ from pretrain.errors import UserError
 
 JSON_SUFFIXES = (".jsonl", ".json")
 COMPRESSED_SUFFIXES = (".gz", ".zst")
-SUPPORTED = ".jsonl, .json (optionally .gz/.zst), .parquet, a save_to_disk folder, a directory or a glob"
+SUPPORTED = (
+    ".jsonl, .json (optionally .gz/.zst), .parquet, a save_to_disk folder, a directory or a glob"
+)
 
 
 @dataclass
@@ -46,7 +48,9 @@ class RecordBatch:
 
 
 def _is_hf_dataset_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "state.json")) and os.path.isfile(os.path.join(path, "dataset_info.json"))
+    return os.path.isfile(os.path.join(path, "state.json")) and os.path.isfile(
+        os.path.join(path, "dataset_info.json")
+    )
 
 
 def _is_supported_file(path: str) -> bool:
@@ -71,7 +75,9 @@ def expand_inputs(inputs: list[str]) -> list[str]:
                 out.append(item)
                 continue
             found = sorted(
-                os.path.join(root, f) for root, _, files in os.walk(item) for f in files
+                os.path.join(root, f)
+                for root, _, files in os.walk(item)
+                for f in files
                 if _is_supported_file(f)
             )
             if not found:
@@ -82,9 +88,15 @@ def expand_inputs(inputs: list[str]) -> list[str]:
                 raise UserError(f"--input {item}: unsupported file type (use {SUPPORTED})")
             out.append(item)
         elif glob.has_magic(item):
-            found = sorted(p for p in glob.glob(item, recursive=True) if os.path.isfile(p) and _is_supported_file(p))
+            found = sorted(
+                p
+                for p in glob.glob(item, recursive=True)
+                if os.path.isfile(p) and _is_supported_file(p)
+            )
             if not found:
-                raise UserError(f"--input {item}: the pattern matches no supported files ({SUPPORTED})")
+                raise UserError(
+                    f"--input {item}: the pattern matches no supported files ({SUPPORTED})"
+                )
             out.extend(found)
         else:
             raise UserError(f"--input {item}: no such file or directory")
@@ -159,7 +171,9 @@ def _json_batches(path: str, batch_bytes: int, max_records: int) -> Iterator[Rec
                     yield RecordBatch(path, lines, raw=raw)
                     lines, raw, size = [], [], 0
     except (OSError, EOFError, zstandard.ZstdError) as err:  # unreadable file, bad gzip/zstd stream
-        raise UserError(f"{path}: cannot read ({err}; check the file is complete and not corrupt)") from None
+        raise UserError(
+            f"{path}: cannot read ({err}; check the file is complete and not corrupt)"
+        ) from None
     if raw:
         yield RecordBatch(path, lines, raw=raw)
 

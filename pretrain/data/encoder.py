@@ -67,7 +67,9 @@ class Encoder:
         self.tokenizer = build_tokenizer(opts.tokenizer)
         self.eod = self.tokenizer.eod if opts.append_eod else None
         self.dtype = optimal_dtype(self.tokenizer.vocab_size)
-        self.splitter = SentenceSplitter(opts.lang, opts.keep_newlines) if opts.split_sentences else None
+        self.splitter = (
+            SentenceSplitter(opts.lang, opts.keep_newlines) if opts.split_sentences else None
+        )
 
     def _texts(self, record) -> list[list[str]]:
         """The sentences of each key of one record (a dict), validated."""
@@ -80,7 +82,8 @@ class Encoder:
         for key in self.opts.keys:
             if key not in record:
                 raise _BadRecord(
-                    f"no key {key!r} (keys: {sorted(record)[:10]})", f"choose --json-keys {_SKIP_HINT}"
+                    f"no key {key!r} (keys: {sorted(record)[:10]})",
+                    f"choose --json-keys {_SKIP_HINT}",
                 )
             value = record[key]
             if isinstance(value, str):
@@ -88,9 +91,14 @@ class Encoder:
             elif isinstance(value, list) and all(isinstance(v, str) for v in value):
                 sentences = value  # pre-split sentences, as Megatron treats a list
             else:
-                kind = "a list with non-string items" if isinstance(value, list) else type(value).__name__
+                kind = (
+                    "a list with non-string items"
+                    if isinstance(value, list)
+                    else type(value).__name__
+                )
                 raise _BadRecord(
-                    f"{key!r} is {kind}, expected a string or a list of strings", f"fix the value {_SKIP_HINT}"
+                    f"{key!r} is {kind}, expected a string or a list of strings",
+                    f"fix the value {_SKIP_HINT}",
                 )
             for s in sentences:
                 try:
@@ -106,17 +114,23 @@ class Encoder:
     def _parse(self, batch: RecordBatch) -> tuple[list[tuple[int, list[list[str]]]], list]:
         good, bad = [], []
         items = batch.raw if batch.raw is not None else batch.rows
-        for line, item in zip(batch.lines, items):
+        for line, item in zip(batch.lines, items, strict=False):
             try:
                 if batch.raw is not None:
                     try:
                         text = item.decode("utf-8")
                     except UnicodeDecodeError as err:
-                        raise _BadRecord(f"invalid UTF-8 at byte {err.start}", f"re-encode the file as UTF-8 {_SKIP_HINT}") from None
+                        raise _BadRecord(
+                            f"invalid UTF-8 at byte {err.start}",
+                            f"re-encode the file as UTF-8 {_SKIP_HINT}",
+                        ) from None
                     try:
                         record = json.loads(text)
                     except json.JSONDecodeError as err:
-                        raise _BadRecord(f"invalid JSON: {err.msg} at column {err.colno}", f"fix the line {_SKIP_HINT}") from None
+                        raise _BadRecord(
+                            f"invalid JSON: {err.msg} at column {err.colno}",
+                            f"fix the line {_SKIP_HINT}",
+                        ) from None
                 else:
                     record = item
                 good.append((line, self._texts(record)))
@@ -133,10 +147,18 @@ class Encoder:
             kept, ids = [], []
             for line, keys in good:
                 try:
-                    ids.extend(self.tokenizer.tokenize_batch([s for sentences in keys for s in sentences]))
+                    ids.extend(
+                        self.tokenizer.tokenize_batch([s for sentences in keys for s in sentences])
+                    )
                     kept.append((line, keys))
                 except (ValueError, UserError) as err:
-                    bad.append((line, f"the tokenizer rejects the text: {err}", f"fix the text {_SKIP_HINT}"))
+                    bad.append(
+                        (
+                            line,
+                            f"the tokenizer rejects the text: {err}",
+                            f"fix the text {_SKIP_HINT}",
+                        )
+                    )
             bad.sort()
             good = kept
         return good, ids
@@ -167,7 +189,9 @@ class Encoder:
         for k in range(n_keys):
             lens = np.asarray(lengths[k], dtype=np.int32)
             total = int(lens.sum(dtype=np.int64))
-            tokens = np.fromiter(itertools.chain.from_iterable(pieces[k]), dtype=self.dtype, count=total)
+            tokens = np.fromiter(
+                itertools.chain.from_iterable(pieces[k]), dtype=self.dtype, count=total
+            )
             out.append(EncodedKey(tokens, lens, per_doc[k]))
         return EncodedBatch(batch.source, len(good), batch.nbytes, out, bad)
 

@@ -16,7 +16,6 @@ import logging
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import torch
@@ -32,7 +31,7 @@ PAD_TOKEN_ID = -1  # Megatron's pad id when the tokenizer has none (never a real
 SEPARATE_FINAL_EPOCH_THRESHOLD = 0.80
 
 
-def split_ranges(num_sequences: int, matrix) -> list[Optional[np.ndarray]]:
+def split_ranges(num_sequences: int, matrix) -> list[np.ndarray | None]:
     """Sequence ids of each split: arange(round(lo*n), round(hi*n)) as int32 (round half to even)."""
     out = []
     for bounds in matrix:
@@ -40,7 +39,11 @@ def split_ranges(num_sequences: int, matrix) -> list[Optional[np.ndarray]]:
             out.append(None)
         else:
             lo, hi = bounds
-            out.append(np.arange(int(round(lo * num_sequences)), int(round(hi * num_sequences)), dtype=np.int32))
+            out.append(
+                np.arange(
+                    int(round(lo * num_sequences)), int(round(hi * num_sequences)), dtype=np.int32
+                )
+            )
     return out
 
 
@@ -52,7 +55,9 @@ class EpochPlan:
     num_samples_sans_final_epoch: int  # meaningful only when separate_final_epoch
 
 
-def plan_epochs(tokens_per_epoch: int, num_samples: Optional[int], seq_length: int, extra_token: int) -> EpochPlan:
+def plan_epochs(
+    tokens_per_epoch: int, num_samples: int | None, seq_length: int, extra_token: int
+) -> EpochPlan:
     """Fewest epochs that hold num_samples; whether the last epoch is shuffled on its own (the 0.80 rule)."""
     if num_samples is None:
         return EpochPlan(tokens_per_epoch, 1, False, 0)
@@ -101,24 +106,39 @@ def build_indices(
     """document_index, sample_index and shuffle_index; RNG calls in Megatron's order."""
     rng = np.random.RandomState(seed)
     if plan.separate_final_epoch:
-        doc_idx = np.concatenate((_document_index(indices, plan.num_epochs - 1, rng),
-                                  _document_index(indices, 1, rng)))
+        doc_idx = np.concatenate(
+            (_document_index(indices, plan.num_epochs - 1, rng), _document_index(indices, 1, rng))
+        )
     else:
         doc_idx = _document_index(indices, plan.num_epochs, rng)
-    sample_idx = helpers.build_sample_index(sequence_lengths, doc_idx, seq_length, plan.num_epochs,
-                                            plan.tokens_per_epoch, drop_last, extra_token)
+    sample_idx = helpers.build_sample_index(
+        sequence_lengths,
+        doc_idx,
+        seq_length,
+        plan.num_epochs,
+        plan.tokens_per_epoch,
+        drop_last,
+        extra_token,
+    )
     total = sample_idx.shape[0] - 1
     first_block = plan.num_samples_sans_final_epoch if plan.separate_final_epoch else total
     shuffle_idx = _shuffle_index(first_block, total, rng)
     return {"document_index": doc_idx, "sample_index": sample_idx, "shuffle_index": shuffle_idx}
 
 
-def expected_index_layout(sequence_lengths, num_indices: int, plan: EpochPlan, seq_length: int,
-                          extra_token: int, drop_last: bool):
+def expected_index_layout(
+    sequence_lengths,
+    num_indices: int,
+    plan: EpochPlan,
+    seq_length: int,
+    extra_token: int,
+    drop_last: bool,
+):
     """(dtype, shape) of each index array, known before building: how a cache is validated."""
     doc_len = plan.num_epochs * num_indices
-    num_samples = helpers.num_samples_in_sample_index(plan.num_epochs, plan.tokens_per_epoch, seq_length,
-                                                      drop_last, extra_token)
+    num_samples = helpers.num_samples_in_sample_index(
+        plan.num_epochs, plan.tokens_per_epoch, seq_length, drop_last, extra_token
+    )
     largest = max(doc_len, int(sequence_lengths.max()) if len(sequence_lengths) else 0)
     sample_dtype = np.int32 if largest <= helpers.INT32_MAX else np.int64
     return {
@@ -134,8 +154,12 @@ def resolve_pad_id(tokenizer, allow_ambiguous: bool) -> int:
     if pad is None:
         return PAD_TOKEN_ID
     if pad == getattr(tokenizer, "eod", None) and not allow_ambiguous:
-        log.warning("the tokenizer's pad id %d equals its EOD id; padding with %d instead "
-                    "(--allow-ambiguous-pad-tokens keeps it)", pad, PAD_TOKEN_ID)
+        log.warning(
+            "the tokenizer's pad id %d equals its EOD id; padding with %d instead "
+            "(--allow-ambiguous-pad-tokens keeps it)",
+            pad,
+            PAD_TOKEN_ID,
+        )
         return PAD_TOKEN_ID
     return pad
 
@@ -165,7 +189,11 @@ def masks_and_position_ids(tokens: torch.Tensor, eod: int, cfg: DataConfig):
     if cfg.eod_mask_loss:
         loss_mask[tokens == eod] = 0.0
     positions = torch.arange(n, dtype=torch.long)
-    starts = _segment_starts(tokens, eod) if (cfg.reset_position_ids or cfg.reset_attention_mask) else None
+    starts = (
+        _segment_starts(tokens, eod)
+        if (cfg.reset_position_ids or cfg.reset_attention_mask)
+        else None
+    )
     position_ids = positions - starts if cfg.reset_position_ids else positions
     attention_mask = None
     if cfg.create_attention_mask:
@@ -179,9 +207,18 @@ def masks_and_position_ids(tokens: torch.Tensor, eod: int, cfg: DataConfig):
 class GPTDataset(torch.utils.data.Dataset):
     """Samples of seq_length tokens from the sequences `indices` of an IndexedDataset."""
 
-    def __init__(self, indexed, dataset_path: str, indices: np.ndarray, num_samples: Optional[int],
-                 index_split: str, cfg: DataConfig, tokenizer, extra_token: int = 1,
-                 drop_last: bool = True):
+    def __init__(
+        self,
+        indexed,
+        dataset_path: str,
+        indices: np.ndarray,
+        num_samples: int | None,
+        index_split: str,
+        cfg: DataConfig,
+        tokenizer,
+        extra_token: int = 1,
+        drop_last: bool = True,
+    ):
         self.indexed = indexed
         self.dataset_path = dataset_path
         self.indices = indices
@@ -192,26 +229,44 @@ class GPTDataset(torch.utils.data.Dataset):
         self.eod = tokenizer.eod
         self.pad = resolve_pad_id(tokenizer, cfg.allow_ambiguous_pad_tokens)
 
-        self.unique_identifiers = OrderedDict([
-            ("class", "GPTDataset"), ("dataset_path", dataset_path), ("num_samples", num_samples),
-            ("index_split", index_split), ("random_seed", cfg.seed), ("sequence_length", cfg.seq_length),
-            ("split", cfg.split), ("split_matrix", cfg.split_matrix),
-            ("tokenizer", getattr(tokenizer, "unique_identifiers", None)),
-        ])
+        self.unique_identifiers = OrderedDict(
+            [
+                ("class", "GPTDataset"),
+                ("dataset_path", dataset_path),
+                ("num_samples", num_samples),
+                ("index_split", index_split),
+                ("random_seed", cfg.seed),
+                ("sequence_length", cfg.seq_length),
+                ("split", cfg.split),
+                ("split_matrix", cfg.split_matrix),
+                ("tokenizer", getattr(tokenizer, "unique_identifiers", None)),
+            ]
+        )
         self.unique_description = json.dumps(self.unique_identifiers, indent=4)
-        self.unique_description_hash = hashlib.md5(self.unique_description.encode("utf-8")).hexdigest()
+        self.unique_description_hash = hashlib.md5(
+            self.unique_description.encode("utf-8")
+        ).hexdigest()
 
         lengths = indexed.sequence_lengths
         tokens_per_epoch = int(np.sum(lengths[indices], dtype=np.int64))
         if tokens_per_epoch <= extra_token:
-            raise UserError(f"{dataset_path}: the {index_split} split has {tokens_per_epoch} tokens, too few for "
-                            f"one sample (change --split or use more data)")
+            raise UserError(
+                f"{dataset_path}: the {index_split} split has {tokens_per_epoch} tokens, too few for "
+                f"one sample (change --split or use more data)"
+            )
         plan = plan_epochs(tokens_per_epoch, num_samples, cfg.seq_length, extra_token)
-        expect = expected_index_layout(lengths, len(indices), plan, cfg.seq_length, extra_token, drop_last)
+        expect = expected_index_layout(
+            lengths, len(indices), plan, cfg.seq_length, extra_token, drop_last
+        )
         cache_dir = cfg.data_cache_path or os.path.join(dataset_path, "cache", "GPTDataset_indices")
         arrays = load_or_build(
-            cache_dir, f"{self.unique_description_hash}-GPTDataset-{index_split}", self.unique_description,
-            expect, lambda: build_indices(lengths, indices, plan, cfg.seq_length, cfg.seed, extra_token, drop_last),
+            cache_dir,
+            f"{self.unique_description_hash}-GPTDataset-{index_split}",
+            self.unique_description,
+            expect,
+            lambda: build_indices(
+                lengths, indices, plan, cfg.seq_length, cfg.seed, extra_token, drop_last
+            ),
         )
         # plain ndarray views of the (possibly memory-mapped) arrays: indexing an np.memmap costs a
         # subclass construction per access, which shows in __getitem__
@@ -219,15 +274,17 @@ class GPTDataset(torch.utils.data.Dataset):
         self.sample_index = np.asarray(arrays["sample_index"])
         self.shuffle_index = np.asarray(arrays["shuffle_index"])
         # without these flags masks and positions do not depend on the sample (Megatron caches them too)
-        self._cacheable = not (cfg.reset_position_ids or cfg.reset_attention_mask or cfg.eod_mask_loss)
+        self._cacheable = not (
+            cfg.reset_position_ids or cfg.reset_attention_mask or cfg.eod_mask_loss
+        )
 
     def __len__(self) -> int:
         return self.sample_index.shape[0] - 1
 
-    def sample_tokens(self, idx: int, out: Optional[np.ndarray] = None) -> np.ndarray:
+    def sample_tokens(self, idx: int, out: np.ndarray | None = None) -> np.ndarray:
         """The S + x token ids of sample idx (int64), padded with the pad id at the data's end."""
         j = int(self.shuffle_index[idx])
-        (d0, o0), (d1, o1) = self.sample_index[j:j + 2].tolist()
+        (d0, o0), (d1, o1) = self.sample_index[j : j + 2].tolist()
         x = self.extra_token
         if d0 == d1:
             parts = [self.indexed.get(int(self.document_index[d0]), offset=o0, length=o1 - o0 + x)]
@@ -258,14 +315,22 @@ class GPTDataset(torch.utils.data.Dataset):
             # one shared tensor expanded over the batch, not b copies (4 MB each at S = 2048)
             attention_mask = None if mask is None else mask.unsqueeze(0).expand(b, 1, S, S)
             position_ids = positions.expand(b, S)
-            loss_mask = torch.from_numpy(np.ones((b, S), dtype=np.float32))  # cheaper than torch.ones
+            loss_mask = torch.from_numpy(
+                np.ones((b, S), dtype=np.float32)
+            )  # cheaper than torch.ones
         else:
             rows = [masks_and_position_ids(tokens[i], self.eod, self.cfg) for i in range(b)]
-            attention_mask = torch.stack([r[0] for r in rows]) if self.cfg.create_attention_mask else None
+            attention_mask = (
+                torch.stack([r[0] for r in rows]) if self.cfg.create_attention_mask else None
+            )
             loss_mask = torch.stack([r[1] for r in rows])
             position_ids = torch.stack([r[2] for r in rows])
         # Padding sits at the end; a pad of -1 is no real token, so unpadded samples need no scan.
-        if self.pad != PAD_TOKEN_ID or not self.extra_token or bool((text[:, -1] == self.pad).any()):
+        if (
+            self.pad != PAD_TOKEN_ID
+            or not self.extra_token
+            or bool((text[:, -1] == self.pad).any())
+        ):
             loss_mask[labels == self.pad] = 0.0
             tokens[tokens == self.pad] = 0
             labels[labels == self.pad] = 0

@@ -93,8 +93,9 @@ def build_sample_index(
     sizes = np.ascontiguousarray(sizes)
     if doc_idx.shape[0] * 2 > sizes.shape[0] and not sizes.flags.writeable:
         sizes = sizes.copy()
-    _fill_sample_index(sizes, np.ascontiguousarray(doc_idx, dtype=np.int32), seq_length,
-                       extra_token, out)
+    _fill_sample_index(
+        sizes, np.ascontiguousarray(doc_idx, dtype=np.int32), seq_length, extra_token, out
+    )
     return out
 
 

@@ -18,7 +18,7 @@ import enum
 import os
 import shutil
 import struct
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 
@@ -47,7 +47,9 @@ class DType(enum.IntEnum):
     def code_from_dtype(cls, dtype) -> int:
         name = np.dtype(dtype).name
         if name not in cls.__members__:
-            raise UserError(f"dtype {name} cannot be stored in a Megatron .bin (use uint16 or int32)")
+            raise UserError(
+                f"dtype {name} cannot be stored in a Megatron .bin (use uint16 or int32)"
+            )
         return int(cls[name])
 
     @classmethod
@@ -77,10 +79,14 @@ def _read_header(idx_path: str) -> tuple[np.dtype, int, int]:
         with open(idx_path, "rb") as f:
             raw = f.read(HEADER_SIZE)
     except OSError as err:
-        raise UserError(f"{idx_path}: cannot read index file ({err.strerror}; check the prefix)") from None
+        raise UserError(
+            f"{idx_path}: cannot read index file ({err.strerror}; check the prefix)"
+        ) from None
     fix = "the file is not a Megatron index or is damaged; re-run tools/preprocess_data.py"
     if len(raw) < HEADER_SIZE:
-        raise UserError(f"{idx_path}: truncated index header ({len(raw)} of {HEADER_SIZE} bytes; {fix})")
+        raise UserError(
+            f"{idx_path}: truncated index header ({len(raw)} of {HEADER_SIZE} bytes; {fix})"
+        )
     magic, version, code, n_seq, n_doc = _HEADER.unpack(raw)
     if magic != _MAGIC:
         raise UserError(f"{idx_path}: bad magic {magic!r}, expected {_MAGIC!r} ({fix})")
@@ -115,7 +121,9 @@ class IndexedDataset:
         self.document_indices = np.frombuffer(self._idx_mmap, np.int64, n_doc, offset)
         offset += 8 * n_doc
         has_modes = len(self._idx_mmap) > offset
-        self.sequence_modes = np.frombuffer(self._idx_mmap, np.int8, n_seq, offset) if has_modes else None
+        self.sequence_modes = (
+            np.frombuffer(self._idx_mmap, np.int8, n_seq, offset) if has_modes else None
+        )
         self._validate(idx_path, bin_path)
         bin_size = os.path.getsize(bin_path)
         # numpy cannot memory-map an empty file; an empty dataset has an empty .bin
@@ -139,7 +147,10 @@ class IndexedDataset:
             raise UserError(f"{bin_path}: missing; the .idx has no matching .bin ({fix})")
         needed = 0
         if len(self.sequence_lengths):
-            needed = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize
+            needed = (
+                int(self.sequence_pointers[-1])
+                + int(self.sequence_lengths[-1]) * self.dtype.itemsize
+            )
         actual = os.path.getsize(bin_path)
         if actual < needed:
             raise UserError(
@@ -221,7 +232,9 @@ class IndexedDatasetBuilder:
         try:
             self._bin = open(self._tmp_bin, "wb", buffering=1 << 20)
         except OSError as err:
-            raise UserError(f"{bin_path}: cannot write output ({err.strerror}; check the output prefix)") from None
+            raise UserError(
+                f"{bin_path}: cannot write output ({err.strerror}; check the output prefix)"
+            ) from None
         self._lengths = _GrowingArray(np.int32)
         self._doc_idx = _GrowingArray(np.int64, [0])
 
@@ -286,7 +299,15 @@ class IndexedDatasetBuilder:
         tmp_idx = idx_path + TMP_SUFFIX
         try:
             with open(tmp_idx, "wb") as f:
-                f.write(_HEADER.pack(_MAGIC, _VERSION, DType.code_from_dtype(self.dtype), len(lengths), len(doc_idx)))
+                f.write(
+                    _HEADER.pack(
+                        _MAGIC,
+                        _VERSION,
+                        DType.code_from_dtype(self.dtype),
+                        len(lengths),
+                        len(doc_idx),
+                    )
+                )
                 f.write(memoryview(lengths))
                 # pointers in int64 bytes, computed in chunks so finalize needs no S-sized temporary
                 start = 0
@@ -301,7 +322,9 @@ class IndexedDatasetBuilder:
             self.abort()
             if os.path.exists(tmp_idx):
                 os.remove(tmp_idx)
-            raise UserError(f"{idx_path}: cannot write output ({err.strerror}; check the output prefix)") from None
+            raise UserError(
+                f"{idx_path}: cannot write output ({err.strerror}; check the output prefix)"
+            ) from None
         if os.path.exists(idx_path):
             os.remove(idx_path)  # an old .idx must not pair with the new .bin, even for a moment
         os.replace(self._tmp_bin, self.bin_path)

@@ -19,7 +19,13 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 from pretrain.data.corpus import expand_inputs, iter_record_batches, total_input_bytes
-from pretrain.data.encoder import EncodeOptions, Encoder, encode_in_worker, init_worker, share_with_forked_workers
+from pretrain.data.encoder import (
+    EncodeOptions,
+    Encoder,
+    encode_in_worker,
+    init_worker,
+    share_with_forked_workers,
+)
 from pretrain.data.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
 from pretrain.errors import UserError, data_error
 from pretrain.tokenizer import TokenizerConfig, add_tokenizer_args
@@ -43,13 +49,15 @@ class PreprocessConfig:
     batch_bytes: int = 1 << 20
 
     @classmethod
-    def from_args(cls, ns: argparse.Namespace) -> "PreprocessConfig":
+    def from_args(cls, ns: argparse.Namespace) -> PreprocessConfig:
         if ns.workers < 1:
             raise UserError(f"--workers {ns.workers}: must be at least 1")
         if ns.partitions < 1:
             raise UserError(f"--partitions {ns.partitions}: must be at least 1")
         if len(set(ns.json_keys)) != len(ns.json_keys):
-            raise UserError(f"--json-keys {' '.join(ns.json_keys)}: a key is repeated (name each key once)")
+            raise UserError(
+                f"--json-keys {' '.join(ns.json_keys)}: a key is repeated (name each key once)"
+            )
         return cls(
             inputs=ns.input,
             output_prefix=ns.output_prefix,
@@ -81,26 +89,69 @@ def build_parser() -> argparse.ArgumentParser:
         "--append-eod --workers 2   (writes data/shakespeare_text_document.bin/.idx)",
     )
     g = p.add_argument_group("input")
-    g.add_argument("--input", nargs="+", required=True,
-                   help=".jsonl/.json (optionally .gz/.zst), .parquet, a save_to_disk folder, a directory or a glob; "
-                   "several inputs become one output, in the order given")
-    g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract; one output per key (default: text)")
-    g.add_argument("--split-sentences", action="store_true", help="split texts into sentences (pysbd, offline)")
-    g.add_argument("--keep-newlines", action="store_true", help="with --split-sentences: keep newlines in sentences")
-    g.add_argument("--lang", default="english", help="sentence-splitting language (NLTK name or ISO code)")
-    g.add_argument("--skip-bad-lines", action="store_true",
-                   help="skip and count malformed lines instead of stopping at the first one")
+    g.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        help=".jsonl/.json (optionally .gz/.zst), .parquet, a save_to_disk folder, a directory or a glob; "
+        "several inputs become one output, in the order given",
+    )
+    g.add_argument(
+        "--json-keys",
+        nargs="+",
+        default=["text"],
+        help="keys to extract; one output per key (default: text)",
+    )
+    g.add_argument(
+        "--split-sentences", action="store_true", help="split texts into sentences (pysbd, offline)"
+    )
+    g.add_argument(
+        "--keep-newlines",
+        action="store_true",
+        help="with --split-sentences: keep newlines in sentences",
+    )
+    g.add_argument(
+        "--lang", default="english", help="sentence-splitting language (NLTK name or ISO code)"
+    )
+    g.add_argument(
+        "--skip-bad-lines",
+        action="store_true",
+        help="skip and count malformed lines instead of stopping at the first one",
+    )
     add_tokenizer_args(p)
     g = p.add_argument_group("output")
-    g.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_{document|sentence}.bin/.idx")
-    g.add_argument("--append-eod", action="store_true", help="append the end-of-document id to every non-empty document")
+    g.add_argument(
+        "--output-prefix", required=True, help="writes {prefix}_{key}_{document|sentence}.bin/.idx"
+    )
+    g.add_argument(
+        "--append-eod",
+        action="store_true",
+        help="append the end-of-document id to every non-empty document",
+    )
     g = p.add_argument_group("runtime")
-    g.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes (default: all cores)")
-    g.add_argument("--partitions", type=int, default=1,
-                   help="accepted for Megatron compatibility; the output never depends on it (input order is kept)")
-    g.add_argument("--keep-sequential-samples", action="store_true",
-                   help="accepted for Megatron compatibility; documents always keep the input order")
-    g.add_argument("--log-interval", type=int, default=1000, help="documents between progress lines when stderr is not a terminal")
+    g.add_argument(
+        "--workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="tokenizer processes (default: all cores)",
+    )
+    g.add_argument(
+        "--partitions",
+        type=int,
+        default=1,
+        help="accepted for Megatron compatibility; the output never depends on it (input order is kept)",
+    )
+    g.add_argument(
+        "--keep-sequential-samples",
+        action="store_true",
+        help="accepted for Megatron compatibility; documents always keep the input order",
+    )
+    g.add_argument(
+        "--log-interval",
+        type=int,
+        default=1000,
+        help="documents between progress lines when stderr is not a terminal",
+    )
     return p
 
 
@@ -134,26 +185,39 @@ def _ordered_results(pool, batches, window: int):
         while pending:
             yield pending.popleft().result()
     except BrokenProcessPool:
-        raise UserError("a tokenizer worker process died (out of memory? try fewer --workers)") from None
+        raise UserError(
+            "a tokenizer worker process died (out of memory? try fewer --workers)"
+        ) from None
 
 
 class _Progress:
     def __init__(self, total_bytes: int | None, log_interval: int):
         from tqdm import tqdm
 
-        self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, file=sys.stderr, disable=None,
-                        desc="preprocess", dynamic_ncols=True)
+        self.bar = tqdm(
+            total=total_bytes,
+            unit="B",
+            unit_scale=True,
+            file=sys.stderr,
+            disable=None,
+            desc="preprocess",
+            dynamic_ncols=True,
+        )
         self.log_interval, self.next_log, self.start = log_interval, log_interval, time.monotonic()
 
     def update(self, summary: Summary, nbytes: int) -> None:
         elapsed = max(time.monotonic() - self.start, 1e-9)
-        rates = (f"{summary.documents / elapsed:,.0f} docs/s, {summary.bytes / 1e6 / elapsed:.2f} MB/s, "
-                 f"{summary.tokens / elapsed:,.0f} tokens/s")
+        rates = (
+            f"{summary.documents / elapsed:,.0f} docs/s, {summary.bytes / 1e6 / elapsed:.2f} MB/s, "
+            f"{summary.tokens / elapsed:,.0f} tokens/s"
+        )
         if not self.bar.disable:
             self.bar.update(nbytes)
             self.bar.set_postfix_str(rates, refresh=False)
         elif summary.documents >= self.next_log:
-            print(f"processed {summary.documents:,} documents ({rates})", file=sys.stderr, flush=True)
+            print(
+                f"processed {summary.documents:,} documents ({rates})", file=sys.stderr, flush=True
+            )
             self.next_log = summary.documents + self.log_interval
 
     def close(self) -> None:
@@ -177,16 +241,26 @@ def _open_builders(cfg: PreprocessConfig, dtype) -> list[IndexedDatasetBuilder]:
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as err:
-        raise UserError(f"--output-prefix {cfg.output_prefix}: cannot create {out_dir} ({err.strerror})") from None
+        raise UserError(
+            f"--output-prefix {cfg.output_prefix}: cannot create {out_dir} ({err.strerror})"
+        ) from None
     if not os.access(out_dir, os.W_OK):
-        raise UserError(f"--output-prefix {cfg.output_prefix}: directory {out_dir} is not writable (choose another prefix)")
+        raise UserError(
+            f"--output-prefix {cfg.output_prefix}: directory {out_dir} is not writable (choose another prefix)"
+        )
     return [IndexedDatasetBuilder(get_bin_path(p), dtype) for p in cfg.output_prefixes()]
 
 
 def run(cfg: PreprocessConfig) -> Summary:
     sources = expand_inputs(cfg.inputs)
-    opts = EncodeOptions(cfg.tokenizer, cfg.json_keys, cfg.append_eod, cfg.split_sentences, cfg.lang,
-                         cfg.keep_newlines)
+    opts = EncodeOptions(
+        cfg.tokenizer,
+        cfg.json_keys,
+        cfg.append_eod,
+        cfg.split_sentences,
+        cfg.lang,
+        cfg.keep_newlines,
+    )
     # Build here first: bad flags fail before the pool starts (a worker that fails to start is
     # respawned forever), and forked workers inherit this encoder instead of rebuilding it.
     encoder = Encoder(opts)
@@ -196,15 +270,19 @@ def run(cfg: PreprocessConfig) -> Summary:
     progress = _Progress(total_input_bytes(sources), cfg.log_interval)
     finished = False
     try:
-        ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+        ctx = multiprocessing.get_context(
+            "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+        )
         share_with_forked_workers(encoder)
         # ProcessPoolExecutor, not multiprocessing.Pool: a worker that dies raises instead of hanging
-        pool = ProcessPoolExecutor(cfg.workers, mp_context=ctx, initializer=init_worker, initargs=(opts,))
+        pool = ProcessPoolExecutor(
+            cfg.workers, mp_context=ctx, initializer=init_worker, initargs=(opts,)
+        )
         try:
             batches = iter_record_batches(sources, cfg.json_keys, cfg.batch_bytes)
             for encoded in _ordered_results(pool, batches, window=2 * cfg.workers + 2):
                 _report_bad(cfg, summary, encoded.source, encoded.bad)
-                for builder, key in zip(builders, encoded.keys):
+                for builder, key in zip(builders, encoded.keys, strict=False):
                     builder.add_document_batch(key.tokens, key.lengths, key.sequences_per_document)
                     summary.sequences += len(key.lengths)
                     summary.tokens += len(key.tokens)
@@ -213,7 +291,7 @@ def run(cfg: PreprocessConfig) -> Summary:
                 progress.update(summary, encoded.nbytes)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
-        for builder, prefix in zip(builders, cfg.output_prefixes()):
+        for builder, prefix in zip(builders, cfg.output_prefixes(), strict=False):
             builder.finalize(get_idx_path(prefix))
         finished = True
     finally:

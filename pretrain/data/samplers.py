@@ -14,7 +14,7 @@ Both samplers yield micro-batches of sample ids for one data-parallel rank and r
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -26,18 +26,28 @@ def _check(total: int, consumed: int, mbs: int, dp_rank: int, dp_size: int) -> N
     if total <= 0:
         raise UserError("the dataset has no samples (check --split and the data prefixes)")
     if mbs <= 0 or dp_size <= 0 or not 0 <= dp_rank < dp_size:
-        raise ValueError(f"bad sampler layout: micro_batch_size={mbs} dp_rank={dp_rank} dp_size={dp_size}")
+        raise ValueError(
+            f"bad sampler layout: micro_batch_size={mbs} dp_rank={dp_rank} dp_size={dp_size}"
+        )
 
 
 class PretrainingSampler:
     """`single`: sequential order, resumable at any multiple of micro_batch_size * dp_size."""
 
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 dp_rank: int, dp_size: int):
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+    ):
         _check(total_samples, consumed_samples, micro_batch_size, dp_rank, dp_size)
         if consumed_samples >= total_samples:
-            raise UserError(f"consumed samples {consumed_samples} >= dataset size {total_samples}: nothing left "
-                            "to train on (raise --train-iters/--train-samples only with a rebuilt dataset)")
+            raise UserError(
+                f"consumed samples {consumed_samples} >= dataset size {total_samples}: nothing left "
+                "to train on (raise --train-iters/--train-samples only with a rebuilt dataset)"
+            )
         self.total = total_samples
         self.consumed = consumed_samples
         self.mbs = micro_batch_size
@@ -60,8 +70,15 @@ class PretrainingRandomSampler:
     step and `consumed` lands exactly on the next epoch's start.
     """
 
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 dp_rank: int, dp_size: int, data_sharding: bool = True):
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        dp_rank: int,
+        dp_size: int,
+        data_sharding: bool = True,
+    ):
         _check(total_samples, consumed_samples, micro_batch_size, dp_rank, dp_size)
         self.total = total_samples
         self.consumed = consumed_samples
@@ -72,8 +89,10 @@ class PretrainingRandomSampler:
         self.sharding = data_sharding
         self.active = total_samples - total_samples % self.block
         if self.active == 0:
-            raise UserError(f"the dataset has {total_samples} samples, fewer than one step's "
-                            f"micro_batch_size * data_parallel_size = {self.block}")
+            raise UserError(
+                f"the dataset has {total_samples} samples, fewer than one step's "
+                f"micro_batch_size * data_parallel_size = {self.block}"
+            )
 
     def __len__(self) -> int:
         return self.active // self.block
@@ -83,21 +102,23 @@ class PretrainingRandomSampler:
         g.manual_seed(epoch)
         if self.sharding:
             bucket = (self.total // self.block) * self.mbs
-            perm = torch.randperm(bucket, generator=g)[within // self.dp:]
+            perm = torch.randperm(bucket, generator=g)[within // self.dp :]
             return (perm + self.rank * bucket).tolist()
         full = (self.total // self.mbs) * self.mbs
-        return torch.randperm(full, generator=g)[within:][self.rank::self.dp].tolist()
+        return torch.randperm(full, generator=g)[within:][self.rank :: self.dp].tolist()
 
     def __iter__(self) -> Iterator[list[int]]:
         while True:
             epoch, within = divmod(self.consumed, self.active)
             if within % self.block:
-                raise UserError(f"consumed samples {self.consumed} is not a multiple of micro_batch_size * "
-                                f"data_parallel_size = {self.block}; resume with the same batch layout")
+                raise UserError(
+                    f"consumed samples {self.consumed} is not a multiple of micro_batch_size * "
+                    f"data_parallel_size = {self.block}; resume with the same batch layout"
+                )
             order = self._order(epoch, within)
             for k in range(0, len(order) - self.mbs + 1, self.mbs):
                 self.consumed += self.block
-                yield order[k:k + self.mbs]
+                yield order[k : k + self.mbs]
 
 
 def collate_samples(data):
@@ -105,17 +126,30 @@ def collate_samples(data):
     return data if isinstance(data, dict) else torch.utils.data.default_collate(data)
 
 
-def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_size: int, dp_rank: int,
-                                  dp_size: int, cfg: DataConfig) -> torch.utils.data.DataLoader:
+def build_pretraining_data_loader(
+    dataset,
+    consumed_samples: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    cfg: DataConfig,
+) -> torch.utils.data.DataLoader:
     """A DataLoader yielding one micro-batch (dict of stacked tensors) per step for this DP rank."""
     if cfg.dataloader_type == "single":
-        sampler = PretrainingSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size)
+        sampler = PretrainingSampler(
+            len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size
+        )
     elif cfg.dataloader_type == "cyclic":
-        sampler = PretrainingRandomSampler(len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size,
-                                           cfg.data_sharding)
+        sampler = PretrainingRandomSampler(
+            len(dataset), consumed_samples, micro_batch_size, dp_rank, dp_size, cfg.data_sharding
+        )
     else:
         raise UserError(f"--dataloader-type {cfg.dataloader_type}: choose single or cyclic")
     return torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, num_workers=cfg.num_workers, collate_fn=collate_samples,
-        pin_memory=torch.cuda.is_available(), persistent_workers=cfg.num_workers > 0,
+        dataset,
+        batch_sampler=sampler,
+        num_workers=cfg.num_workers,
+        collate_fn=collate_samples,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=cfg.num_workers > 0,
     )

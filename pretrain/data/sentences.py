@@ -13,8 +13,16 @@ from pretrain.errors import UserError
 CHUNK_CHARS = 1_000_000
 # NLTK punkt language names (Megatron's `--lang`) -> pysbd language codes
 _NLTK_TO_PYSBD = {
-    "english": "en", "german": "de", "french": "fr", "spanish": "es", "italian": "it", "dutch": "nl",
-    "polish": "pl", "russian": "ru", "danish": "da", "greek": "el",
+    "english": "en",
+    "german": "de",
+    "french": "fr",
+    "spanish": "es",
+    "italian": "it",
+    "dutch": "nl",
+    "polish": "pl",
+    "russian": "ru",
+    "danish": "da",
+    "greek": "el",
 }
 
 
@@ -24,7 +32,9 @@ def pysbd_language(lang: str) -> str:
     code = _NLTK_TO_PYSBD.get(lang.lower(), lang.lower())
     if code not in pysbd.languages.LANGUAGE_CODES:
         known = sorted(set(_NLTK_TO_PYSBD) | set(pysbd.languages.LANGUAGE_CODES))
-        raise UserError(f"--lang {lang}: no sentence rules for this language (use one of {', '.join(known)})")
+        raise UserError(
+            f"--lang {lang}: no sentence rules for this language (use one of {', '.join(known)})"
+        )
     return code
 
 
