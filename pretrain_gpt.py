@@ -6,13 +6,15 @@ Also runs under torchrun, Slurm's srun, or plain `python pretrain_gpt.py ...` (o
 
 import sys
 
+from pretrain.cli import parse_args
 from pretrain.errors import exit_on_user_error
 from pretrain.training.run import pretrain
 
 
 @exit_on_user_error
 def main() -> None:
-    pretrain(sys.argv[1:])
+    """Parse the flags, then train."""
+    pretrain(parse_args(sys.argv[1:]))
 
 
 if __name__ == "__main__":

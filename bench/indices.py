@@ -138,9 +138,8 @@ def main():
     )
 
     cold = cold_start_seconds()
-    helpers.build_sample_index(
-        sizes[:3], indices[:3], 4, 1, int(sizes[:3].sum())
-    )  # load the cached JIT
+    # load the cached JIT
+    helpers.build_sample_index(sizes[:3], indices[:3], 4, 1, int(sizes[:3].sum()))
     t_ours, ours = timed(
         lambda: gpt_dataset.build_indices(sizes, indices, plan, S, args.seed), repeat=2
     )

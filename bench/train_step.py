@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO))
 from pretrain.data.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path  # noqa: E402
 from pretrain.model.config import ModelConfig  # noqa: E402
 from pretrain.model.gpt import GPTModel  # noqa: E402
-from pretrain.model.pipeline import masked_mean_loss  # noqa: E402
+from pretrain.model.loss import masked_mean_loss  # noqa: E402
 from pretrain.training.flops import flops_per_iteration, peak_tflops_per_device  # noqa: E402
 from pretrain.training.optimizer import param_groups  # noqa: E402
 

@@ -32,4 +32,5 @@ def atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Replace `path` with `data` atomically (temporary file, fsync, rename)."""
     atomic_write(path, lambda f: f.write(data))

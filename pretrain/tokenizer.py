@@ -74,6 +74,7 @@ class TokenizerConfig:
 
 
 def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add Megatron's tokenizer flags to `parser`."""
     g = parser.add_argument_group("tokenizer (Megatron-LM flag names)")
     g.add_argument("--tokenizer-type", help=f"one of {', '.join(SUPPORTED_TYPES)}")
     g.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")
@@ -363,6 +364,7 @@ class NullTokenizer(Tokenizer):
 
 
 def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
+    """The tokenizer `cfg` describes; UserError naming the flag or file on bad input."""
     kind = cfg.tokenizer_type
     if kind == "GPT2BPETokenizer":
         return GPT2BPETokenizer(cfg.vocab_file, cfg.merge_file)

@@ -19,7 +19,7 @@ import queue
 import time
 import traceback
 
-from pretrain.training.distributed import free_port
+from pretrain.launch import free_port
 
 
 def _worker(fn, rank: int, world_size: int, port: int, args: tuple, results) -> None:
@@ -102,9 +102,8 @@ def run_on_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0) 
                 continue
             if not ok:
                 failures = [(rank, payload)]
-                grace = (
-                    time.monotonic() + 2.0
-                )  # let the other ranks' reports arrive, to find the cause
+                # let the other ranks' reports arrive, to find the cause
+                grace = time.monotonic() + 2.0
                 while len(failures) + len(outcome) < world_size and time.monotonic() < grace:
                     try:
                         other_rank, other_ok, other_payload = results.get(timeout=0.2)

@@ -11,16 +11,29 @@ import torch
 from training_fixtures import PYTHON, REPO, make_corpus, model_flags, train_flags
 from training_fixtures import test_env as clean_env
 
-from pretrain.arguments import parse_args
+from pretrain.cli import parse_args
 from pretrain.errors import UserError
+from pretrain.launch import detect_launch_env
 from pretrain.training.deepspeed_config import build_deepspeed_config
-from pretrain.training.distributed import detect_launch_env
 from pretrain.training.flops import flops_per_iteration
 from pretrain.training.logging import IterationStats, format_iteration_line
-from pretrain.training.lr_schedule import SampleLRScheduler, lr_at
+from pretrain.training.lr_schedule import LRScheduleConfig, SampleLRScheduler, lr_at
 from pretrain.training.optimizer import param_groups
 
 ONE_RANK = {}  # no launcher variables: one process
+
+
+def ds_config(cfg):
+    """The DeepSpeed config training builds for `cfg` (as pretrain.training.engine calls it)."""
+    return build_deepspeed_config(
+        global_batch_size=cfg.training.global_batch_size,
+        micro_batch_size=cfg.training.micro_batch_size,
+        num_microbatches=cfg.training.num_microbatches,
+        clip_grad=cfg.optimizer.clip_grad,
+        parallel=cfg.parallel,
+        precision=cfg.precision,
+        user_json=cfg.deepspeed_json,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +82,7 @@ def test_megatron_gqa_spelling_and_defaults(corpus):
     assert cfg.model.num_query_groups == 1  # Megatron: the flag alone means MQA
     cfg = parse_args(_args(corpus), env=ONE_RANK)
     assert cfg.model.num_query_groups is None and cfg.parallel.zero_stage == 0
-    assert cfg.training.lr_decay_samples == 5 * 8 and cfg.training.lr_warmup_samples == 2 * 8
+    assert cfg.schedule.decay_samples == 5 * 8 and cfg.schedule.warmup_samples == 2 * 8
 
 
 def test_deepspeed_config_consistency(corpus, tmp_path):
@@ -85,7 +98,7 @@ def test_deepspeed_config_consistency(corpus, tmp_path):
     )
     cfg = parse_args(_args(corpus, "--deepspeed_config", str(ds)), env=ONE_RANK)
     assert cfg.parallel.zero_stage == 1  # taken from the JSON when --zero-stage is absent
-    built = build_deepspeed_config(cfg)
+    built = ds_config(cfg)
     assert built["gradient_accumulation_steps"] == 4 and built["gradient_clipping"] == 0.05
     for bad, words in (
         ({"train_batch_size": 16}, ["train_batch_size=16", "--global-batch-size is 8"]),
@@ -102,17 +115,17 @@ def test_deepspeed_config_consistency(corpus, tmp_path):
 
 
 def test_deepspeed_config_from_flags(corpus):
-    zero0 = build_deepspeed_config(parse_args(_args(corpus), env=ONE_RANK))
+    zero0 = ds_config(parse_args(_args(corpus), env=ONE_RANK))
     assert zero0["gradient_clipping"] == 0.0  # our optimizer clips with the true norm
     assert zero0["zero_optimization"]["stage"] == 0 and zero0["train_batch_size"] == 8
-    bf16 = build_deepspeed_config(
+    bf16 = ds_config(
         parse_args(_args(corpus, "--bf16", "--zero-stage", "2", "--cpu-offload"), env=ONE_RANK)
     )
     assert bf16["bf16"] == {"enabled": True} and bf16["gradient_clipping"] == 0.05
     assert bf16["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     cfg = parse_args(_args(corpus), env=ONE_RANK)
-    fp16 = build_deepspeed_config(
-        dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, fp16=True))
+    fp16 = ds_config(
+        dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, fp16=True))
     )
     assert fp16["fp16"]["enabled"] and fp16["fp16"]["initial_scale_power"] == 32
     if not torch.cuda.is_available():
@@ -124,18 +137,20 @@ def test_lr_schedule_in_samples():
     kw = dict(max_lr=1.0, min_lr=0.1, warmup_samples=10, decay_samples=110, warmup_init=0.0)
     assert lr_at(0, style="cosine", **kw) == 0.0
     assert lr_at(5, style="cosine", **kw) == 0.5
-    assert lr_at(60, style="cosine", **kw) == pytest.approx(
-        0.1 + 0.5 * 0.9
-    )  # halfway: cos(pi/2) = 0
+    # halfway: cos(pi/2) = 0
+    assert lr_at(60, style="cosine", **kw) == pytest.approx(0.1 + 0.5 * 0.9)
     assert lr_at(60, style="linear", **kw) == pytest.approx(0.55)
     assert lr_at(200, style="linear", **kw) == 0.1
     assert lr_at(200, style="constant", **kw) == 1.0
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=123.0)
-    sched = SampleLRScheduler(opt, global_batch_size=5, style="linear", **kw)
+    schedule = LRScheduleConfig(
+        lr=1.0, min_lr=0.1, warmup_samples=10, decay_samples=110, decay_style="linear"
+    )
+    sched = SampleLRScheduler(opt, schedule, global_batch_size=5)
     sched.step()
     assert opt.param_groups[0]["lr"] == 0.5
     state = sched.state_dict()
-    other = SampleLRScheduler(opt, global_batch_size=5, style="linear", **kw)
+    other = SampleLRScheduler(opt, schedule, global_batch_size=5)
     other.load_state_dict(state)
     assert other.num_samples == 5 and opt.param_groups[0]["lr"] == 0.5
 
@@ -291,16 +306,24 @@ def test_validation_errors_through_the_real_cli(corpus, tmp_path):
 
 
 def test_cpu_threads_default_to_cores_per_rank():
-    from pretrain.training.distributed import (
-        LaunchEnv,
-        default_threads_per_rank,
-        prepare_process_environment,
-    )
+    from pretrain.launch import LaunchEnv
+    from pretrain.training.distributed import default_threads_per_rank, prepare_process_environment
 
     before = torch.get_num_threads()
     env = {}
     try:
-        prepare_process_environment(LaunchEnv(1, 4, 1, 4, "127.0.0.1", 29500, "deepspeed"), env)
+        prepare_process_environment(
+            LaunchEnv(
+                rank=1,
+                world_size=4,
+                local_rank=1,
+                local_world_size=4,
+                master_addr="127.0.0.1",
+                master_port=29500,
+                launcher="deepspeed",
+            ),
+            env,
+        )
     finally:
         torch.set_num_threads(before)
     cores = len(os.sched_getaffinity(0))
@@ -308,7 +331,18 @@ def test_cpu_threads_default_to_cores_per_rank():
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"]) == ("1", "4", "1")
     kept = {"OMP_NUM_THREADS": "3"}
     try:
-        prepare_process_environment(LaunchEnv(0, 1, 0, 1, "127.0.0.1", 29500, "python"), kept)
+        prepare_process_environment(
+            LaunchEnv(
+                rank=0,
+                world_size=1,
+                local_rank=0,
+                local_world_size=1,
+                master_addr="127.0.0.1",
+                master_port=29500,
+                launcher="python",
+            ),
+            kept,
+        )
     finally:
         torch.set_num_threads(before)
     assert kept["OMP_NUM_THREADS"] == "3"  # a user's setting wins

@@ -6,11 +6,16 @@ import dataclasses
 import pytest
 from training_fixtures import make_corpus, model_flags, train_flags
 
-from pretrain.arguments import parse_args
+from pretrain.cli import parse_args
 from pretrain.convert.checkpoint_writer import write_checkpoint
 from pretrain.errors import UserError
 from pretrain.model import GPTModel
 from pretrain.training.checkpointing import check_before_launch
+
+
+def check(cfg):
+    """The --load check training runs before any process group exists."""
+    check_before_launch(cfg.checkpoint, cfg.model, cfg.parallel)
 
 
 @pytest.fixture(scope="module")
@@ -32,19 +37,17 @@ def setup(tmp_path_factory):
 def test_weights_only_checkpoint_needs_finetune(setup):
     flags, _, ck = setup
     with pytest.raises(UserError, match="weights-only checkpoint .* --finetune"):
-        check_before_launch(parse_args(flags + ["--load", ck], env={}))
-    check_before_launch(parse_args(flags + ["--load", ck, "--finetune"], env={}))
+        check(parse_args(flags + ["--load", ck], env={}))
+    check(parse_args(flags + ["--load", ck, "--finetune"], env={}))
     with pytest.raises(UserError, match="cannot start a ZeRO-3 run"):
-        check_before_launch(
-            parse_args(flags + ["--load", ck, "--finetune", "--zero-stage", "3"], env={})
-        )
+        check(parse_args(flags + ["--load", ck, "--finetune", "--zero-stage", "3"], env={}))
 
 
 def test_shapes_compare_resolved_sizes(setup):
     flags, cfg, ck = setup
     # the default FFN size given explicitly is the same model
     same = ["--ffn-hidden-size", str(4 * cfg.model.hidden_size)]
-    check_before_launch(parse_args(flags + same + ["--load", ck, "--finetune"], env={}))
+    check(parse_args(flags + same + ["--load", ck, "--finetune"], env={}))
     other = ["--ffn-hidden-size", str(2 * cfg.model.hidden_size)]
     with pytest.raises(UserError, match=r"ffn_size=.*--ffn-hidden-size"):
-        check_before_launch(parse_args(flags + other + ["--load", ck, "--finetune"], env={}))
+        check(parse_args(flags + other + ["--load", ck, "--finetune"], env={}))

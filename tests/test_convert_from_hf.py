@@ -19,8 +19,8 @@ from safetensors.torch import load_file
 from training_fixtures import read_metrics
 
 from pretrain.convert.checkpoint_reader import read_checkpoint
-from pretrain.convert.checkpoint_writer import finetune_flags
 from pretrain.errors import UserError
+from pretrain.model.config import model_flags as flags_of_config
 
 convert_to_hf = load_tool("convert_to_hf")
 convert_from_hf = load_tool("convert_from_hf")
@@ -181,7 +181,7 @@ def test_ours_to_hf_to_ours_is_identical_and_training_continues_at_the_same_loss
         # one iteration of --finetune from each: the original at its layout, the import at TP=2, PP=2
         for tag, load, model, layout in (
             ("original", source, model_flags(flavour), (1, 1, 0)),
-            ("imported", str(back), finetune_flags(imported.config), (2, 2, 1)),
+            ("imported", str(back), flags_of_config(imported.config), (2, 2, 1)),
         ):
             metrics[flavour, tag] = tmp_path / f"{flavour}_{tag}.jsonl"
             runs.append(

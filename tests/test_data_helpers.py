@@ -10,7 +10,7 @@ from megatron.core.datasets import helpers_cpp  # test-only oracle (dev dependen
 
 from pretrain.data import helpers
 
-# ---- pure-Python references, transcribed from specs/megatron-data.md §3/§4 pseudocode ----------
+# ---- pure-Python references, written from docs/DATA_FORMAT.md §3/§4 ----------
 
 
 def reference_sample_index(sizes, doc_idx, S, E, T, drop_last, x):

@@ -8,7 +8,7 @@ import subprocess
 import pytest
 from training_fixtures import REPO, make_corpus
 
-from pretrain.arguments import parse_args
+from pretrain.cli import parse_args
 
 # (world size, TP, PP) of each recipe: single node deepspeed/torchrun, multi-node, Slurm, Kubeflow
 LAYOUTS = [(8, 8, 1), (8, 2, 2), (16, 8, 2), (32, 8, 2)]
@@ -57,5 +57,5 @@ def test_recipe_flags_parse(example_args, world, tp, pp):
         pp,
     )
     assert cfg.parallel.data_parallel_size == world // (tp * pp)
-    assert cfg.training.bf16 and cfg.parallel.zero_stage == 1
+    assert cfg.precision.bf16 and cfg.parallel.zero_stage == 1
     assert cfg.training.global_batch_size == 512

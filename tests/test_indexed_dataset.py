@@ -32,7 +32,7 @@ def _build(prefix, dtype=np.uint16, docs=DOCS):
 
 
 def _spec_idx_bytes(docs, code, itemsize):
-    """The .idx bytes as specs/megatron-data.md §1 describes them, written out by hand."""
+    """The .idx bytes as docs/DATA_FORMAT.md §1 describes them, written out by hand."""
     lengths = [len(seq) for doc in docs for seq in doc]
     pointers, pos = [], 0
     for n in lengths:

@@ -16,6 +16,7 @@ from distributed import run_on_ranks
 from pretrain.errors import UserError
 from pretrain.model import Embedding, FinalNormAndHead, GPTModel, ModelConfig, TransformerLayer
 from pretrain.parallel import state
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.cross_entropy import vocab_parallel_cross_entropy
 from pretrain.parallel.grad_norm import global_grad_norm
 from pretrain.parallel.random import seed_everything
@@ -210,57 +211,65 @@ def test_grad_norm_skips_shared_copies():
 
 
 def test_megatron_defaults_and_vocab_padding():
-    assert ModelConfig(1, 4096, 32, 100).ffn_size == 16384
-    assert ModelConfig(1, 4096, 32, 100, swiglu=True).ffn_size == 10880  # int((4h*2/3)/64)*64
-    gpt2 = ModelConfig(1, 768, 12, 50257)
+    assert (
+        ModelConfig(num_layers=1, hidden_size=4096, num_attention_heads=32, vocab_size=100).ffn_size
+        == 16384
+    )
+    # int((4h*2/3)/64)*64
+    assert (
+        ModelConfig(
+            num_layers=1, hidden_size=4096, num_attention_heads=32, vocab_size=100, swiglu=True
+        ).ffn_size
+        == 10880
+    )
+    gpt2 = ModelConfig(num_layers=1, hidden_size=768, num_attention_heads=12, vocab_size=50257)
     assert [gpt2.padded_vocab_size(t) for t in (1, 2, 4, 8)] == [50304, 50432, 50688, 51200]
 
 
 @pytest.mark.parametrize(
-    "change, tp, pp, world, expected",
+    "change, tp, pp, expected",
     [
         (
             dict(num_attention_heads=6),
             4,
             1,
-            None,
             r"--num-attention-heads 6 is not divisible by --tensor-model-parallel-size 4",
         ),
         (
             dict(num_attention_heads=8, num_query_groups=2),
             4,
             1,
-            None,
             r"--num-query-groups 2 is not divisible by --tensor-model-parallel-size 4",
         ),
         (
             dict(hidden_size=30),
             1,
             1,
-            None,
             r"--hidden-size 30 is not divisible by --num-attention-heads 4",
-        ),
-        (
-            dict(),
-            2,
-            2,
-            6,
-            r"world size 6 is not divisible by tensor-parallel size 2 x pipeline-parallel size 2 = 4",
         ),
         (
             dict(num_layers=3),
             1,
             2,
-            None,
             r"--num-layers 3 is not divisible by --pipeline-model-parallel-size 2",
         ),
     ],
 )
-def test_bad_configurations_raise_one_clear_error(change, tp, pp, world, expected):
+def test_bad_configurations_raise_one_clear_error(change, tp, pp, expected):
     config = dataclasses.replace(GPT2, **change)
     with pytest.raises(UserError, match=expected) as err:
-        config.validate(tp, pp, world)
+        config.validate(tp, pp)
     assert "(" in str(err.value), "the message says how to fix it"
+
+
+def test_world_size_must_split_into_tp_x_pp():
+    with pytest.raises(
+        UserError,
+        match=r"world size 6 is not divisible by --tensor-model-parallel-size 2 x "
+        r"--pipeline-model-parallel-size 2 = 4 \(launch a multiple of 4",
+    ):
+        ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, world_size=6)
+    assert ParallelConfig(tensor_model_parallel_size=2, world_size=8).data_parallel_size == 4
 
 
 def test_all_problems_in_one_error():

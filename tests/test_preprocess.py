@@ -57,7 +57,7 @@ def rng_ascii(record):
 
 
 def megatron_reference(lines_path, keys, prefix, hf_reference, append_eod, level="document"):
-    """What Megatron's tools/preprocess_data.py writes with --partitions 1 (specs/megatron-data.md §2):
+    """What Megatron's tools/preprocess_data.py writes with --partitions 1 (docs/DATA_FORMAT.md §2):
     json.loads per line; a string is one sentence, a list is sentences; tokenize each with the
     tokenizer Megatron's GPT2BPETokenizer uses; drop sentences without tokens; with --append-eod add
     EOD to the last sentence's length; megatron-core's builder writes the files."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pretrain.training.distributed import free_port
+from pretrain.launch import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = (

@@ -39,6 +39,7 @@ from pretrain.tokenizer import TokenizerConfig, add_tokenizer_args, build_tokeni
 
 def build_parser() -> argparse.ArgumentParser:
     # allow_abbrev=False: an unknown training flag must never be taken for an abbreviation of ours
+    """The data, sample-count and tokenizer flags (training's own definitions)."""
     parser = argparse.ArgumentParser(
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -52,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 @exit_on_user_error
 def main(argv=None) -> int:
+    """Build (or verify) every split's index caches; returns the exit status."""
     ns, ignored = build_parser().parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = DataConfig.from_args(ns)

@@ -26,6 +26,7 @@ from pretrain.errors import exit_on_user_error  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """This tool's flags."""
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -62,9 +63,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> None:
+    """Read the HF folder, write our checkpoint at the target TP/PP, print the launch flags."""
     args = parse_args(argv)
-    from pretrain.convert.checkpoint_writer import finetune_flags, write_checkpoint
+    from pretrain.convert.checkpoint_writer import write_checkpoint
     from pretrain.convert.hf_folder import hf_folder_tokenizer, read_hf_folder
+    from pretrain.model.config import model_flags
 
     config, state_dict = read_hf_folder(
         args.load, args.seq_length, args.make_vocab_size_divisible_by
@@ -90,7 +93,7 @@ def main(argv=None) -> None:
         tp,
         "--pipeline-model-parallel-size",
         pp,
-        " ".join(finetune_flags(config)),
+        " ".join(model_flags(config)),
         "(plus the tokenizer, data and training flags; the tokenizer must have",
         config.vocab_size,
         "tokens)",

@@ -29,6 +29,7 @@ DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": t
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """This tool's flags."""
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -137,6 +138,7 @@ def _verify(ck, tmp: str, tokenizer, has_tokenizer: bool, args) -> None:
 
 
 def main(argv=None) -> None:
+    """Merge the checkpoint's shards, write the HF folder (atomically), optionally verify."""
     args = parse_args(argv)
     _check_output_dir(args.output_dir, args.overwrite)
     from pretrain.convert.checkpoint_reader import read_checkpoint

@@ -37,6 +37,7 @@ def parse_log(path: Path) -> list[dict[str, str]]:
 
 
 def human_size(num_bytes: int) -> str:
+    """`num_bytes` as B/KB/MB/GB with one decimal."""
     for unit in ("B", "KB", "MB", "GB"):
         if num_bytes < 1024 or unit == "GB":
             return f"{num_bytes:.1f} {unit}" if unit != "B" else f"{num_bytes} B"
@@ -45,6 +46,7 @@ def human_size(num_bytes: int) -> str:
 
 
 def tree_size(path: Path) -> int:
+    """Bytes in a file or a folder tree."""
     if path.is_file():
         return path.stat().st_size
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
@@ -52,6 +54,7 @@ def tree_size(path: Path) -> int:
 
 @exit_on_user_error
 def main() -> None:
+    """Print the demo's summary: losses from the log, sizes, the export and a sample."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

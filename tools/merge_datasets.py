@@ -45,6 +45,7 @@ def prefixes_in_dir(directory: str) -> list[str]:
 
 
 def merge(prefixes: list[str], output_prefix: str) -> IndexedDataset:
+    """Concatenate datasets into `output_prefix` (same dtype required), atomically."""
     from tqdm import tqdm
 
     first = IndexedDataset(prefixes[0])
@@ -62,6 +63,7 @@ def merge(prefixes: list[str], output_prefix: str) -> IndexedDataset:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """This tool's flags."""
     p = argparse.ArgumentParser(description=__doc__)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument(
@@ -73,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> IndexedDataset:
+    """Merge the given prefixes (or every prefix in --input) into --output-prefix."""
     args = build_parser().parse_args(argv)
     prefixes = prefixes_in_dir(args.input) if args.input else args.prefixes
     out_abs = os.path.abspath(args.output_prefix)

@@ -25,18 +25,21 @@ import glob
 import io
 import json
 import os
-import re
 from dataclasses import dataclass
 
 import torch
 
+from pretrain.checkpoint.format import (
+    LATEST_FILE,
+    META_FILE,
+    available_tags,
+    model_config_from_meta,
+    tag_for,
+)
 from pretrain.convert.state_dict import merge_tp, parameter_partitions, trim_vocab
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
 from pretrain.tokenizer import TokenizerConfig
-from pretrain.training.checkpointing import LATEST_FILE, META_FILE, model_config_from_meta, tag_for
-
-_TAG = re.compile(r"^global_step(\d+)$")
 
 
 @dataclass
@@ -47,15 +50,6 @@ class LoadedCheckpoint:
     tokenizer: TokenizerConfig
     meta: dict
     state_dict: dict[str, torch.Tensor]  # full (TP = 1), vocabulary padding removed
-
-
-def _available_tags(load_dir: str) -> list[str]:
-    tags = [
-        d
-        for d in os.listdir(load_dir)
-        if _TAG.match(d) and os.path.isdir(os.path.join(load_dir, d))
-    ]
-    return sorted(tags, key=lambda t: int(_TAG.match(t).group(1)))
 
 
 def find_checkpoint(load_dir: str, iteration: int | None = None) -> tuple[str, dict]:
@@ -73,7 +67,7 @@ def find_checkpoint(load_dir: str, iteration: int | None = None) -> tuple[str, d
             with open(os.path.join(load_dir, LATEST_FILE)) as f:
                 tag = f.read().strip()
         else:
-            tags = _available_tags(load_dir)
+            tags = available_tags(load_dir)
             raise UserError(
                 f"--load {load_dir}: not a checkpoint directory (no `{LATEST_FILE}` file"
                 + (
@@ -85,7 +79,7 @@ def find_checkpoint(load_dir: str, iteration: int | None = None) -> tuple[str, d
             )
         step_dir = os.path.join(load_dir, tag)
         if not os.path.isdir(step_dir):
-            tags = _available_tags(load_dir)
+            tags = available_tags(load_dir)
             raise UserError(
                 f"--load {load_dir}: there is no {tag} (available: {', '.join(tags) or 'none'})"
             )
@@ -188,6 +182,7 @@ def _read_pipeline(step_dir: str, tp: int, config: ModelConfig) -> list[dict]:
 
 
 def read_checkpoint(load_dir: str, iteration: int | None = None) -> LoadedCheckpoint:
+    """The full (TP = 1, unpadded) model of a checkpoint at any TP/PP/ZeRO, with its configs."""
     step_dir, meta = find_checkpoint(load_dir, iteration)
     try:
         config = model_config_from_meta(meta["model"])

@@ -20,96 +20,43 @@ into place when complete.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
 import tempfile
 
-import deepspeed
 import torch
 
-from pretrain.convert.state_dict import pad_vocab, parameter_partitions, split_tp
-from pretrain.errors import UserError
-from pretrain.model.config import ModelConfig
-from pretrain.training.checkpointing import (
-    FORMAT_VERSION,
+from pretrain.checkpoint.format import (
     LATEST_FILE,
     MEGATRON_LATEST_FILE,
     META_FILE,
+    build_metadata,
     tag_for,
 )
+from pretrain.convert.state_dict import pad_vocab, parameter_partitions, split_tp
+from pretrain.errors import UserError
+from pretrain.model.config import ModelConfig
+from pretrain.parallel.config import ParallelConfig
 
 ITERATION = 0  # --finetune restarts at iteration 0 whatever the tag says
 
 
-def finetune_flags(config: ModelConfig) -> list[str]:
-    """The pretrain_gpt.py model flags that build exactly `config` (what --finetune checks, plus the
-    sequence length and dropout the model was configured with)."""
-    flags = [
-        "--num-layers",
-        config.num_layers,
-        "--hidden-size",
-        config.hidden_size,
-        "--num-attention-heads",
-        config.num_attention_heads,
-        "--seq-length",
-        config.seq_length,
-        "--max-position-embeddings",
-        config.max_positions,
-        "--hidden-dropout",
-        config.hidden_dropout,
-        "--attention-dropout",
-        config.attention_dropout,
-        "--norm-epsilon",
-        config.norm_epsilon,
-        "--normalization",
-        config.normalization,
-        "--position-embedding-type",
-        config.position_embedding_type,
-        "--make-vocab-size-divisible-by",
-        config.make_vocab_size_divisible_by,
-    ]
-    if config.num_query_groups is not None:
-        flags += ["--group-query-attention", "--num-query-groups", config.num_query_groups]
-    if config.ffn_hidden_size is not None:
-        flags += ["--ffn-hidden-size", config.ffn_hidden_size]
-    if config.kv_channels is not None:
-        flags += ["--kv-channels", config.kv_channels]
-    if config.position_embedding_type == "rope":
-        flags += ["--rotary-base", config.rotary_base]
-    if config.swiglu:
-        flags.append("--swiglu")
-    if not config.add_bias_linear:
-        flags.append("--disable-bias-linear")
-    if config.untie_embeddings_and_output_weights:
-        flags.append("--untie-embeddings-and-output-weights")
-    return [str(f) for f in flags]
-
-
 def _metadata(config: ModelConfig, tp: int, pp: int, tokenizer: dict | None, source: str) -> dict:
-    model = {
-        k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v)
-        for k, v in vars(config).items()
-    }
-    return {
-        "format_version": FORMAT_VERSION,
-        "iteration": ITERATION,
-        "consumed_train_samples": 0,
-        "consumed_valid_samples": 0,
-        "model": model,
-        "padded_vocab_size": config.padded_vocab_size(tp),
-        "parallel": {
-            "tensor_model_parallel_size": tp,
-            "pipeline_model_parallel_size": pp,
-            "data_parallel_size": 1,
-            "world_size": tp * pp,
-            "zero_stage": 0,
-            "pipeline_engine": pp > 1,
-        },
-        "tokenizer": tokenizer or {},
-        "weights_only": True,
-        "converted_from": source,
-    }
+    return build_metadata(
+        iteration=ITERATION,
+        consumed_train_samples=0,
+        consumed_valid_samples=0,
+        model=config,
+        parallel=ParallelConfig(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, world_size=tp * pp
+        ),
+        pipeline_engine=pp > 1,
+        tokenizer=tokenizer or {},
+        weights_only=True,
+        converted_from=source,
+    )
 
 
 def _engine_record(module: dict | None, mp_world_size: int) -> dict:
@@ -125,7 +72,7 @@ def _engine_record(module: dict | None, mp_world_size: int) -> dict:
         "global_samples": 0,
         "dp_world_size": 1,
         "mp_world_size": mp_world_size,
-        "ds_version": deepspeed.__version__,
+        "ds_version": importlib.metadata.version("deepspeed"),
         "iteration": ITERATION,
     }
 

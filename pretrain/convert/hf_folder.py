@@ -42,12 +42,12 @@ class SpecialTokens:
 
 
 def special_tokens(cfg: TokenizerConfig, tokenizer: Tokenizer | None) -> SpecialTokens:
+    """The eos/bos/pad ids the HF export declares, from the tokenizer (None without one)."""
     if tokenizer is None:
         return SpecialTokens(None, None, None)
     eos = tokenizer.eod
-    bos = (
-        eos if cfg.tokenizer_type == "GPT2BPETokenizer" else None
-    )  # GPT-2 uses <|endoftext|> for both
+    # GPT-2 uses <|endoftext|> for both
+    bos = eos if cfg.tokenizer_type == "GPT2BPETokenizer" else None
     return SpecialTokens(bos=bos, eos=eos, pad=getattr(tokenizer, "pad", None))
 
 
@@ -68,9 +68,8 @@ def save_hf_tokenizer(cfg: TokenizerConfig, tokenizer: Tokenizer | None, out_dir
     """Write HF tokenizer files to out_dir; False (nothing written) for tokenizers HF cannot load."""
     if tokenizer is None or cfg.tokenizer_type not in EXPORTABLE_TOKENIZERS:
         return False
-    tokenizer.save_pretrained(
-        out_dir
-    )  # vocab.json + merges.txt + tokenizer.json, or tokenizer.json (+ config)
+    # vocab.json + merges.txt + tokenizer.json, or tokenizer.json (+ config)
+    tokenizer.save_pretrained(out_dir)
     eos_text = tokenizer.detokenize([tokenizer.eod])
     if cfg.tokenizer_type == "GPT2BPETokenizer":
         hf_tokenizer = transformers.GPT2Tokenizer(

@@ -83,10 +83,12 @@ def parameter_partitions(config: ModelConfig) -> dict[str, Partition | None]:
 
 
 def trim_vocab(state_dict: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
+    """Drop the padded vocabulary rows (embedding and untied head)."""
     return {k: (v[:vocab_size] if k in VOCAB_PARAMS else v) for k, v in state_dict.items()}
 
 
 def pad_vocab(state_dict: dict[str, torch.Tensor], padded_size: int) -> dict[str, torch.Tensor]:
+    """Append zero rows to the vocabulary tensors up to `padded_size`."""
     out = {}
     for name, tensor in state_dict.items():
         if name in VOCAB_PARAMS and tensor.shape[0] < padded_size:

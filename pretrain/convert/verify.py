@@ -44,6 +44,7 @@ def our_model(ours: dict[str, torch.Tensor], config: ModelConfig) -> GPTModel:
 def token_batch(
     config: ModelConfig, batch: int = 2, length: int = 64, seed: int = 1234
 ) -> torch.Tensor:
+    """Seeded random token ids of the real vocabulary, short enough for the model."""
     length = min(length, config.seq_length, config.max_positions)
     return torch.randint(
         0, config.vocab_size, (batch, length), generator=torch.Generator().manual_seed(seed)
@@ -54,6 +55,7 @@ def token_batch(
 def compare_logits(
     ours: GPTModel, hf: transformers.PreTrainedModel, tokens: torch.Tensor
 ) -> Verification:
+    """Max absolute difference between our logits and the HF model's on `tokens`."""
     vocab = ours.config.vocab_size
     our_logits = ours(tokens)[..., :vocab].float()
     hf_logits = hf.float()(tokens).logits.float()

@@ -23,6 +23,7 @@ MAX_DATASETS = 32767  # dataset ids are int16
 
 
 def normalize(weights: Sequence[float]) -> list[float]:
+    """Weights scaled to sum to 1 (float64, as Megatron normalises them)."""
     w = np.array(weights, dtype=np.float64)
     return (w / np.sum(w)).tolist()
 

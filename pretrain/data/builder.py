@@ -1,4 +1,4 @@
-"""Flags -> train/valid/test datasets, with Megatron's blend sizing (specs/megatron-data.md §4).
+"""Flags -> train/valid/test datasets, with Megatron's blend sizing (docs/DATA_FORMAT.md §4).
 
 Every process that needs data calls `build_train_valid_test_datasets`; the index caches make sure
 each array is built once per node (or once per shared filesystem) and loaded everywhere else, so no
@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from pretrain.data.blended_dataset import BlendedDataset, normalize
-from pretrain.data.config import SPLIT_NAMES, Blend, DataConfig
+from pretrain.data.config import Blend, DataConfig, Split
 from pretrain.data.gpt_dataset import GPTDataset, split_ranges
 from pretrain.data.indexed_dataset import IndexedDataset
 from pretrain.errors import UserError
@@ -64,20 +64,20 @@ class _Builder:
             log.info(
                 "%s: the %s split gets 0 of %d sequences with --split %s; it is not built",
                 prefix,
-                SPLIT_NAMES[split],
+                Split(split).name,
                 len(indexed),
                 self.cfg.split,
             )
-            self.progress(f"{SPLIT_NAMES[split]} {prefix} (empty)")
+            self.progress(f"{Split(split).name} {prefix} (empty)")
             return None
         ds = GPTDataset(
-            indexed, prefix, indices, num_samples, SPLIT_NAMES[split], self.cfg, self.tokenizer
+            indexed, prefix, indices, num_samples, Split(split).name, self.cfg, self.tokenizer
         )
-        self.progress(f"{SPLIT_NAMES[split]} {prefix}")
+        self.progress(f"{Split(split).name} {prefix}")
         return ds
 
     def gpt_splits(self, prefix: str, matrix, sizes) -> list[GPTDataset | None]:
-        return [self.gpt(prefix, matrix, i, sizes[i]) for i in range(3)]
+        return [self.gpt(prefix, matrix, split, sizes[split]) for split in Split]
 
     def blend_splits(self, blend: Blend, matrix, sizes) -> list:
         """One blended dataset per split of `matrix` from the prefixes of `blend`."""
@@ -87,7 +87,7 @@ class _Builder:
             targets = sizes_per_dataset(weights, sizes)
             buffered = sizes_per_dataset(weights, sizes, self.cfg.mid_level_dataset_surplus)
         else:
-            buffered = [[None] * 3 for _ in prefixes]
+            buffered = [[None] * len(Split) for _ in prefixes]
         threads = max(1, self.cfg.num_dataset_builder_threads)
         with ThreadPoolExecutor(threads) as pool:
             per_prefix = list(
@@ -97,14 +97,13 @@ class _Builder:
                 )
             )
         out = []
-        for i in range(3):
+        for i in Split:
             present = [p for p in range(len(prefixes)) if per_prefix[p][i] is not None]
             if not present:  # the split is empty in the split string, or in every prefix
                 out.append(None)
                 continue
-            if (
-                weights is None
-            ):  # blended by size: a prefix whose split holds no full sample adds nothing
+            if weights is None:
+                # blended by size: a prefix whose split holds no full sample adds nothing
                 present = [p for p in present if len(per_prefix[p][i]) > 0] or present
             datasets = [per_prefix[p][i] for p in present]
             if weights is not None:
@@ -115,9 +114,8 @@ class _Builder:
                 w, size = [weights[p] for p in present], sum(targets[p][i] for p in present)
             else:
                 w = [len(d) for d in datasets]
-                size = (
-                    None if sizes[i] is None else min(sizes[i], sum(w))
-                )  # None: every sample once
+                # None: every sample once
+                size = None if sizes[i] is None else min(sizes[i], sum(w))
             out.append(self.blended(datasets, w, size, [prefixes[p] for p in present], matrix, i))
         return out
 
@@ -131,7 +129,7 @@ class _Builder:
                 log.warning(
                     "%s split: the blend takes %d samples from %s, which has %d; building it with "
                     "%d samples",
-                    SPLIT_NAMES[split],
+                    Split(split).name,
                     needed,
                     prefixes[p],
                     len(datasets[p]),
@@ -140,7 +138,7 @@ class _Builder:
                 datasets[p] = self.gpt(prefixes[p], matrix, split, needed)
             blended = BlendedDataset(datasets, weights, size, self.cfg.data_cache_path)
             assert not blended.oversampled()
-        self.progress(f"{SPLIT_NAMES[split]} blend of {len(datasets)}")
+        self.progress(f"{Split(split).name} blend of {len(datasets)}")
         return blended
 
 

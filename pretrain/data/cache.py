@@ -34,6 +34,7 @@ Expectation = dict[str, tuple[np.dtype, tuple[int, ...]]]
 
 
 def cache_file_base(directory: str, description_hash: str, cls_name: str, split: str) -> str:
+    """Megatron's cache path stem: `<dir>/<md5 of description>-<class>-<split>`."""
     return os.path.join(directory, f"{description_hash}-{cls_name}-{split}")
 
 

@@ -2,12 +2,13 @@
 
 `add_data_args` owns the data-side flags; `add_sample_count_args` owns the flags the sample counts
 come from (`--train-iters`, `--global-batch-size`, `--seq-length`, `--seed`, ...), which are also
-training flags: `pretrain/arguments.py` reuses this function so there is one definition of each.
+training flags: `pretrain/cli.py` reuses this function so there is one definition of each.
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
 import json
 import math
 import re
@@ -20,11 +21,22 @@ from pretrain.errors import UserError
 
 # (prefixes, weights or None)
 Blend = tuple[list[str], list[float] | None]
-SPLIT_NAMES = ("train", "valid", "test")
+
+
+class Split(enum.IntEnum):
+    """The three splits, in Megatron's order (the index into every per-split list)."""
+
+    train = 0
+    valid = 1
+    test = 2
+
+
+SPLIT_NAMES = tuple(split.name for split in Split)
 LEGACY_DEFAULT_SPLIT = "969, 30, 1"
 
 
 def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add Megatron's data flags (paths, blends, split, cache, masks, loader) to `parser`."""
     g = parser.add_argument_group("data", "where the tokenized data is and how samples are made")
     g.add_argument(
         "--data-path",
@@ -208,24 +220,42 @@ def split_matrix(split: str) -> list[tuple[float, float] | None]:
     return [(lo, hi) if hi > lo else None for lo, hi in zip(bounds[:-1], bounds[1:], strict=False)]
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class DataConfig:
+    """Where the tokenized data is and how samples are made from it (Megatron's data flags)."""
+
     seq_length: int
+    """Tokens per sample (--seq-length)."""
     seed: int = 1234
+    """Seed of the document and sample shuffles (--seed)."""
     blend: Blend | None = None
+    """(prefixes, weights or None) of --data-path / --data-args-path."""
     blend_per_split: list[Blend | None] | None = None
+    """One blend per split from --{train,valid,test}-data-path / --per-split-data-args-path."""
     split: str | None = None
+    """Train,valid,test proportions of every --data-path prefix (--split)."""
     data_cache_path: str | None = None
+    """Folder for the index caches; None = beside each prefix (--data-cache-path)."""
     mid_level_dataset_surplus: float = 0.005
+    """Extra fraction of samples built per blended prefix (--mid-level-dataset-surplus)."""
     num_dataset_builder_threads: int = 1
+    """Threads building a blend's prefixes in parallel (--num-dataset-builder-threads)."""
     eod_mask_loss: bool = False
+    """No loss on EOD input tokens (--eod-mask-loss)."""
     reset_position_ids: bool = False
+    """Position ids restart after each EOD (--reset-position-ids)."""
     reset_attention_mask: bool = False
+    """Tokens cannot attend across an EOD (--reset-attention-mask)."""
     create_attention_mask: bool = True
+    """Build the attention mask in the loader (off: --no-create-attention-mask-in-dataloader)."""
     allow_ambiguous_pad_tokens: bool = False
+    """Keep a pad id equal to another special token (--allow-ambiguous-pad-tokens)."""
     num_workers: int = 2
+    """DataLoader worker processes (--num-workers)."""
     dataloader_type: str = "single"
+    """"single" (Megatron's sequential sampler) or "cyclic" (--dataloader-type)."""
     data_sharding: bool = True
+    """Cyclic sampler: one bucket per DP rank (off: --no-data-sharding)."""
 
     def __post_init__(self):
         if self.seq_length is None or self.seq_length <= 0:
@@ -250,7 +280,7 @@ class DataConfig:
                 f"--split not given, using Megatron's legacy default '{LEGACY_DEFAULT_SPLIT}'",
                 stacklevel=2,
             )
-            self.split = LEGACY_DEFAULT_SPLIT
+            object.__setattr__(self, "split", LEGACY_DEFAULT_SPLIT)  # frozen: set once, here
         if self.split is not None:
             split_matrix(self.split)  # validate now, with the flag named
         if self.mid_level_dataset_surplus < 0:
@@ -293,27 +323,19 @@ def _read_text(path: str, flag: str) -> str:
         raise UserError(f"{flag} {path}: cannot read ({err.strerror}); check the path") from err
 
 
-def blends_from_args(
-    ns: argparse.Namespace,
-) -> tuple[Blend | None, list[Blend | None] | None]:
+def _global_blend(ns: argparse.Namespace) -> Blend | None:
+    """The blend of --data-path or --data-args-path (None if neither is given)."""
+    if ns.data_path is not None and ns.data_args_path is not None:
+        raise UserError("give either --data-path or --data-args-path, not both")
+    if ns.data_args_path is not None:
+        words = _read_text(ns.data_args_path, "--data-args-path").split()
+        return parse_blend(words, ns.data_args_path)
+    return None if ns.data_path is None else parse_blend(ns.data_path, "--data-path")
+
+
+def _per_split_blends(ns: argparse.Namespace) -> list[Blend | None] | None:
+    """The per-split blends of --per-split-data-args-path or --{train,valid,test}-data-path."""
     per_split_flags = [getattr(ns, f"{s}_data_path") for s in SPLIT_NAMES]
-    use_global = ns.data_path is not None or ns.data_args_path is not None
-    use_per_split = (
-        any(p is not None for p in per_split_flags) or ns.per_split_data_args_path is not None
-    )
-    if use_global and use_per_split:
-        raise UserError(
-            "--data-path/--data-args-path cannot be combined with --train/valid/test-data-path "
-            "or --per-split-data-args-path; use one form"
-        )
-    if use_global:
-        if ns.data_path is not None and ns.data_args_path is not None:
-            raise UserError("give either --data-path or --data-args-path, not both")
-        if ns.data_args_path is not None:
-            return parse_blend(
-                _read_text(ns.data_args_path, "--data-args-path").split(), ns.data_args_path
-            ), None
-        return parse_blend(ns.data_path, "--data-path"), None
     if ns.per_split_data_args_path is not None:
         path = ns.per_split_data_args_path
         try:
@@ -326,15 +348,22 @@ def blends_from_args(
         if not isinstance(spec, dict) or not set(spec) <= set(SPLIT_NAMES):
             raise UserError(f'{path}: expected a JSON object with keys "train", "valid", "test"')
         blends = []
-        for s in SPLIT_NAMES:
-            value = spec.get(s)
+        for name in SPLIT_NAMES:
+            value = spec.get(name)
             if isinstance(value, str):
                 value = value.split()
-            blends.append(None if value is None else parse_blend(value, f"{path} [{s}]"))
-        return None, blends
-    if use_per_split:
-        return None, [
-            None if p is None else parse_blend(p, f"--{s}-data-path")
-            for s, p in zip(SPLIT_NAMES, per_split_flags, strict=False)
-        ]
-    return None, None
+            blends.append(None if value is None else parse_blend(value, f"{path} [{name}]"))
+        return blends
+    if all(p is None for p in per_split_flags):
+        return None
+    return [
+        None if p is None else parse_blend(p, f"--{name}-data-path")
+        for name, p in zip(SPLIT_NAMES, per_split_flags, strict=True)
+    ]
+
+
+def blends_from_args(
+    ns: argparse.Namespace,
+) -> tuple[Blend | None, list[Blend | None] | None]:
+    """(blend, per-split blends) from the data-path flags; `DataConfig` refuses both at once."""
+    return _global_blend(ns), _per_split_blends(ns)

@@ -1,6 +1,6 @@
 """Worker side of preprocessing: a batch of records -> validated, tokenized, Megatron-shaped arrays.
 
-Per record and key this follows Megatron's `Encoder.encode` (specs/megatron-data.md §2): the value
+Per record and key this follows Megatron's `Encoder.encode` (docs/DATA_FORMAT.md §2): the value
 is one text or a list of sentences; each sentence is tokenized; sentences without tokens are
 dropped, one length per kept sentence; with `--append-eod` the EOD id goes after the last sentence
 (its length + 1) when the document has any token. All texts of a batch go to the tokenizer's batch
@@ -207,6 +207,7 @@ def share_with_forked_workers(encoder: Encoder | None) -> None:
 
 
 def init_worker(opts: EncodeOptions) -> None:
+    """Pool initializer: one tokenizer per worker process, single-threaded."""
     global _WORKER_ENCODER
     # one core per worker: the pool provides the parallelism, not the tokenizer's thread pool
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -216,6 +217,7 @@ def init_worker(opts: EncodeOptions) -> None:
 
 
 def encode_in_worker(batch: RecordBatch) -> EncodedBatch:
+    """Tokenize one record batch with this worker's encoder."""
     return _WORKER_ENCODER.encode(batch)
 
 

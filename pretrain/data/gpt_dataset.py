@@ -1,6 +1,6 @@
 """GPTDataset: fixed-length samples over an IndexedDataset split, in Megatron's exact order.
 
-Index arithmetic (specs/megatron-data.md §3): the split's sequences are repeated for E epochs and
+Index arithmetic (docs/DATA_FORMAT.md §3): the split's sequences are repeated for E epochs and
 shuffled jointly (document index, int32), cut into samples of S + x tokens that overlap by x
 (sample index, numba kernel), and the samples are shuffled (shuffle index). All randomness comes
 from one `numpy.random.RandomState(seed)` consumed in Megatron's order, so the three arrays equal
@@ -80,6 +80,7 @@ def _document_index(indices: np.ndarray, num_epochs: int, rng: np.random.RandomS
 
 
 def shuffle_index_dtype(total: int) -> type:
+    """uint32 unless the sample count needs int64 (Megatron's rule)."""
     return np.int64 if total >= np.iinfo(np.uint32).max - 1 else np.uint32
 
 
@@ -315,9 +316,8 @@ class GPTDataset(torch.utils.data.Dataset):
             # one shared tensor expanded over the batch, not b copies (4 MB each at S = 2048)
             attention_mask = None if mask is None else mask.unsqueeze(0).expand(b, 1, S, S)
             position_ids = positions.expand(b, S)
-            loss_mask = torch.from_numpy(
-                np.ones((b, S), dtype=np.float32)
-            )  # cheaper than torch.ones
+            # cheaper than torch.ones
+            loss_mask = torch.from_numpy(np.ones((b, S), dtype=np.float32))
         else:
             rows = [masks_and_position_ids(tokens[i], self.eod, self.cfg) for i in range(b)]
             attention_mask = (

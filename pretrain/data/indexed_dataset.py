@@ -1,6 +1,6 @@
 """Megatron's mmap dataset format: a `PREFIX.bin` of token ids and a `PREFIX.idx` index.
 
-Byte layout (all little-endian, no padding; see specs/megatron-data.md §1):
+Byte layout (all little-endian, no padding; docs/DATA_FORMAT.md §1):
 
     magic b"MMIDIDX\\x00\\x00" | <Q version=1 | <B dtype code | <Q sequence count S |
     <Q document_indices length D | int32[S] lengths | int64[S] byte pointers | int64[D] doc indices
@@ -65,10 +65,12 @@ def optimal_dtype(vocab_size: int | None) -> np.dtype:
 
 
 def get_bin_path(prefix: str) -> str:
+    """`PREFIX.bin`: the token bytes."""
     return prefix + ".bin"
 
 
 def get_idx_path(prefix: str) -> str:
+    """`PREFIX.idx`: the index (lengths, pointers, document boundaries)."""
     return prefix + ".idx"
 
 

@@ -81,6 +81,7 @@ class PreprocessConfig:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """tools/preprocess_data.py's flags (Megatron's spellings)."""
     p = argparse.ArgumentParser(
         description="Tokenize a corpus into Megatron-LM's mmap dataset format (.bin/.idx), byte for byte "
         "what Megatron's tools/preprocess_data.py writes, in parallel and streaming.",
@@ -252,6 +253,7 @@ def _open_builders(cfg: PreprocessConfig, dtype) -> list[IndexedDatasetBuilder]:
 
 
 def run(cfg: PreprocessConfig) -> Summary:
+    """Tokenize the inputs into the output prefix(es); returns what was written."""
     sources = expand_inputs(cfg.inputs)
     opts = EncodeOptions(
         cfg.tokenizer,
@@ -306,6 +308,7 @@ def run(cfg: PreprocessConfig) -> Summary:
 
 
 def main(argv: list[str] | None = None) -> Summary:
+    """Command-line entry: parse, run, print the summary."""
     cfg = PreprocessConfig.from_args(build_parser().parse_args(argv))
     summary = run(cfg)
     print(f"done: {summary.line()}")

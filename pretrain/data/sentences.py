@@ -27,6 +27,7 @@ _NLTK_TO_PYSBD = {
 
 
 def pysbd_language(lang: str) -> str:
+    """The pysbd language code for Megatron's (NLTK-style) `--lang` value."""
     import pysbd.languages
 
     code = _NLTK_TO_PYSBD.get(lang.lower(), lang.lower())

@@ -1,45 +1,89 @@
 """`ModelConfig`: the GPT model's only input, with Megatron's defaults and shape checks.
 
-The argument parser (pretrain/arguments.py) builds it from Megatron's flags; tests and tools build
-it directly. Derived sizes (`ffn_size`, `head_dim`, `query_groups`) resolve Megatron's `None`
+The command line (pretrain/cli.py) builds it from Megatron's flags; tests and tools build it
+directly. Each field's metadata names the flag that sets it: the one field<->flag mapping that the
+`--finetune` hint and the checkpoint shape check read through `flag_for`. Derived sizes (`ffn_size`, `head_dim`, `query_groups`) resolve Megatron's `None`
 defaults in one place.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from pretrain.errors import UserError
 
 
-@dataclass
+def _flag(flag: str | None, *, named: str | None = None, after: tuple[str, ...] = ()) -> dict:
+    """Field metadata: the pretrain_gpt.py `flag` that sets the field (None: no model flag sets it,
+    `named` says what does), and flags that must come before it (`after`)."""
+    return {"flag": flag, "named": named or flag, "after": after}
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    vocab_size: int  # true tokenizer size; the embedding is padded (see padded_vocab_size)
-    seq_length: int = 1024
-    max_position_embeddings: int | None = None  # None -> seq_length
-    num_query_groups: int | None = None  # None -> MHA (one group per head)
-    ffn_hidden_size: int | None = None  # None -> 4h, or int((4h*2/3)/64)*64 with swiglu
-    kv_channels: int | None = None  # None -> hidden_size / num_attention_heads
-    make_vocab_size_divisible_by: int = 128
-    position_embedding_type: str = "learned_absolute"  # or "rope"
-    rotary_base: int = 10000
-    normalization: str = "LayerNorm"  # or "RMSNorm"
-    norm_epsilon: float = 1e-5
-    swiglu: bool = False
-    add_bias_linear: bool = True
-    untie_embeddings_and_output_weights: bool = False
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    init_method_std: float = 0.02
-    recompute_activations: bool = False
-    seed: int = 1234
-    params_dtype: torch.dtype = torch.float32
+    """A GPT's architecture; Megatron's defaults. Each field names its flag in its metadata."""
+
+    num_layers: int = field(metadata=_flag("--num-layers"))
+    """Transformer blocks."""
+    hidden_size: int = field(metadata=_flag("--hidden-size"))
+    """Model width h."""
+    num_attention_heads: int = field(metadata=_flag("--num-attention-heads"))
+    """Query heads."""
+    vocab_size: int = field(metadata=_flag(None, named="the tokenizer's vocabulary size"))
+    """True tokenizer size; the embedding is padded (see `padded_vocab_size`)."""
+    seq_length: int = field(default=1024, metadata=_flag("--seq-length"))
+    """Tokens per sample."""
+    max_position_embeddings: int | None = field(
+        default=None, metadata=_flag("--max-position-embeddings")
+    )
+    """Learned position table size; None = seq_length."""
+    num_query_groups: int | None = field(
+        default=None, metadata=_flag("--num-query-groups", after=("--group-query-attention",))
+    )
+    """Key/value groups (GQA); None = one per head (MHA)."""
+    ffn_hidden_size: int | None = field(default=None, metadata=_flag("--ffn-hidden-size"))
+    """MLP width; None = 4h, or int((4h*2/3)/64)*64 with SwiGLU."""
+    kv_channels: int | None = field(default=None, metadata=_flag("--kv-channels"))
+    """Per-head dimension; None = h / heads."""
+    make_vocab_size_divisible_by: int = field(
+        default=128, metadata=_flag("--make-vocab-size-divisible-by")
+    )
+    """The padded vocabulary is a multiple of this times TP."""
+    position_embedding_type: str = field(
+        default="learned_absolute", metadata=_flag("--position-embedding-type")
+    )
+    """"learned_absolute" or "rope"."""
+    rotary_base: int = field(default=10000, metadata=_flag("--rotary-base"))
+    """RoPE base (theta)."""
+    normalization: str = field(default="LayerNorm", metadata=_flag("--normalization"))
+    """"LayerNorm" or "RMSNorm"."""
+    norm_epsilon: float = field(default=1e-5, metadata=_flag("--norm-epsilon"))
+    """Epsilon of every norm."""
+    swiglu: bool = field(default=False, metadata=_flag("--swiglu"))
+    """Gated SiLU MLP (Llama)."""
+    add_bias_linear: bool = field(default=True, metadata=_flag("--disable-bias-linear"))
+    """Biases in the linear layers (the flag turns them off)."""
+    untie_embeddings_and_output_weights: bool = field(
+        default=False, metadata=_flag("--untie-embeddings-and-output-weights")
+    )
+    """A separate LM head instead of the input embedding's transpose."""
+    hidden_dropout: float = field(default=0.1, metadata=_flag("--hidden-dropout"))
+    """Dropout after attention and MLP."""
+    attention_dropout: float = field(default=0.1, metadata=_flag("--attention-dropout"))
+    """Dropout on attention probabilities."""
+    init_method_std: float = field(default=0.02, metadata=_flag("--init-method-std"))
+    """Standard deviation of the normal weight init."""
+    recompute_activations: bool = field(default=False, metadata=_flag("--recompute-activations"))
+    """Recompute each block's activations in backward."""
+    seed: int = field(default=1234, metadata=_flag(None, named="--seed"))
+    """Seed of the layout-independent weight init."""
+    params_dtype: torch.dtype = field(
+        default=torch.float32, metadata=_flag(None, named="--bf16/--fp16")
+    )
+    """Parameter dtype (float32; bfloat16 with --bf16, float16 with --fp16)."""
 
     @property
     def ffn_size(self) -> int:
@@ -74,7 +118,7 @@ class ModelConfig:
         multiple = self.make_vocab_size_divisible_by * tp
         return math.ceil(self.vocab_size / multiple) * multiple
 
-    def validate(self, tp: int = 1, pp: int = 1, world_size: int | None = None) -> None:
+    def validate(self, tp: int = 1, pp: int = 1) -> None:
         """Raise one UserError listing every shape problem for this TP/PP layout, with the fix."""
         problems = []
         h, heads, groups = self.hidden_size, self.num_attention_heads, self.query_groups
@@ -121,12 +165,6 @@ class ModelConfig:
                 f"--num-layers {self.num_layers} is not divisible by --pipeline-model-parallel-size "
                 f"{pp} (each pipeline stage holds the same number of layers)"
             )
-        if world_size is not None and world_size % (tp * pp) != 0:
-            problems.append(
-                f"world size {world_size} is not divisible by tensor-parallel size {tp} x "
-                f"pipeline-parallel size {pp} = {tp * pp} (launch a multiple of {tp * pp} "
-                f"processes, or change the parallel sizes)"
-            )
         if self.max_positions < self.seq_length:
             problems.append(
                 f"--max-position-embeddings {self.max_positions} is smaller than --seq-length "
@@ -154,3 +192,53 @@ class ModelConfig:
                 problems.append(f"{name} {p} must be in [0, 1)")
         if problems:
             raise UserError("invalid model configuration: " + "; ".join(problems))
+
+
+# The settings that decide parameter shapes, compared as resolved sizes (an explicit
+# --ffn-hidden-size equal to the default is the same model): (attribute, the field that sets it).
+SHAPE_ATTRIBUTES = (
+    ("num_layers", "num_layers"),
+    ("hidden_size", "hidden_size"),
+    ("num_attention_heads", "num_attention_heads"),
+    ("query_groups", "num_query_groups"),
+    ("ffn_size", "ffn_hidden_size"),
+    ("head_dim", "kv_channels"),
+    ("position_embedding_type", "position_embedding_type"),
+    ("normalization", "normalization"),
+    ("swiglu", "swiglu"),
+    ("add_bias_linear", "add_bias_linear"),
+    ("untie_embeddings_and_output_weights", "untie_embeddings_and_output_weights"),
+    ("vocab_size", "vocab_size"),
+)
+
+
+def flag_for(field_name: str) -> str:
+    """What sets ModelConfig's `field_name` on the command line (e.g. "--num-layers")."""
+    for f in fields(ModelConfig):
+        if f.name == field_name:
+            return f.metadata["named"]
+    raise KeyError(field_name)
+
+
+def shape_mismatches(saved: ModelConfig, ours: ModelConfig) -> list[str]:
+    """One phrase per shape-deciding setting where `ours` differs from `saved`."""
+    return [
+        f"{attr}={getattr(saved, attr)} but this run has {getattr(ours, attr)} ({flag_for(name)})"
+        for attr, name in SHAPE_ATTRIBUTES
+        if getattr(saved, attr) != getattr(ours, attr)
+    ]
+
+
+def model_flags(config: ModelConfig) -> list[str]:
+    """The pretrain_gpt.py model flags that rebuild exactly `config` (read from the field metadata:
+    a switch is given when its value differs from the default, any other set value always)."""
+    flags: list[str] = []
+    for f in fields(config):
+        flag, value = f.metadata["flag"], getattr(config, f.name)
+        if flag is None or value is None:
+            continue
+        if isinstance(value, bool):
+            flags += [flag] if value != f.default else []
+        else:
+            flags += [*f.metadata["after"], flag, str(value)]
+    return flags

@@ -61,12 +61,14 @@ from pretrain.parallel.random import checkpoint, init_normal_, tensor_parallel_r
 
 
 def build_norm(config: ModelConfig) -> nn.Module:
+    """LayerNorm or RMSNorm over the hidden size, as configured."""
     if config.normalization == "RMSNorm":
         return nn.RMSNorm(config.hidden_size, eps=config.norm_epsilon, dtype=config.params_dtype)
     return nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon, dtype=config.params_dtype)
 
 
 def default_position_ids(tokens: torch.Tensor) -> torch.Tensor:
+    """Positions 0..S-1, broadcast over the batch."""
     return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
 
 
@@ -87,6 +89,7 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate `x` by RoPE angles (the half-split convention of Megatron and HF Llama)."""
     first, second = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-second, first), dim=-1) * sin
 
@@ -222,9 +225,8 @@ class TransformerLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_number: int):
         super().__init__()
-        config.validate(
-            tp=state.get_tensor_model_parallel_world_size()
-        )  # built alone as a pipeline stage, too
+        # built alone as a pipeline stage, too
+        config.validate(tp=state.get_tensor_model_parallel_world_size())
         self.layer_number = layer_number
         self.dropout = config.hidden_dropout
         self.recompute = config.recompute_activations
@@ -238,9 +240,8 @@ class TransformerLayer(nn.Module):
             else None
         )
         prefix, std = f"layers.{layer_number}", config.init_method_std
-        output_std = std / math.sqrt(
-            2.0 * config.num_layers
-        )  # Megatron's scaled init for output projections
+        # Megatron's scaled init for output projections
+        output_std = std / math.sqrt(2.0 * config.num_layers)
         self.attention.qkv.initialize(f"{prefix}.attention.qkv", config.seed, std)
         self.attention.proj.initialize(f"{prefix}.attention.proj", config.seed, output_std)
         self.mlp.fc1.initialize(f"{prefix}.mlp.fc1", config.seed, std)

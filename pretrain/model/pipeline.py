@@ -28,6 +28,7 @@ from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from pretrain.model.config import ModelConfig
 from pretrain.model.gpt import Embedding, FinalNormAndHead, TransformerLayer
+from pretrain.model.loss import masked_mean_loss
 from pretrain.parallel.cross_entropy import vocab_parallel_cross_entropy
 from pretrain.parallel.layers import column_parallel_linear
 
@@ -74,15 +75,10 @@ class HeadPipe(FinalNormAndHead):
         return hidden if self.output_layer is None else self.output_layer(hidden)
 
 
-def masked_mean_loss(per_token_loss: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Mean loss over the micro-batch's unmasked tokens (Megatron's default normalisation)."""
-    loss_mask = loss_mask.to(per_token_loss.dtype)
-    return (per_token_loss * loss_mask).sum() / loss_mask.sum().clamp(min=1.0)
-
-
 def pipeline_loss(
     logits: torch.Tensor, labels_and_mask: tuple[torch.Tensor, torch.Tensor]
 ) -> torch.Tensor:
+    """The last stage's loss: vocab-parallel cross-entropy, masked mean."""
     labels, loss_mask = labels_and_mask
     return masked_mean_loss(vocab_parallel_cross_entropy(logits, labels), loss_mask)
 
@@ -99,6 +95,7 @@ def layer_name_prefix(index: int, num_layers: int) -> str | None:
 
 
 def build_pipeline_model(config: ModelConfig, pp: int, tp: int, dp: int) -> PipelineModule:
+    """The GPT as a DeepSpeed PipelineModule over `pp` stages (tied embedding unless untied)."""
     tied = not config.untie_embeddings_and_output_weights
     specs = [
         TiedLayerSpec(TIED_KEY, EmbeddingPipe, config, tied_weight_attr=[TIED_WEIGHT])

@@ -31,6 +31,7 @@ from pretrain.parallel.sharding import mark_tensor_parallel, merge_shards
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
+    """`numerator / denominator`, or ValueError naming `what` if it does not divide."""
     if numerator % denominator != 0:
         raise ValueError(
             f"{what} ({numerator}) is not divisible by tensor-parallel size {denominator}"
@@ -92,9 +93,8 @@ class ColumnParallelLinear(_ParallelLinear):
         y = column_parallel_linear(x, self.weight, self.bias)
         if not self.gather_output:
             return y
-        gathered = gather_from_tensor_model_parallel_region(
-            y
-        )  # rank order: [shard_0, shard_1, ...]
+        # rank order: [shard_0, shard_1, ...]
+        gathered = gather_from_tensor_model_parallel_region(y)
         world = state.get_tensor_model_parallel_world_size()
         return merge_shards(list(gathered.chunk(world, dim=-1)), -1, self.weight.partition_stride)
 

@@ -89,24 +89,28 @@ class _GatherFromTPRegion(torch.autograd.Function):
 
 
 def copy_to_tensor_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """Identity forward; all-reduce the gradient over TP."""
     if state.get_tensor_model_parallel_world_size() == 1:
         return x
     return _CopyToTPRegion.apply(x)
 
 
 def reduce_from_tensor_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """All-reduce over TP forward; identity backward."""
     if state.get_tensor_model_parallel_world_size() == 1:
         return x
     return _ReduceFromTPRegion.apply(x)
 
 
 def scatter_to_tensor_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """Keep this rank's slice of the last dim forward; all-gather backward."""
     if state.get_tensor_model_parallel_world_size() == 1:
         return x
     return _ScatterToTPRegion.apply(x)
 
 
 def gather_from_tensor_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """All-gather the last dim over TP forward; keep this rank's slice backward."""
     if state.get_tensor_model_parallel_world_size() == 1:
         return x
     return _GatherFromTPRegion.apply(x)

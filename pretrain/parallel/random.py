@@ -87,6 +87,7 @@ _TP_RNG = TensorParallelRNG()
 
 
 def get_tensor_parallel_rng() -> TensorParallelRNG:
+    """The process's TP dropout generator (its state goes into checkpoints)."""
     return _TP_RNG
 
 

@@ -14,6 +14,7 @@ import torch
 
 
 def mark_tensor_parallel(param: torch.Tensor, partition_dim: int, stride: int = 1) -> torch.Tensor:
+    """Tag `param` as a TP shard along `partition_dim` (read by clipping, ZeRO, converters)."""
     param.tensor_model_parallel = True
     param.partition_dim = partition_dim
     param.partition_stride = stride
@@ -21,6 +22,7 @@ def mark_tensor_parallel(param: torch.Tensor, partition_dim: int, stride: int = 
 
 
 def is_tensor_parallel(param: torch.Tensor) -> bool:
+    """True for a parameter split over TP ranks."""
     return bool(getattr(param, "tensor_model_parallel", False))
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from pretrain.errors import UserError
+from pretrain.parallel.config import check_world_divisible
 
 
 @dataclass
@@ -46,26 +46,13 @@ class _Layout:
 _LAYOUT: _Layout | None = None
 
 
-def check_world_divisible(world_size: int, tp: int, pp: int) -> None:
-    """Raise a UserError unless `world_size` splits into tp x pp x dp."""
-    if tp < 1 or pp < 1:
-        raise UserError(
-            f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) must be >= 1"
-        )
-    if world_size % (tp * pp) != 0:
-        raise UserError(
-            f"world size {world_size} is not divisible by tensor-parallel size {tp} x pipeline-parallel "
-            f"size {pp} = {tp * pp} (launch a multiple of {tp * pp} processes, or change "
-            f"--tensor-model-parallel-size / --pipeline-model-parallel-size)"
-        )
-
-
 def rank_coordinates(rank: int, tp: int, dp: int) -> tuple[int, int, int]:
     """(tp_rank, dp_rank, pp_rank) of a global rank."""
     return rank % tp, (rank // tp) % dp, rank // (tp * dp)
 
 
 def global_rank(tp_rank: int, dp_rank: int, pp_rank: int, tp: int, dp: int) -> int:
+    """The global rank at coordinates (tp_rank, dp_rank, pp_rank)."""
     return tp_rank + tp * (dp_rank + dp * pp_rank)
 
 
@@ -134,18 +121,22 @@ def destroy_model_parallel() -> None:
 
 
 def model_parallel_is_initialized() -> bool:
+    """True between `initialize_model_parallel` and `destroy_model_parallel`."""
     return _LAYOUT is not None
 
 
 def get_tensor_model_parallel_world_size() -> int:
+    """TP size (1 before initialisation)."""
     return _LAYOUT.tp if _LAYOUT else 1
 
 
 def get_tensor_model_parallel_rank() -> int:
+    """This rank's index in its TP group."""
     return _LAYOUT.tp_rank if _LAYOUT else 0
 
 
 def get_tensor_model_parallel_group():
+    """This rank's TP process group (None before initialisation)."""
     return _LAYOUT.tp_group if _LAYOUT else None
 
 
@@ -155,30 +146,37 @@ def get_tensor_model_parallel_src_rank() -> int:
 
 
 def get_data_parallel_world_size() -> int:
+    """DP size (1 before initialisation)."""
     return _LAYOUT.dp if _LAYOUT else 1
 
 
 def get_data_parallel_rank() -> int:
+    """This rank's index in its DP group."""
     return _LAYOUT.dp_rank if _LAYOUT else 0
 
 
 def get_data_parallel_group():
+    """This rank's DP process group (None before initialisation)."""
     return _LAYOUT.dp_group if _LAYOUT else None
 
 
 def get_data_parallel_group_ranks() -> list[int]:
+    """Global ranks of this rank's DP group."""
     return list(_LAYOUT.dp_ranks) if _LAYOUT else [0]
 
 
 def get_pipeline_model_parallel_world_size() -> int:
+    """PP size (1 before initialisation)."""
     return _LAYOUT.pp if _LAYOUT else 1
 
 
 def get_pipeline_model_parallel_rank() -> int:
+    """This rank's pipeline stage."""
     return _LAYOUT.pp_rank if _LAYOUT else 0
 
 
 def get_pipeline_model_parallel_group():
+    """This rank's PP process group (None before initialisation)."""
     return _LAYOUT.pp_group if _LAYOUT else None
 
 
@@ -193,14 +191,17 @@ def get_embedding_group():
 
 
 def get_embedding_ranks() -> list[int]:
+    """Global ranks of the first and last stage of this rank's pipeline."""
     return list(_LAYOUT.embedding_ranks) if _LAYOUT else [0]
 
 
 def is_pipeline_first_stage() -> bool:
+    """True on the stage holding the embedding."""
     return get_pipeline_model_parallel_rank() == 0
 
 
 def is_pipeline_last_stage() -> bool:
+    """True on the stage holding the head and the loss."""
     return get_pipeline_model_parallel_rank() == get_pipeline_model_parallel_world_size() - 1
 
 

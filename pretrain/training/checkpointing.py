@@ -1,12 +1,7 @@
-"""Checkpoints: DeepSpeed's files plus what DeepSpeed leaves out, committed atomically.
+"""Saving and resuming training: DeepSpeed's files plus what DeepSpeed leaves out, committed last.
 
-Layout (details in docs/CHECKPOINTS.md):
-
-    <save>/latest                                   "global_step<N>", written last (rename)
-    <save>/latest_checkpointed_iteration.txt        "<N>" (Megatron's name, same commit point)
-    <save>/global_step<N>/                          DeepSpeed's files for every rank
-    <save>/global_step<N>/rng_state_<rank>.pt       python/numpy/torch/CUDA/TP-dropout RNG per rank
-    <save>/global_step<N>/pretrain_meta.json        our metadata (model, layout, iteration, samples)
+The format (file names, tags, `latest`, metadata) is `pretrain.checkpoint.format`; this module
+adds the when (`Checkpointer.should_save`) and the how for a live DeepSpeed engine.
 
 Commit protocol: every rank writes its DeepSpeed files and RNG state, all ranks meet at a
 barrier, rank 0 writes `pretrain_meta.json` and then replaces `latest` (write to a temporary
@@ -20,46 +15,58 @@ import dataclasses
 import json
 import os
 import random
-import signal
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from pretrain.arguments import Config
 from pretrain.atomic import atomic_write_bytes
+from pretrain.checkpoint.format import (
+    LATEST_FILE,
+    MEGATRON_LATEST_FILE,
+    META_FILE,
+    build_metadata,
+    check_same_model,
+    read_latest,
+    tag_for,
+)
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.random import get_tensor_parallel_rng
+from pretrain.testing_hooks import SIGKILL_BEFORE_COMMIT, kill_here
 from pretrain.training.logging import logger
+from pretrain.training.state import TrainState
 
 if TYPE_CHECKING:  # the engine module imports deepspeed, which must wait for the launch environment
     from pretrain.training.engine import Engine
 
-FORMAT_VERSION = 1
-META_FILE = "pretrain_meta.json"
-LATEST_FILE = "latest"
-MEGATRON_LATEST_FILE = "latest_checkpointed_iteration.txt"
 RELAYOUT_HINT = (
     "export it with tools/convert_to_hf.py, re-import it with tools/convert_from_hf.py "
     "--target-tensor-parallel-size T --target-pipeline-parallel-size P and start with --finetune "
     "(docs/CONVERSION.md)"
 )
-# Test hook: kill this process with SIGKILL after the checkpoint files are written and before
-# `latest` is replaced, the worst moment for a crash (see tests/test_training_checkpoint.py).
-CRASH_BEFORE_COMMIT_ENV = "PRETRAIN_TEST_SIGKILL_BEFORE_COMMIT"
 
 
-@dataclass
-class TrainState:
-    iteration: int = 0
-    consumed_train_samples: int = 0
-    consumed_valid_samples: int = 0
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """Where checkpoints go, how often, and what a resume restores (Megatron's flags)."""
 
-
-def tag_for(iteration: int) -> str:
-    return f"global_step{iteration}"
+    save: str | None = None
+    """Folder to write checkpoints into (--save)."""
+    load: str | None = None
+    """Folder to resume from, at its `latest` (--load)."""
+    save_interval: int | None = None
+    """Save after every this many iterations (--save-interval)."""
+    no_save_rng: bool = False
+    """Do not save per-rank RNG states (--no-save-rng)."""
+    no_load_optim: bool = False
+    """Resume weights and position but not the optimizer state (--no-load-optim)."""
+    no_load_rng: bool = False
+    """Do not restore RNG states (--no-load-rng)."""
+    finetune: bool = False
+    """Load weights only; iteration and data restart at 0 (--finetune)."""
 
 
 def _rng_state() -> dict:
@@ -75,6 +82,7 @@ def _rng_state() -> dict:
 
 
 def restore_rng_state(rng: dict) -> None:
+    """Put this rank's saved python/numpy/torch/CUDA/TP-dropout generator states back."""
     random.setstate(rng["python"])
     np.random.set_state(rng["numpy"])
     torch.set_rng_state(rng["torch"])
@@ -83,198 +91,176 @@ def restore_rng_state(rng: dict) -> None:
         torch.cuda.set_rng_state(rng["cuda"])
 
 
-def _json_safe(value):
-    if isinstance(value, torch.dtype):
-        return str(value).replace("torch.", "")
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    return value
+class Checkpointer:
+    """Decides when to save (`should_save`) and saves a live engine, committing `latest` last.
 
+    `run_record` is stored in every checkpoint's metadata beside the model and layout (the
+    tokenizer, data and training settings, argv), so a checkpoint says how it was made.
+    """
 
-def build_metadata(cfg: Config, engine: Engine, ts: TrainState) -> dict:
-    par = cfg.parallel
-    return {
-        "format_version": FORMAT_VERSION,
-        "iteration": ts.iteration,
-        "consumed_train_samples": ts.consumed_train_samples,
-        "consumed_valid_samples": ts.consumed_valid_samples,
-        "model": _json_safe(dataclasses.asdict(cfg.model)),
-        "padded_vocab_size": engine.padded_vocab_size,
-        "parallel": {
-            "tensor_model_parallel_size": par.tensor_model_parallel_size,
-            "pipeline_model_parallel_size": par.pipeline_model_parallel_size,
-            "data_parallel_size": par.data_parallel_size,
-            "world_size": par.world_size,
-            "zero_stage": par.zero_stage,
-            "pipeline_engine": engine.pipeline,
-        },
-        "tokenizer": _json_safe(dataclasses.asdict(cfg.tokenizer)),
-        "data": _json_safe(dataclasses.asdict(cfg.data)),
-        "training": {
-            k: v for k, v in dataclasses.asdict(cfg.training).items() if k != "deepspeed_config"
-        },
-        "deepspeed_config": engine.ds_config,
-        "argv": list(cfg.argv),
-    }
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        *,
+        model: ModelConfig,
+        parallel: ParallelConfig,
+        tokenizer: dict,
+        run_record: dict,
+    ):
+        self.config, self.model, self.parallel = config, model, parallel
+        self.tokenizer, self.run_record = tokenizer, run_record
+        self.last_saved: int | None = None
 
+    def should_save(self, iteration: int) -> bool:
+        """True at every --save-interval iteration (with --save)."""
+        c = self.config
+        return bool(c.save and c.save_interval and iteration % c.save_interval == 0)
 
-def save_checkpoint(cfg: Config, engine: Engine, ts: TrainState) -> str:
-    save_dir, tag = cfg.checkpoint.save, tag_for(ts.iteration)
-    rank = torch.distributed.get_rank()
-    client_state = dataclasses.asdict(ts)
-    engine.ds.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
-    if not cfg.checkpoint.no_save_rng:
-        torch.save(_rng_state(), os.path.join(save_dir, tag, f"rng_state_{rank}.pt"))
-    torch.distributed.barrier()
-    if os.environ.get(CRASH_BEFORE_COMMIT_ENV) == str(ts.iteration) and rank == 0:
-        os.kill(os.getpid(), signal.SIGKILL)
-    if rank == 0:
-        atomic_write_bytes(
-            os.path.join(save_dir, tag, META_FILE),
-            json.dumps(build_metadata(cfg, engine, ts), indent=2, default=str).encode(),
+    def save_if_unsaved(self, engine: Engine, train_state: TrainState) -> None:
+        """Save at exit unless this iteration was just saved (or --save is not given)."""
+        if self.config.save and self.last_saved != train_state.iteration:
+            self.save(engine, train_state)
+
+    def save(self, engine: Engine, train_state: TrainState) -> str:
+        """Write the checkpoint for `train_state.iteration` on every rank; returns its tag."""
+        save_dir, tag = self.config.save, tag_for(train_state.iteration)
+        rank = torch.distributed.get_rank()
+        engine.ds.save_checkpoint(
+            save_dir, tag=tag, client_state=dataclasses.asdict(train_state), save_latest=False
         )
-        atomic_write_bytes(os.path.join(save_dir, LATEST_FILE), tag.encode())
-        atomic_write_bytes(os.path.join(save_dir, MEGATRON_LATEST_FILE), str(ts.iteration).encode())
-    torch.distributed.barrier()
-    logger.info(f"saved checkpoint at iteration {ts.iteration:8d} to {os.path.join(save_dir, tag)}")
-    return tag
-
-
-def read_latest(load_dir: str) -> tuple[str, dict] | None:
-    """(tag, metadata) of the newest complete checkpoint in `load_dir`, or None if there is none."""
-    path = os.path.join(load_dir, LATEST_FILE)
-    if not os.path.isfile(path):
-        return None
-    with open(path) as f:
-        tag = f.read().strip()
-    meta_path = os.path.join(load_dir, tag, META_FILE)
-    if not os.path.isfile(meta_path):
-        raise UserError(
-            f"{path} names {tag}, but {meta_path} is missing (not a checkpoint written by "
-            f"pretrain_gpt.py; point --load at one that is)"
+        if not self.config.no_save_rng:
+            torch.save(_rng_state(), os.path.join(save_dir, tag, f"rng_state_{rank}.pt"))
+        torch.distributed.barrier()
+        if rank == 0:
+            kill_here(SIGKILL_BEFORE_COMMIT, train_state.iteration)
+            meta = build_metadata(
+                iteration=train_state.iteration,
+                consumed_train_samples=train_state.consumed_train_samples,
+                consumed_valid_samples=train_state.consumed_valid_samples,
+                model=self.model,
+                parallel=self.parallel,
+                pipeline_engine=engine.pipeline,
+                tokenizer=self.tokenizer,
+                deepspeed_config=engine.ds_config,
+                **self.run_record,
+            )
+            atomic_write_bytes(
+                os.path.join(save_dir, tag, META_FILE),
+                json.dumps(meta, indent=2, default=str).encode(),
+            )
+            atomic_write_bytes(os.path.join(save_dir, LATEST_FILE), tag.encode())
+            atomic_write_bytes(
+                os.path.join(save_dir, MEGATRON_LATEST_FILE), str(train_state.iteration).encode()
+            )
+        torch.distributed.barrier()
+        self.last_saved = train_state.iteration
+        logger.info(
+            f"saved checkpoint at iteration {train_state.iteration:8d} to "
+            f"{os.path.join(save_dir, tag)}"
         )
-    with open(meta_path) as f:
-        return tag, json.load(f)
+        return tag
 
 
-def model_config_from_meta(model: dict) -> ModelConfig:
-    """The ModelConfig saved in `pretrain_meta.json` (its "model" entry)."""
-    values = {f.name: model[f.name] for f in dataclasses.fields(ModelConfig) if f.name in model}
-    if isinstance(values.get("params_dtype"), str):
-        values["params_dtype"] = getattr(torch, values["params_dtype"])
-    return ModelConfig(**values)
-
-
-# The shape-deciding model settings, compared as resolved sizes (an explicit --ffn-hidden-size equal to
-# the default is the same model): (attribute of ModelConfig, the flag that sets it).
-SHAPE_MUST_MATCH = (
-    ("num_layers", "--num-layers"),
-    ("hidden_size", "--hidden-size"),
-    ("num_attention_heads", "--num-attention-heads"),
-    ("query_groups", "--num-query-groups"),
-    ("ffn_size", "--ffn-hidden-size"),
-    ("head_dim", "--kv-channels"),
-    ("position_embedding_type", "--position-embedding-type"),
-    ("normalization", "--normalization"),
-    ("swiglu", "--swiglu"),
-    ("add_bias_linear", "--disable-bias-linear"),
-    ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
-    ("vocab_size", "the tokenizer's vocabulary size"),
-)
-
-
-def check_compatible(cfg: Config, meta: dict, path: str) -> None:
-    if meta.get("weights_only") and not cfg.checkpoint.finetune:
+def check_compatible(
+    config: CheckpointConfig, model: ModelConfig, parallel: ParallelConfig, meta: dict, path: str
+) -> None:
+    """Refuse (one line) a checkpoint this run cannot resume: another model, TP/PP, or a ZeRO
+    optimizer state split over another number of data-parallel ranks."""
+    if meta.get("weights_only") and not config.finetune:
         raise UserError(
             f"--load {path}: a weights-only checkpoint (converted, no optimizer or data position); "
             f"start from it with --finetune"
         )
-    if meta.get("weights_only") and cfg.parallel.zero_stage == 3:
+    if meta.get("weights_only") and parallel.zero_stage == 3:
         raise UserError(
-            f"--load {path}: a weights-only (converted) checkpoint cannot start a ZeRO-3 run (DeepSpeed "
-            f"reads ZeRO-3 weights from optimizer files it does not have); use --zero-stage 0-2"
+            f"--load {path}: a weights-only (converted) checkpoint cannot start a ZeRO-3 run "
+            f"(DeepSpeed reads ZeRO-3 weights from optimizer files it does not have); use "
+            f"--zero-stage 0-2"
         )
-    saved_model = model_config_from_meta(meta["model"])
-    for attr, flag in SHAPE_MUST_MATCH:
-        saved, ours = getattr(saved_model, attr), getattr(cfg.model, attr)
-        if saved != ours:
-            raise UserError(
-                f"--load {path}: the checkpoint has {attr}={saved} but this run has {ours} ({flag}); "
-                f"use the checkpoint's model flags"
-            )
-    saved, par = meta["parallel"], cfg.parallel
+    check_same_model(meta, model, path)
+    saved = meta["parallel"]
     for key, flag in (
         ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
         ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
     ):
-        if saved[key] != getattr(par, key):
+        if saved[key] != getattr(parallel, key):
             raise UserError(
                 f"--load {path}: the checkpoint was written with {flag} {saved[key]}, this run uses "
-                f"{getattr(par, key)}; DeepSpeed checkpoints are split per TP/PP rank: {RELAYOUT_HINT}, "
-                f"or run with {flag} {saved[key]}"
+                f"{getattr(parallel, key)}; DeepSpeed checkpoints are split per TP/PP rank: "
+                f"{RELAYOUT_HINT}, or run with {flag} {saved[key]}"
             )
-    loads_optimizer = not (cfg.checkpoint.finetune or cfg.checkpoint.no_load_optim)
+    loads_optimizer = not (config.finetune or config.no_load_optim)
+    dp = parallel.data_parallel_size
     if (
-        saved["data_parallel_size"] != par.data_parallel_size
-        and par.zero_stage > 0
-        and (loads_optimizer or saved["zero_stage"] == 3 or par.zero_stage == 3)
+        saved["data_parallel_size"] != dp
+        and parallel.zero_stage > 0
+        and (loads_optimizer or saved["zero_stage"] == 3 or parallel.zero_stage == 3)
     ):
+        ranks = (
+            saved["data_parallel_size"]
+            * parallel.tensor_model_parallel_size
+            * parallel.pipeline_model_parallel_size
+        )
         raise UserError(
-            f"--load {path}: the checkpoint's ZeRO-{saved['zero_stage']} optimizer state is split over "
-            f"{saved['data_parallel_size']} data-parallel ranks, this run has {par.data_parallel_size}: resume with "
-            f"--finetune (weights only) or convert it with DeepSpeed's ds_to_universal.py, or launch "
-            f"{saved['data_parallel_size'] * par.tensor_model_parallel_size * par.pipeline_model_parallel_size} ranks"
+            f"--load {path}: the checkpoint's ZeRO-{saved['zero_stage']} optimizer state is split "
+            f"over {saved['data_parallel_size']} data-parallel ranks, this run has {dp}: resume "
+            f"with --finetune (weights only) or convert it with DeepSpeed's ds_to_universal.py, or "
+            f"launch {ranks} ranks"
         )
 
 
-def check_before_launch(cfg: Config) -> None:
+def check_before_launch(
+    config: CheckpointConfig, model: ModelConfig, parallel: ParallelConfig
+) -> None:
     """Refuse an incompatible `--load` before the process group exists (one line, no hang)."""
-    found = read_latest(cfg.checkpoint.load)
+    found = read_latest(config.load)
     if found is not None:
-        check_compatible(cfg, found[1], cfg.checkpoint.load)
+        check_compatible(config, model, parallel, found[1], config.load)
 
 
-def load_checkpoint(cfg: Config, engine: Engine) -> tuple[TrainState, dict | None]:
+def load_checkpoint(config: CheckpointConfig, engine: Engine) -> tuple[TrainState, dict | None]:
     """Resume from `--load` (its `latest`): (train state, this rank's RNG states or None).
 
     The caller restores the RNG states with `restore_rng_state` as the last step before training:
     building data loaders draws from the global torch generator.
     """
-    ck = cfg.checkpoint
-    found = read_latest(ck.load)
+    found = read_latest(config.load)
     if found is None:
-        if ck.finetune:
+        if config.finetune:
             raise UserError(
-                f"--finetune --load {ck.load}: no `{LATEST_FILE}` file there (point --load at a "
+                f"--finetune --load {config.load}: no `{LATEST_FILE}` file there (point --load at a "
                 f"checkpoint directory)"
             )
         logger.warning(
-            f"WARNING: no checkpoint in {ck.load} (no `{LATEST_FILE}` file); starting from scratch"
+            f"WARNING: no checkpoint in {config.load} (no `{LATEST_FILE}` file); starting from "
+            f"scratch"
         )
         return TrainState(), None
     tag, _ = found  # compatibility was checked before any process group work (check_before_launch)
     load_path, client_state = engine.ds.load_checkpoint(
-        ck.load,
+        config.load,
         tag=tag,
-        load_optimizer_states=not (ck.finetune or ck.no_load_optim),
-        load_lr_scheduler_states=not ck.finetune,
-        load_module_only=ck.finetune,
+        load_optimizer_states=not (config.finetune or config.no_load_optim),
+        load_lr_scheduler_states=not config.finetune,
+        load_module_only=config.finetune,
     )
     if load_path is None:
         raise UserError(
-            f"--load {ck.load}: DeepSpeed could not load {tag} (files missing; see the warnings above)"
+            f"--load {config.load}: DeepSpeed could not load {tag} (files missing; see the warnings "
+            f"above)"
         )
-    if ck.finetune:
+    if config.finetune:
         logger.info(
-            f"loaded weights from {os.path.join(ck.load, tag)} (--finetune: iteration and data restart at 0)"
+            f"loaded weights from {os.path.join(config.load, tag)} (--finetune: iteration and data "
+            f"restart at 0)"
         )
         return TrainState(), None
-    ts = TrainState(**{f.name: int(client_state[f.name]) for f in dataclasses.fields(TrainState)})
-    rng_path = os.path.join(ck.load, tag, f"rng_state_{torch.distributed.get_rank()}.pt")
+    train_state = TrainState(
+        **{f.name: int(client_state[f.name]) for f in dataclasses.fields(TrainState)}
+    )
+    rng_path = os.path.join(config.load, tag, f"rng_state_{torch.distributed.get_rank()}.pt")
     rng = None
-    if not ck.no_load_rng:
+    if not config.no_load_rng:
         if os.path.isfile(rng_path):
             rng = torch.load(rng_path, weights_only=False)
         else:
@@ -282,7 +268,7 @@ def load_checkpoint(cfg: Config, engine: Engine) -> tuple[TrainState, dict | Non
                 f"WARNING: {rng_path} missing (different world size?); RNG states not restored"
             )
     logger.info(
-        f"loaded checkpoint {os.path.join(ck.load, tag)} at iteration {ts.iteration} "
-        f"({ts.consumed_train_samples} samples consumed)"
+        f"loaded checkpoint {os.path.join(config.load, tag)} at iteration {train_state.iteration} "
+        f"({train_state.consumed_train_samples} samples consumed)"
     )
-    return ts, rng
+    return train_state, rng

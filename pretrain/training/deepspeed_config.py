@@ -2,7 +2,7 @@
 
 Two choices here keep DeepSpeed's math equal to Megatron's at every layout:
 - The optimizer is always ours (a client `torch.optim.AdamW`): a JSON optimizer would JIT-build
-  `fused_adam` on CPU and bypass our parameter groups. `parse_args` refuses a JSON optimizer.
+  `fused_adam` on CPU and bypass our parameter groups. The command line refuses a JSON optimizer.
 - Gradient clipping at ZeRO-0 in fp32 is done by our optimizer with the true global norm
   (`pretrain.training.optimizer`), so DeepSpeed's own clipping is switched off there: in a pipeline
   grid DeepSpeed's ZeRO-0 norm leaves out every stage but the first. ZeRO >= 1 and the
@@ -12,45 +12,161 @@ Two choices here keep DeepSpeed's math equal to Megatron's at every layout:
 from __future__ import annotations
 
 import copy
+import json
 import math
+import os
+from dataclasses import dataclass
+from typing import Any
 
-from pretrain.arguments import Config
+from pretrain.errors import UserError
+from pretrain.parallel.config import ParallelConfig
 
 
-def we_clip_gradients(cfg: Config) -> bool:
+@dataclass(frozen=True, kw_only=True)
+class PrecisionConfig:
+    """Training precision and fp16 loss scaling (Megatron's flags)."""
+
+    bf16: bool = False
+    """bf16 weights and activations, fp32 master weights (--bf16)."""
+    fp16: bool = False
+    """fp16 with loss scaling (--fp16; GPU only)."""
+    loss_scale: float | None = None
+    """Static fp16 loss scale; None = dynamic (--loss-scale)."""
+    initial_loss_scale: float = 2.0**32
+    """First dynamic loss scale (--initial-loss-scale)."""
+    min_loss_scale: float = 1.0
+    """Floor of the dynamic loss scale (--min-loss-scale)."""
+    loss_scale_window: int = 1000
+    """Good steps before the scale grows (--loss-scale-window)."""
+    hysteresis: int = 2
+    """Overflows tolerated before the scale shrinks (--hysteresis)."""
+
+    @property
+    def name(self) -> str:
+        """ "bf16", "fp16" or "fp32"."""
+        return "bf16" if self.bf16 else ("fp16" if self.fp16 else "fp32")
+
+
+def we_clip_gradients(parallel: ParallelConfig, precision: PrecisionConfig) -> bool:
     """True where our optimizer clips (ZeRO-0, fp32); else DeepSpeed does."""
-    t = cfg.training
-    return cfg.parallel.zero_stage == 0 and not (t.bf16 or t.fp16)
+    return parallel.zero_stage == 0 and not (precision.bf16 or precision.fp16)
 
 
-def build_deepspeed_config(cfg: Config) -> dict:
-    t, par = cfg.training, cfg.parallel
-    ds = copy.deepcopy(t.deepspeed_config) if t.deepspeed_config is not None else {}
-    ds["train_batch_size"] = t.global_batch_size
-    ds["train_micro_batch_size_per_gpu"] = t.micro_batch_size
-    ds["gradient_accumulation_steps"] = t.num_microbatches
-    ds["gradient_clipping"] = 0.0 if we_clip_gradients(cfg) else t.clip_grad
+def build_deepspeed_config(
+    *,
+    global_batch_size: int,
+    micro_batch_size: int,
+    num_microbatches: int,
+    clip_grad: float,
+    parallel: ParallelConfig,
+    precision: PrecisionConfig,
+    user_json: dict | None = None,
+) -> dict:
+    """DeepSpeed's config for this run: the user's JSON (if any) with the flags' values set."""
+    ds = copy.deepcopy(user_json) if user_json is not None else {}
+    ds["train_batch_size"] = global_batch_size
+    ds["train_micro_batch_size_per_gpu"] = micro_batch_size
+    ds["gradient_accumulation_steps"] = num_microbatches
+    ds["gradient_clipping"] = 0.0 if we_clip_gradients(parallel, precision) else clip_grad
     ds.setdefault("steps_per_print", 2**31 - 1)  # our log line replaces DeepSpeed's
     ds.setdefault("wall_clock_breakdown", False)
 
     zero = ds.setdefault("zero_optimization", {})
-    zero["stage"] = par.zero_stage
-    if par.cpu_offload:
+    zero["stage"] = parallel.zero_stage
+    if parallel.cpu_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
         # our torch AdamW on CPU-resident state (DeepSpeedCPUAdam would need a JIT build)
         ds["zero_force_ds_cpu_optimizer"] = False
 
-    if t.bf16:
+    if precision.bf16:
         ds["bf16"] = {"enabled": True}
-    elif t.fp16:
+    elif precision.fp16:
         fp16 = ds.setdefault("fp16", {})
         fp16["enabled"] = True
-        if t.loss_scale is not None:
-            fp16["loss_scale"] = t.loss_scale  # static
+        if precision.loss_scale is not None:
+            fp16["loss_scale"] = precision.loss_scale  # static
         else:
             fp16.setdefault("loss_scale", 0)  # dynamic
-            fp16.setdefault("initial_scale_power", int(round(math.log2(t.initial_loss_scale))))
-            fp16.setdefault("loss_scale_window", t.loss_scale_window)
-            fp16.setdefault("hysteresis", t.hysteresis)
-            fp16.setdefault("min_loss_scale", t.min_loss_scale)
+            fp16.setdefault(
+                "initial_scale_power", int(round(math.log2(precision.initial_loss_scale)))
+            )
+            fp16.setdefault("loss_scale_window", precision.loss_scale_window)
+            fp16.setdefault("hysteresis", precision.hysteresis)
+            fp16.setdefault("min_loss_scale", precision.min_loss_scale)
     return ds
+
+
+def load_user_config(path: str) -> dict:
+    """The user's --deepspeed_config JSON (UserError naming the file and line if it is bad)."""
+    if not os.path.isfile(path):
+        raise UserError(
+            f"--deepspeed_config {path}: no such file (fix the path or drop the flag to "
+            f"build the config from the command line)"
+        )
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as err:
+        raise UserError(f"{path}:{err.lineno}: invalid JSON: {err.msg} (fix the file)") from None
+
+
+def check_user_config(
+    ds: dict,
+    path: str,
+    *,
+    global_batch_size: int,
+    micro_batch_size: int,
+    data_parallel_size: int,
+    precision: PrecisionConfig,
+    clip_grad: float,
+    zero_stage_flag: int | None,
+) -> int:
+    """Compare the user's DeepSpeed JSON with the flags (one UserError naming the disagreement);
+    return the ZeRO stage to use (--zero-stage, else the JSON's, else 0)."""
+    gbs, mbs, dp = global_batch_size, micro_batch_size, data_parallel_size
+
+    def mismatch(key: str, json_value: Any, flag: str, flag_value: Any) -> UserError:
+        return UserError(
+            f"--deepspeed_config {path} sets {key}={json_value} but {flag} is {flag_value} "
+            f"(make them agree, or drop the key from the JSON)"
+        )
+
+    if "train_batch_size" in ds and ds["train_batch_size"] != gbs:
+        raise mismatch("train_batch_size", ds["train_batch_size"], "--global-batch-size", gbs)
+    if "train_micro_batch_size_per_gpu" in ds and ds["train_micro_batch_size_per_gpu"] != mbs:
+        raise mismatch(
+            "train_micro_batch_size_per_gpu",
+            ds["train_micro_batch_size_per_gpu"],
+            "--micro-batch-size",
+            mbs,
+        )
+    gas = gbs // (mbs * dp)
+    if "gradient_accumulation_steps" in ds and ds["gradient_accumulation_steps"] != gas:
+        raise mismatch(
+            "gradient_accumulation_steps",
+            ds["gradient_accumulation_steps"],
+            "--global-batch-size/(--micro-batch-size x data-parallel size)",
+            gas,
+        )
+    for key, flag in (("bf16", "--bf16"), ("fp16", "--fp16")):
+        enabled = bool(ds.get(key, {}).get("enabled", False))
+        given = getattr(precision, key)
+        if enabled != given:
+            raise mismatch(
+                f"{key}.enabled", str(enabled).lower(), flag, "given" if given else "not given"
+            )
+    if "gradient_clipping" in ds and float(ds["gradient_clipping"]) != clip_grad:
+        raise mismatch("gradient_clipping", ds["gradient_clipping"], "--clip-grad", clip_grad)
+    for section, flags in (
+        ("optimizer", "--lr/--adam-*/--weight-decay"),
+        ("scheduler", "--lr-decay-style/--lr-warmup-*"),
+    ):
+        if section in ds:
+            raise UserError(
+                f'--deepspeed_config {path} has an "{section}" section; the optimizer and LR '
+                f"schedule come from {flags} (remove the section)"
+            )
+    json_stage = ds.get("zero_optimization", {}).get("stage")
+    if json_stage is not None and zero_stage_flag is not None and json_stage != zero_stage_flag:
+        raise mismatch("zero_optimization.stage", json_stage, "--zero-stage", zero_stage_flag)
+    return zero_stage_flag if zero_stage_flag is not None else (json_stage or 0)

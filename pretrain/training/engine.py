@@ -4,6 +4,9 @@ PP = 1: `GPTModel` under `deepspeed.initialize(..., mpu=...)`; the mpu tells Dee
 ranks are model-parallel peers, so ZeRO 1-3 shard over data-parallel ranks only.
 PP > 1: the same parts as a `PipelineModule` (`pretrain.model.pipeline`), DeepSpeed's pipeline
 engine and grid (rank order TP fastest, then DP, then PP, which is also ours).
+
+`Engine` is the one place that reads DeepSpeed's engine internals (skipped steps, loss scale,
+grad norm); the loop and the metrics ask it.
 """
 
 from __future__ import annotations
@@ -13,25 +16,51 @@ from dataclasses import dataclass
 import deepspeed
 import torch
 
-from pretrain.arguments import Config
+from pretrain.model.config import ModelConfig
 from pretrain.model.gpt import GPTModel
 from pretrain.model.pipeline import build_pipeline_model
 from pretrain.parallel import state
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.random import seed_everything
-from pretrain.training.deepspeed_config import build_deepspeed_config, we_clip_gradients
+from pretrain.training.deepspeed_config import (
+    PrecisionConfig,
+    build_deepspeed_config,
+    we_clip_gradients,
+)
 from pretrain.training.distributed import collective_device
-from pretrain.training.lr_schedule import SampleLRScheduler
-from pretrain.training.optimizer import build_optimizer
+from pretrain.training.lr_schedule import LRScheduleConfig, SampleLRScheduler
+from pretrain.training.optimizer import OptimizerConfig, build_optimizer
 
 
 @dataclass
 class Engine:
+    """DeepSpeed's engine and what the rest of training needs to know about it."""
+
     ds: deepspeed.DeepSpeedEngine
     pipeline: bool
     scheduler: SampleLRScheduler
     params_total: int  # over the whole model, counted once
     padded_vocab_size: int
     ds_config: dict
+    fp16: bool
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped so far (fp16 overflow)."""
+        return int(self.ds.skipped_steps)
+
+    def learning_rate(self) -> float:
+        """The learning rate the next optimizer step uses."""
+        return self.scheduler.get_lr()[0]
+
+    def grad_norm(self) -> float | None:
+        """The global gradient norm of the last step (None where DeepSpeed did not compute one)."""
+        norm = self.ds.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 without fp16)."""
+        return float(getattr(self.ds.optimizer, "cur_scale", 1.0)) if self.fp16 else 1.0
 
 
 def _count_parameters(model: torch.nn.Module) -> int:
@@ -50,43 +79,46 @@ def _count_parameters(model: torch.nn.Module) -> int:
     return int(count.item())
 
 
-def build_engine(cfg: Config) -> Engine:
-    par, t = cfg.parallel, cfg.training
-    state.initialize_model_parallel(
-        par.tensor_model_parallel_size, par.pipeline_model_parallel_size
-    )
-    seed_everything(t.seed)
-    pipeline = par.pipeline_model_parallel_size > 1
+def build_engine(
+    *,
+    model_config: ModelConfig,
+    parallel: ParallelConfig,
+    optimizer_config: OptimizerConfig,
+    schedule: LRScheduleConfig,
+    precision: PrecisionConfig,
+    global_batch_size: int,
+    micro_batch_size: int,
+    num_microbatches: int,
+    seed: int,
+    user_json: dict | None = None,
+) -> Engine:
+    """Process groups, the seeded model, AdamW, the LR schedule, then `deepspeed.initialize`."""
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    state.initialize_model_parallel(tp, pp)
+    seed_everything(seed)
+    pipeline = pp > 1
     if pipeline:
-        model = build_pipeline_model(
-            cfg.model,
-            par.pipeline_model_parallel_size,
-            par.tensor_model_parallel_size,
-            par.data_parallel_size,
-        )
+        model = build_pipeline_model(model_config, pp, tp, parallel.data_parallel_size)
     else:
-        model = GPTModel(cfg.model)
+        model = GPTModel(model_config)
     optimizer = build_optimizer(
         model.named_parameters(),
-        lr=t.lr,
-        weight_decay=t.weight_decay,
-        betas=(t.adam_beta1, t.adam_beta2),
-        eps=t.adam_eps,
-        clip_grad=t.clip_grad if we_clip_gradients(cfg) else None,
+        optimizer_config,
+        lr=schedule.lr,
+        we_clip=we_clip_gradients(parallel, precision),
         model_parallel_group=state.get_model_parallel_group(),
     )
-    scheduler = SampleLRScheduler(
-        optimizer,
-        global_batch_size=t.global_batch_size,
-        max_lr=t.lr,
-        min_lr=t.min_lr,
-        warmup_samples=t.lr_warmup_samples,
-        decay_samples=t.lr_decay_samples,
-        style=t.lr_decay_style,
-        warmup_init=t.lr_warmup_init,
-    )
+    scheduler = SampleLRScheduler(optimizer, schedule, global_batch_size=global_batch_size)
     params_total = _count_parameters(model)
-    ds_config = build_deepspeed_config(cfg)
+    ds_config = build_deepspeed_config(
+        global_batch_size=global_batch_size,
+        micro_batch_size=micro_batch_size,
+        num_microbatches=num_microbatches,
+        clip_grad=optimizer_config.clip_grad,
+        parallel=parallel,
+        precision=precision,
+        user_json=user_json,
+    )
     ds_engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
@@ -95,10 +127,11 @@ def build_engine(cfg: Config) -> Engine:
         mpu=None if pipeline else state.mpu,
     )
     return Engine(
-        ds_engine,
-        pipeline,
-        scheduler,
-        params_total,
-        cfg.model.padded_vocab_size(par.tensor_model_parallel_size),
-        ds_config,
+        ds=ds_engine,
+        pipeline=pipeline,
+        scheduler=scheduler,
+        params_total=params_total,
+        padded_vocab_size=model_config.padded_vocab_size(tp),
+        ds_config=ds_config,
+        fp16=precision.fp16,
     )

@@ -30,6 +30,7 @@ PEAK_BF16_TFLOPS = {
 def flops_per_iteration(
     model: ModelConfig, global_batch_size: int, padded_vocab_size: int
 ) -> float:
+    """Model FLOPs of one iteration (the formula in the module docstring)."""
     L, h, s = model.num_layers, model.hidden_size, model.seq_length
     nh, ng = model.num_attention_heads, model.query_groups
     q = model.head_dim * nh

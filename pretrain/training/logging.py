@@ -17,7 +17,53 @@ from dataclasses import dataclass
 logger = logging.getLogger("pretrain")
 
 
+@dataclass(frozen=True, kw_only=True)
+class LoggingConfig:
+    """What a run prints and records, and how often."""
+
+    log_interval: int = 100
+    """Print Megatron's iteration line every this many iterations (--log-interval)."""
+    tensorboard_dir: str | None = None
+    """Write TensorBoard scalars here (--tensorboard-dir)."""
+    tensorboard_log_interval: int = 1
+    """Write training scalars to TensorBoard/wandb every this many iterations
+    (--tensorboard-log-interval)."""
+    wandb_project: str | None = None
+    """Log to this Weights & Biases project, if wandb is installed (--wandb-project)."""
+    wandb_exp_name: str | None = None
+    """The wandb run name (--wandb-exp-name)."""
+    peak_tflops: float | None = None
+    """Peak TFLOP/s per device for MFU; None = the known-GPU table (--peak-tflops)."""
+    metrics_file: str | None = None
+    """Append one full-precision JSON line per iteration here (--metrics-file)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Throughput:
+    """The constants that turn an iteration's seconds into tokens/s, TFLOP/s and MFU."""
+
+    tokens_per_iteration: int
+    """Global batch x sequence length."""
+    flops_per_iteration: float
+    """Model FLOPs of one iteration (pretrain.training.flops)."""
+    world_size: int
+    """Devices sharing the work."""
+    peak_tflops: float | None
+    """Peak TFLOP/s of one device; None = no MFU (e.g. on CPU)."""
+
+    def tflops_per_device(self, seconds_per_iteration: float) -> float:
+        """Achieved model TFLOP/s per device."""
+        return self.flops_per_iteration / (seconds_per_iteration * 1e12 * self.world_size)
+
+    def mfu(self, seconds_per_iteration: float) -> float | None:
+        """Model FLOPs utilisation, a fraction of the peak (None without a peak)."""
+        if self.peak_tflops is None:
+            return None
+        return self.tflops_per_device(seconds_per_iteration) / self.peak_tflops
+
+
 def setup_logging(rank: int) -> None:
+    """INFO from global rank 0 only; warnings and errors from every rank; DeepSpeed quiet."""
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger.handlers[:] = [handler]
@@ -46,6 +92,7 @@ class IterationStats:
 
 
 def format_iteration_line(s: IterationStats) -> str:
+    """Megatron-LM's training log line, field for field, then our throughput fields."""
     line = f" iteration {s.iteration:8d}/{s.train_iters:8d} |"
     line += f" consumed samples: {s.consumed_samples:12d} |"
     line += f" elapsed time per iteration (ms): {s.elapsed_ms:.1f} |"
@@ -65,6 +112,7 @@ def format_iteration_line(s: IterationStats) -> str:
 
 
 def format_eval_line(iteration: int, loss: float) -> str:
+    """Megatron-LM's validation block (loss and perplexity between two rules)."""
     ppl = math.exp(min(20.0, loss))
     text = f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
     bar = "-" * len(text)
@@ -110,8 +158,14 @@ class ScalarWriter:
             os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
             self.metrics = open(metrics_file, "a", buffering=1)
 
-    def write(self, step: int, scalars: dict[str, float]) -> None:
+    def write(self, step: int, scalars: dict[str, float], *, dashboards: bool = True) -> None:
+        """Record `scalars` at `step` in the metrics file, and in TensorBoard/wandb if
+        `dashboards` (the caller's --tensorboard-log-interval decision)."""
         if not self.active:
+            return
+        if self.metrics is not None:
+            self.metrics.write(json.dumps({"iteration": step, **scalars}) + "\n")
+        if not dashboards:
             return
         if self.tb is not None:
             for key, value in scalars.items():
@@ -119,10 +173,9 @@ class ScalarWriter:
                     self.tb.add_scalar(key, value, step)
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in scalars.items() if v is not None}, step=step)
-        if self.metrics is not None:
-            self.metrics.write(json.dumps({"iteration": step, **scalars}) + "\n")
 
     def close(self) -> None:
+        """Flush and close every sink."""
         if self.tb is not None:
             self.tb.close()
         if self.metrics is not None:
@@ -152,6 +205,7 @@ def banner(
     flops_per_iteration: float,
     threads: int,
 ) -> str:
+    """The start-up summary: ranks, layout, parameters, batch, FLOPs, checkpoint folders."""
     lines = [
         "=" * 78,
         f" pretrain_gpt.py  |  {world} rank(s) via {launcher}, backend {backend}, device {device}, "
@@ -165,3 +219,89 @@ def banner(
         "=" * 78,
     ]
     return "\n".join(lines)
+
+
+class MetricsLogger:
+    """Owns the log-interval bookkeeping: records every iteration's scalars, prints Megatron's
+    iteration line every `log_interval` iterations (averages over the interval) and the
+    validation block after each evaluation."""
+
+    def __init__(
+        self,
+        config: LoggingConfig,
+        writer: ScalarWriter,
+        throughput: Throughput,
+        *,
+        train_iters: int,
+        global_batch_size: int,
+        skipped_steps_at_start: int,
+    ):
+        self.config, self.writer, self.throughput = config, writer, throughput
+        self.train_iters, self.global_batch_size = train_iters, global_batch_size
+        self._skipped_before = skipped_steps_at_start
+        self._reset_interval()
+
+    def _reset_interval(self) -> None:
+        self._loss_sum, self._iterations, self._seconds, self._nan_iterations = 0.0, 0, 0.0, 0
+
+    def record_iteration(
+        self,
+        *,
+        iteration: int,
+        consumed_samples: int,
+        loss: float,
+        seconds: float,
+        learning_rate: float,
+        grad_norm: float | None,
+        loss_scale: float,
+        skipped_steps: int,
+    ) -> None:
+        """Account one finished iteration; print the interval's line when it is due."""
+        if math.isfinite(loss):
+            self._loss_sum += loss
+        else:
+            self._nan_iterations += 1
+        self._iterations += 1
+        self._seconds += seconds
+        scalars = {
+            "lm-loss": loss,
+            "grad-norm": grad_norm,
+            "learning-rate": learning_rate,
+            "loss-scale": loss_scale,
+            "iteration-time": seconds,
+            "tokens-per-second": self.throughput.tokens_per_iteration / seconds,
+            "tflops-per-device": self.throughput.tflops_per_device(seconds),
+            "consumed-samples": consumed_samples,
+        }
+        dashboards = iteration % self.config.tensorboard_log_interval == 0
+        self.writer.write(iteration, scalars, dashboards=dashboards)
+        if iteration % self.config.log_interval != 0:
+            return
+        per_iteration = self._seconds / self._iterations
+        stats = IterationStats(
+            iteration=iteration,
+            train_iters=self.train_iters,
+            consumed_samples=consumed_samples,
+            elapsed_ms=per_iteration * 1000,
+            learning_rate=learning_rate,
+            global_batch_size=self.global_batch_size,
+            lm_loss=self._loss_sum / max(1, self._iterations - self._nan_iterations),
+            loss_scale=loss_scale,
+            grad_norm=grad_norm,
+            skipped_iterations=skipped_steps - self._skipped_before,
+            nan_iterations=self._nan_iterations,
+            tokens_per_second=self.throughput.tokens_per_iteration / per_iteration,
+            tflops_per_device=self.throughput.tflops_per_device(per_iteration),
+            mfu=self.throughput.mfu(per_iteration),
+        )
+        logger.info(format_iteration_line(stats))
+        self._skipped_before = skipped_steps
+        self._reset_interval()
+
+    def log_validation(self, iteration: int, loss: float) -> None:
+        """Record and print one evaluation's loss and perplexity."""
+        self.writer.write(
+            iteration,
+            {"validation-loss": loss, "validation-ppl": math.exp(min(20.0, loss))},
+        )
+        logger.info(format_eval_line(iteration, loss))

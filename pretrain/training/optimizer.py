@@ -2,7 +2,7 @@
 
 Megatron applies no weight decay to biases and 1-D parameters (norm weights). At ZeRO-0 in fp32
 DeepSpeed would clip with a norm that, in a pipeline grid, counts replicated parameters on the
-first stage only (specs/deepspeed-cpu.md); `ClippedAdamW` instead computes the norm with
+first stage only (docs/TRAINING.md); `ClippedAdamW` instead computes the norm with
 `pretrain.parallel.grad_norm.global_grad_norm` (TP shards once, replicated parameters once, tied
 copies once, summed over TP x PP) right before the update, after DeepSpeed has averaged the
 gradients over data-parallel ranks and summed the tied embedding's. The engine reads the norm
@@ -12,15 +12,33 @@ from `_global_grad_norm` (DeepSpeed's convention) for logging.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 
 from pretrain.parallel.grad_norm import global_grad_norm
 
 
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """AdamW with decoupled weight decay, and the global gradient-norm clip."""
+
+    weight_decay: float = 0.01
+    """Decay of matrices; biases and norm weights get none (--weight-decay)."""
+    adam_beta1: float = 0.9
+    """First-moment decay (--adam-beta1)."""
+    adam_beta2: float = 0.999
+    """Second-moment decay (--adam-beta2)."""
+    adam_eps: float = 1e-8
+    """Denominator epsilon (--adam-eps)."""
+    clip_grad: float = 1.0
+    """Clip the global gradient L2 norm to this; 0 = off (--clip-grad)."""
+
+
 def param_groups(
     named_params: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float
 ) -> list[dict]:
+    """Megatron's two groups: matrices with `weight_decay`, biases and 1-D parameters without."""
     decay, no_decay = [], []
     for name, param in named_params:
         if not param.requires_grad:
@@ -56,24 +74,23 @@ class ClippedAdamW(torch.optim.AdamW):
 
 def build_optimizer(
     named_params,
+    config: OptimizerConfig,
     *,
     lr: float,
-    weight_decay: float,
-    betas: tuple[float, float],
-    eps: float,
-    clip_grad: float | None,
+    we_clip: bool,
     model_parallel_group=None,
 ) -> torch.optim.Optimizer:
-    """`clip_grad=None`: plain AdamW (DeepSpeed's ZeRO/bf16/fp16 optimizer clips)."""
-    groups = param_groups(named_params, weight_decay)
-    if clip_grad is None:
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    return ClippedAdamW(
-        groups,
-        clip_grad=clip_grad,
-        model_parallel_group=model_parallel_group,
+    """AdamW over Megatron's groups; with `we_clip` it clips by the true global norm first
+    (ZeRO-0 fp32), else DeepSpeed's ZeRO/bf16/fp16 optimizer clips and this is plain AdamW."""
+    groups = param_groups(named_params, config.weight_decay)
+    adamw = dict(
         lr=lr,
-        betas=betas,
-        eps=eps,
-        weight_decay=weight_decay,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_eps,
+        weight_decay=config.weight_decay,
+    )
+    if not we_clip:
+        return torch.optim.AdamW(groups, **adamw)
+    return ClippedAdamW(
+        groups, clip_grad=config.clip_grad, model_parallel_group=model_parallel_group, **adamw
     )

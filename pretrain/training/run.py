@@ -1,42 +1,103 @@
-"""`pretrain(argv)`: flags -> process group -> engine -> checkpoint -> data -> loop -> final save."""
+"""`pretrain(config)`: process group -> engine -> checkpoint -> data -> loop -> final save.
+
+`RunConfig` bundles every component's config for one run; this module is the only one that
+sees all of them, and hands each component the part it needs.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
-from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from pretrain.arguments import Config, parse_args
 from pretrain.data.builder import build_train_valid_test_datasets
-from pretrain.data.config import train_valid_test_num_samples
+from pretrain.data.config import DataConfig, train_valid_test_num_samples
 from pretrain.data.samplers import build_pretraining_data_loader
+from pretrain.launch import LaunchEnv
+from pretrain.model.config import ModelConfig
 from pretrain.parallel import state
-from pretrain.tokenizer import build_tokenizer
+from pretrain.parallel.config import ParallelConfig
+from pretrain.tokenizer import TokenizerConfig, build_tokenizer
 from pretrain.training.checkpointing import (
-    TrainState,
+    CheckpointConfig,
+    Checkpointer,
     check_before_launch,
     load_checkpoint,
     restore_rng_state,
 )
+from pretrain.training.deepspeed_config import PrecisionConfig
 from pretrain.training.distributed import (
     choose_backend,
     init_distributed,
     prepare_process_environment,
 )
-from pretrain.training.logging import banner, logger, setup_logging
+from pretrain.training.evaluator import EvalConfig
+from pretrain.training.logging import LoggingConfig, banner, logger, setup_logging
+from pretrain.training.loop import TrainingConfig
+from pretrain.training.lr_schedule import LRScheduleConfig
+from pretrain.training.optimizer import OptimizerConfig
+from pretrain.training.state import TrainState
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything one pretrain_gpt.py run is configured with (built by `pretrain.cli`)."""
+
+    model: ModelConfig
+    """The architecture."""
+    parallel: ParallelConfig
+    """TP/PP/DP layout, ZeRO stage, backend."""
+    training: TrainingConfig
+    """Iterations, batch sizes, early exits."""
+    schedule: LRScheduleConfig
+    """The learning-rate schedule, in samples."""
+    optimizer: OptimizerConfig
+    """AdamW and gradient clipping."""
+    precision: PrecisionConfig
+    """fp32/bf16/fp16 and loss scaling."""
+    evaluation: EvalConfig
+    """When and how long to evaluate."""
+    data: DataConfig
+    """Data prefixes, blends, splits, sample shape."""
+    tokenizer: TokenizerConfig
+    """The tokenizer that made the data."""
+    checkpoint: CheckpointConfig
+    """Saving and resuming."""
+    logging: LoggingConfig
+    """Log lines, TensorBoard, metrics file."""
+    launch: LaunchEnv
+    """This process's rank and the rendezvous, from the launcher."""
+    deepspeed_json: dict | None = None
+    """The user's --deepspeed_config, already checked against the flags."""
+    argv: tuple[str, ...] = ()
+    """The command line, recorded in checkpoints and dashboards."""
+
+
+def _run_record(cfg: RunConfig) -> dict:
+    """How the run was configured, for checkpoint metadata (everything but model and layout)."""
+    return {
+        "data": dataclasses.asdict(cfg.data),
+        "training": dataclasses.asdict(cfg.training),
+        "schedule": dataclasses.asdict(cfg.schedule),
+        "optimizer": dataclasses.asdict(cfg.optimizer),
+        "precision": dataclasses.asdict(cfg.precision),
+        "evaluation": dataclasses.asdict(cfg.evaluation),
+        "argv": list(cfg.argv),
+    }
 
 
 def _data_iterators(
-    cfg: Config, consumed_train: int, consumed_valid: int, use_mask: bool, device: torch.device
+    cfg: RunConfig, consumed_train: int, consumed_valid: int, use_mask: bool, device: torch.device
 ):
     """(train batches, valid batches or None), positioned after the consumed samples."""
-    from pretrain.training.loop import PipelineBatches  # imports deepspeed (see pretrain())
+    from pretrain.training.step import PipelineBatches
 
-    t = cfg.training
+    t, ev = cfg.training, cfg.evaluation
     num_samples = train_valid_test_num_samples(
-        t.train_iters, t.train_samples, t.eval_interval, t.eval_iters, t.global_batch_size
+        t.train_iters, t.train_samples, ev.eval_interval, ev.eval_iters, t.global_batch_size
     )
     train_ds, valid_ds, _ = build_train_valid_test_datasets(
         cfg.data, build_tokenizer(cfg.tokenizer), num_samples
@@ -48,20 +109,17 @@ def _data_iterators(
             dataset, consumed, t.micro_batch_size, dp_rank, dp, cfg.data
         )
         it = iter(loader)
-        return (
-            PipelineBatches(it, use_mask, device)
-            if cfg.parallel.pipeline_model_parallel_size > 1
-            else it
-        )
+        pipeline = cfg.parallel.pipeline_model_parallel_size > 1
+        return PipelineBatches(it, use_mask, device) if pipeline else it
 
-    valid = None if valid_ds is None or t.eval_iters == 0 else batches(valid_ds, consumed_valid)
+    valid = None if valid_ds is None or ev.eval_iters == 0 else batches(valid_ds, consumed_valid)
     return batches(train_ds, consumed_train), valid
 
 
-def pretrain(argv: Sequence[str]) -> None:
-    cfg = parse_args(argv)
+def pretrain(cfg: RunConfig) -> TrainState:
+    """Run one training job as configured; returns where it stopped."""
     if cfg.checkpoint.load:
-        check_before_launch(cfg)
+        check_before_launch(cfg.checkpoint, cfg.model, cfg.parallel)
     prepare_process_environment(cfg.launch)
     setup_logging(cfg.launch.rank)
     backend = choose_backend(cfg.parallel.distributed_backend)
@@ -78,24 +136,41 @@ def pretrain(argv: Sequence[str]) -> None:
     )
     # DeepSpeed picks its accelerator when first imported: only after the environment is set.
     from pretrain.training.engine import build_engine
+    from pretrain.training.evaluator import Evaluator
     from pretrain.training.flops import flops_per_iteration, peak_tflops_per_device
-    from pretrain.training.logging import ScalarWriter
-    from pretrain.training.loop import Throughput, train
+    from pretrain.training.logging import MetricsLogger, ScalarWriter, Throughput
+    from pretrain.training.loop import train
 
     t, par = cfg.training, cfg.parallel
-    engine = build_engine(cfg)
-    ts, rng = load_checkpoint(cfg, engine) if cfg.checkpoint.load else (TrainState(), None)
+    engine = build_engine(
+        model_config=cfg.model,
+        parallel=par,
+        optimizer_config=cfg.optimizer,
+        schedule=cfg.schedule,
+        precision=cfg.precision,
+        global_batch_size=t.global_batch_size,
+        micro_batch_size=t.micro_batch_size,
+        num_microbatches=t.num_microbatches,
+        seed=t.seed,
+        user_json=cfg.deepspeed_json,
+    )
+    train_state, rng = (
+        load_checkpoint(cfg.checkpoint, engine) if cfg.checkpoint.load else (TrainState(), None)
+    )
     # The causal mask is built into attention; a mask tensor is only needed when documents are
     # kept apart (--reset-attention-mask).
     use_mask = cfg.data.reset_attention_mask
     train_batches, valid_batches = _data_iterators(
-        cfg, ts.consumed_train_samples, ts.consumed_valid_samples, use_mask, device
+        cfg,
+        train_state.consumed_train_samples,
+        train_state.consumed_valid_samples,
+        use_mask,
+        device,
     )
     if rng is not None:  # last: creating the loaders above draws from the torch generator
         restore_rng_state(rng)
 
     flops = flops_per_iteration(cfg.model, t.global_batch_size, engine.padded_vocab_size)
-    precision = "bf16" if t.bf16 else ("fp16" if t.fp16 else "fp32")
     logger.info(
         banner(
             tp=par.tensor_model_parallel_size,
@@ -111,33 +186,68 @@ def pretrain(argv: Sequence[str]) -> None:
             global_batch=t.global_batch_size,
             micro_batch=t.micro_batch_size,
             num_microbatches=t.num_microbatches,
-            precision=precision,
+            precision=cfg.precision.name,
             save=cfg.checkpoint.save,
             load=cfg.checkpoint.load,
             flops_per_iteration=flops,
             threads=torch.get_num_threads(),
         )
     )
-    if ts.iteration >= t.train_iters:
+    if train_state.iteration >= t.train_iters:
         logger.info(
-            f"checkpoint is at iteration {ts.iteration} >= --train-iters {t.train_iters}: nothing to do"
+            f"checkpoint is at iteration {train_state.iteration} >= --train-iters "
+            f"{t.train_iters}: nothing to do"
         )
+    log = cfg.logging
     writer = ScalarWriter(
         cfg.launch.rank,
-        cfg.logging.tensorboard_dir,
-        cfg.logging.wandb_project,
-        cfg.logging.wandb_exp_name,
-        cfg.logging.metrics_file,
+        log.tensorboard_dir,
+        log.wandb_project,
+        log.wandb_exp_name,
+        log.metrics_file,
         {"argv": list(cfg.argv)},
     )
-    throughput = Throughput(
-        t.global_batch_size * t.seq_length,
-        flops,
-        par.world_size,
-        peak_tflops_per_device(cfg.logging.peak_tflops),
+    metrics = MetricsLogger(
+        log,
+        writer,
+        Throughput(
+            tokens_per_iteration=t.global_batch_size * t.seq_length,
+            flops_per_iteration=flops,
+            world_size=par.world_size,
+            peak_tflops=peak_tflops_per_device(log.peak_tflops),
+        ),
+        train_iters=t.train_iters,
+        global_batch_size=t.global_batch_size,
+        skipped_steps_at_start=engine.skipped_steps,
+    )
+    evaluator = Evaluator(
+        cfg.evaluation,
+        valid_batches,
+        global_batch_size=t.global_batch_size,
+        num_microbatches=t.num_microbatches,
+        use_mask=use_mask,
+        device=device,
+        metrics=metrics,
+    )
+    checkpointer = Checkpointer(
+        cfg.checkpoint,
+        model=cfg.model,
+        parallel=par,
+        tokenizer=dataclasses.asdict(cfg.tokenizer),
+        run_record=_run_record(cfg),
     )
     try:
-        train(cfg, engine, ts, train_batches, valid_batches, writer, throughput, use_mask, device)
+        train(
+            t,
+            engine,
+            train_state,
+            train_batches,
+            metrics=metrics,
+            evaluator=evaluator,
+            checkpointer=checkpointer,
+            use_mask=use_mask,
+            device=device,
+        )
     finally:
         writer.close()
     torch.distributed.barrier()
@@ -146,10 +256,11 @@ def pretrain(argv: Sequence[str]) -> None:
     if owns_process_group:  # a caller that brought its own group may run again in this process
         torch.distributed.destroy_process_group()
     logger.info(
-        f"done: {ts.iteration} iterations, {ts.consumed_train_samples} samples"
+        f"done: {train_state.iteration} iterations, {train_state.consumed_train_samples} samples"
         + (
             f"; checkpoints in {os.path.abspath(cfg.checkpoint.save)}"
             if cfg.checkpoint.save
             else ""
         )
     )
+    return train_state

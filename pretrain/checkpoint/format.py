@@ -1,0 +1,131 @@
+"""File names, tags, `latest` and the metadata schema of a pretrain_gpt.py checkpoint.
+
+Layout (details in docs/CHECKPOINTS.md):
+
+    <save>/latest                                   "global_step<N>", written last (rename)
+    <save>/latest_checkpointed_iteration.txt        "<N>" (Megatron's name, same commit point)
+    <save>/global_step<N>/                          DeepSpeed's files for every rank
+    <save>/global_step<N>/rng_state_<rank>.pt       python/numpy/torch/CUDA/TP-dropout RNG per rank
+    <save>/global_step<N>/pretrain_meta.json        our metadata (`build_metadata`)
+
+Training (`pretrain.training.checkpointing`) writes it; the converters (`pretrain.convert`) read
+and write it. Both use this module only, so neither imports the other.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+
+import torch
+
+from pretrain.errors import UserError
+from pretrain.model.config import ModelConfig, shape_mismatches
+from pretrain.parallel.config import ParallelConfig
+
+FORMAT_VERSION = 1
+META_FILE = "pretrain_meta.json"
+LATEST_FILE = "latest"
+MEGATRON_LATEST_FILE = "latest_checkpointed_iteration.txt"
+_TAG = re.compile(r"^global_step(\d+)$")
+
+
+def tag_for(iteration: int) -> str:
+    """The folder name of the checkpoint at `iteration` (DeepSpeed's convention)."""
+    return f"global_step{iteration}"
+
+
+def available_tags(load_dir: str) -> list[str]:
+    """The global_step<N> folders in `load_dir`, oldest first."""
+    tags = [
+        d
+        for d in os.listdir(load_dir)
+        if _TAG.match(d) and os.path.isdir(os.path.join(load_dir, d))
+    ]
+    return sorted(tags, key=lambda t: int(_TAG.match(t).group(1)))
+
+
+def json_safe(value):
+    """`value` with torch dtypes as strings ("float32"), tuples as lists: storable as JSON."""
+    if isinstance(value, torch.dtype):
+        return str(value).replace("torch.", "")
+    if isinstance(value, list | tuple):
+        return [json_safe(v) for v in value]
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    return value
+
+
+def parallel_record(parallel: ParallelConfig, pipeline_engine: bool) -> dict:
+    """The layout a checkpoint was written at (its "parallel" entry)."""
+    return {
+        "tensor_model_parallel_size": parallel.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": parallel.pipeline_model_parallel_size,
+        "data_parallel_size": parallel.data_parallel_size,
+        "world_size": parallel.world_size,
+        "zero_stage": parallel.zero_stage,
+        "pipeline_engine": pipeline_engine,
+    }
+
+
+def build_metadata(
+    *,
+    iteration: int,
+    consumed_train_samples: int,
+    consumed_valid_samples: int,
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    pipeline_engine: bool,
+    tokenizer: dict,
+    **extra,
+) -> dict:
+    """The `pretrain_meta.json` of one checkpoint: the fields every reader relies on, plus
+    `extra` (the data/training settings and argv of a training run; `weights_only` and
+    `converted_from` of a converted checkpoint)."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "iteration": iteration,
+        "consumed_train_samples": consumed_train_samples,
+        "consumed_valid_samples": consumed_valid_samples,
+        "model": json_safe(dataclasses.asdict(model)),
+        "padded_vocab_size": model.padded_vocab_size(parallel.tensor_model_parallel_size),
+        "parallel": parallel_record(parallel, pipeline_engine),
+        "tokenizer": json_safe(tokenizer),
+        **json_safe(extra),
+    }
+
+
+def read_latest(load_dir: str) -> tuple[str, dict] | None:
+    """(tag, metadata) of the checkpoint `latest` names in `load_dir`, or None if there is none."""
+    path = os.path.join(load_dir, LATEST_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        tag = f.read().strip()
+    meta_path = os.path.join(load_dir, tag, META_FILE)
+    if not os.path.isfile(meta_path):
+        raise UserError(
+            f"{path} names {tag}, but {meta_path} is missing (not a checkpoint written by "
+            f"pretrain_gpt.py; point --load at one that is)"
+        )
+    with open(meta_path) as f:
+        return tag, json.load(f)
+
+
+def model_config_from_meta(model: dict) -> ModelConfig:
+    """The ModelConfig saved in `pretrain_meta.json` (its "model" entry)."""
+    values = {f.name: model[f.name] for f in dataclasses.fields(ModelConfig) if f.name in model}
+    if isinstance(values.get("params_dtype"), str):
+        values["params_dtype"] = getattr(torch, values["params_dtype"])
+    return ModelConfig(**values)
+
+
+def check_same_model(meta: dict, ours: ModelConfig, path: str) -> None:
+    """Refuse (one line) a checkpoint whose parameter shapes differ from the model `ours`."""
+    problems = shape_mismatches(model_config_from_meta(meta["model"]), ours)
+    if problems:
+        raise UserError(
+            f"--load {path}: the checkpoint has {problems[0]}; use the checkpoint's model flags"
+        )

@@ -1,0 +1,392 @@
+"""Megatron-LM command-line flags -> the configs of one training run (`RunConfig`).
+
+`parse_args(argv)` is the only place that sees argparse. `FLAGS` is the one table of training
+flags: each row gives the spellings, the argparse options and the config field the value fills
+(`"section.field"`; model rows take their flag from `ModelConfig`'s field metadata, so the model's
+field<->flag mapping exists once, in `pretrain/model/config.py`). Rows without a field are read by
+the few resolvers below, which derive values from several flags (batch arithmetic, the LR
+schedule in samples, GQA and RoPE spellings) and check what argparse cannot. Every failed check
+raises `UserError` with one line naming the flag(s), the values and the fix, before any process
+group exists.
+
+Flag spellings are Megatron-LM's. Megatron-DeepSpeed's spellings are accepted as aliases
+(`--num-key-value-heads`, `--normalization rmsnorm`, `--use-rotary-position-embeddings`,
+`--zero-stage`, `--no-pipeline-parallel`), as are DeepSpeed's own (`--deepspeed`,
+`--deepspeed_config`, `--local_rank`). Flags Megatron removed are refused with their new name.
+The data, sample-count and tokenizer flags are owned by `pretrain.data.config` and
+`pretrain.tokenizer` (the data tools share them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from pretrain.data.config import DataConfig, add_data_args, add_sample_count_args
+from pretrain.errors import UserError
+from pretrain.launch import detect_launch_env
+from pretrain.model.config import ModelConfig
+from pretrain.parallel.config import ParallelConfig
+from pretrain.tokenizer import TokenizerConfig, add_tokenizer_args, build_tokenizer
+from pretrain.training.checkpointing import CheckpointConfig
+from pretrain.training.deepspeed_config import (
+    PrecisionConfig,
+    check_user_config,
+    load_user_config,
+)
+from pretrain.training.evaluator import EvalConfig
+from pretrain.training.logging import LoggingConfig
+from pretrain.training.loop import TrainingConfig
+from pretrain.training.lr_schedule import LRScheduleConfig, spans_in_samples
+from pretrain.training.optimizer import OptimizerConfig
+from pretrain.training.run import RunConfig
+
+# Megatron removed these; say what replaced them instead of "unrecognized arguments".
+DEPRECATED_FLAGS = {
+    "--batch-size": "--micro-batch-size",
+    "--warmup": "--lr-warmup-fraction",
+    "--model-parallel-size": "--tensor-model-parallel-size",
+    "--checkpoint-activations": "--recompute-activations",
+}
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One row of the table: the flag's spellings, argparse options, and the field it fills."""
+
+    names: tuple[str, ...]
+    field: str | None
+    options: dict
+
+
+def _flag(*names: str, field: str | None = None, **options: Any) -> Flag:
+    return Flag(names, field, options)
+
+
+_MODEL_FLAGS = {f.name: f.metadata["flag"] for f in fields(ModelConfig)}
+
+
+def _model(field_name: str, *aliases: str, **options: Any) -> Flag:
+    """A row filling ModelConfig.`field_name`, spelled as the field's metadata says."""
+    return Flag((_MODEL_FLAGS[field_name], *aliases), f"model.{field_name}", options)
+
+
+def _normalization(value: str) -> str:
+    table = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
+    if value.lower() not in table:
+        raise argparse.ArgumentTypeError(f"{value!r} is not LayerNorm or RMSNorm")
+    return table[value.lower()]
+
+
+# fmt: off
+FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
+    ("model", (
+        _model("num_layers", type=int, help="transformer blocks (required)"),
+        _model("hidden_size", type=int, help="model width (required)"),
+        _model("ffn_hidden_size", type=int, help="MLP width [4*hidden; with --swiglu int(8h/3/64)*64]"),
+        _model("num_attention_heads", type=int, help="attention heads (required)"),
+        _model("kv_channels", type=int, help="per-head dimension [hidden / heads]"),
+        _flag("--group-query-attention", action="store_true", help="grouped-query attention (GQA)"),
+        _flag("--num-query-groups", type=int, help="key/value groups with --group-query-attention [1 = MQA]"),
+        _flag("--num-key-value-heads", type=int, help="Megatron-DeepSpeed spelling of GQA: number of key/value heads"),
+        _model("max_position_embeddings", type=int, help="[--seq-length]"),
+        _flag("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute"),
+        _flag("--use-rotary-position-embeddings", action="store_true", help="Megatron-DeepSpeed spelling of --position-embedding-type rope"),
+        _model("rotary_base", type=int, default=10000),
+        _model("normalization", type=_normalization, default="LayerNorm", help="LayerNorm | RMSNorm"),
+        _model("norm_epsilon", type=float, default=1e-5),
+        _model("swiglu", action="store_true", help="gated SiLU MLP (Llama)"),
+        _model("untie_embeddings_and_output_weights", action="store_true", help="separate LM head (default: tied to the input embedding)"),
+        _model("add_bias_linear", action="store_false", help="no biases in linear layers (Llama)"),
+        _model("attention_dropout", type=float, default=0.1),
+        _model("hidden_dropout", type=float, default=0.1),
+        _model("init_method_std", type=float, default=0.02),
+        _model("make_vocab_size_divisible_by", type=int, default=128, help="pad the vocabulary to a multiple of this times TP [128]"),
+        _model("recompute_activations", action="store_true", help="recompute each block's activations in backward (saves memory)"),
+    )),
+    ("parallelism", (
+        _flag("--tensor-model-parallel-size", field="parallel.tensor_model_parallel_size", type=int, default=1),
+        _flag("--pipeline-model-parallel-size", field="parallel.pipeline_model_parallel_size", type=int, default=1),
+        _flag("--no-pipeline-parallel", action="store_true", help="Megatron-DeepSpeed flag; PP=1 always runs without the pipeline engine"),
+        _flag("--zero-stage", type=int, choices=[0, 1, 2, 3], help="ZeRO stage over data-parallel ranks [0, or the stage in --deepspeed_config]"),
+        _flag("--cpu-offload", field="parallel.cpu_offload", action="store_true", help="keep optimizer state in CPU memory (ZeRO >= 1)"),
+        _flag("--distributed-backend", field="parallel.distributed_backend", choices=["nccl", "gloo"], help="[nccl with GPUs, gloo without]"),
+        _flag("--distributed-timeout-minutes", field="parallel.distributed_timeout_minutes", type=float, default=10.0, help="collectives that wait longer than this fail instead of hanging [10]"),
+        _flag("--deepspeed", action="store_true", help="accepted for Megatron-DeepSpeed scripts (always on)"),
+        _flag("--deepspeed_config", "--deepspeed-config", help="DeepSpeed JSON; must agree with the batch, precision and ZeRO flags"),
+        _flag("--local_rank", "--local-rank", type=int, help="set by the deepspeed launcher"),
+    )),
+    ("optimizer and schedule", (
+        _flag("--lr", field="schedule.lr", type=float, help="peak learning rate (required)"),
+        _flag("--min-lr", field="schedule.min_lr", type=float, default=0.0),
+        _flag("--lr-decay-style", field="schedule.decay_style", choices=["constant", "linear", "cosine"], default="linear"),
+        _flag("--lr-decay-iters", type=int, help="[--train-iters]"),
+        _flag("--lr-decay-samples", type=int, help="[--train-samples] (sample-based training)"),
+        _flag("--lr-warmup-iters", type=int, default=0),
+        _flag("--lr-warmup-samples", type=int, default=0),
+        _flag("--lr-warmup-fraction", type=float, help="warmup as a fraction of the decay span"),
+        _flag("--lr-warmup-init", field="schedule.warmup_init", type=float, default=0.0),
+        _flag("--weight-decay", field="optimizer.weight_decay", type=float, default=0.01),
+        _flag("--clip-grad", field="optimizer.clip_grad", type=float, default=1.0, help="global gradient-norm clip (0 = off)"),
+        _flag("--adam-beta1", field="optimizer.adam_beta1", type=float, default=0.9),
+        _flag("--adam-beta2", field="optimizer.adam_beta2", type=float, default=0.999),
+        _flag("--adam-eps", field="optimizer.adam_eps", type=float, default=1e-8),
+        _flag("--optimizer", choices=["adam"], default="adam", help="AdamW (decoupled weight decay)"),
+        _flag("--bf16", field="precision.bf16", action="store_true"),
+        _flag("--fp16", field="precision.fp16", action="store_true"),
+        _flag("--loss-scale", field="precision.loss_scale", type=float, help="static fp16 loss scale [dynamic]"),
+        _flag("--initial-loss-scale", field="precision.initial_loss_scale", type=float, default=2.0**32),
+        _flag("--min-loss-scale", field="precision.min_loss_scale", type=float, default=1.0),
+        _flag("--loss-scale-window", field="precision.loss_scale_window", type=int, default=1000),
+        _flag("--hysteresis", field="precision.hysteresis", type=int, default=2),
+        _flag("--exit-interval", field="training.exit_interval", type=int, help="save (with --save) and exit after this iteration"),
+        _flag("--exit-duration-in-mins", field="training.exit_duration_in_mins", type=float, help="save and exit after this many minutes"),
+    )),
+    ("checkpointing", (
+        _flag("--save", field="checkpoint.save", help="checkpoint directory to write"),
+        _flag("--save-interval", "--persistent-save-interval", field="checkpoint.save_interval", type=int),
+        _flag("--load", field="checkpoint.load", help="checkpoint directory to resume from (its `latest`)"),
+        _flag("--no-save-rng", field="checkpoint.no_save_rng", action="store_true", help="do not save per-rank RNG states"),
+        _flag("--no-load-optim", field="checkpoint.no_load_optim", action="store_true"),
+        _flag("--no-load-rng", field="checkpoint.no_load_rng", action="store_true"),
+        _flag("--finetune", field="checkpoint.finetune", action="store_true", help="load weights only: no optimizer, RNG or data position; iteration restarts at 0"),
+    )),
+    ("logging", (
+        _flag("--log-interval", field="logging.log_interval", type=int, default=100),
+        _flag("--tensorboard-dir", field="logging.tensorboard_dir"),
+        _flag("--tensorboard-log-interval", field="logging.tensorboard_log_interval", type=int, default=1, help="write training scalars to TensorBoard/wandb every N iterations [1]"),
+        _flag("--wandb-project", field="logging.wandb_project"),
+        _flag("--wandb-exp-name", field="logging.wandb_exp_name"),
+        _flag("--peak-tflops", field="logging.peak_tflops", type=float, help="peak TFLOP/s per device for MFU [a table of known GPUs; none on CPU]"),
+        _flag("--metrics-file", field="logging.metrics_file", help="append one JSON line per iteration (full-precision loss, grad norm, lr)"),
+        _flag("--log-throughput", action="store_true", help="accepted for Megatron scripts (always on)"),
+    )),
+)
+# fmt: on
+
+
+def _dest(row: Flag) -> str:
+    """Where argparse stores the row's value: the field path, or the flag's own name."""
+    if row.field is not None:
+        return row.field.replace(".", "__")
+    return row.names[0].lstrip("-").replace("-", "_")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is a UserError (one line, exit 2) rather than usage + SystemExit."""
+
+    def error(self, message: str):  # noqa: D102 (argparse API)
+        raise UserError(f"{message} (see `pretrain_gpt.py --help`)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The pretrain_gpt.py parser: the table's groups, then the sample-count, data and
+    tokenizer flags their modules own."""
+    parser = _Parser(
+        prog="pretrain_gpt.py",
+        allow_abbrev=False,
+        description="Pretrain a GPT (GPT-2 or Llama flavour) with Megatron-LM flags on "
+        "tensor parallelism + DeepSpeed pipeline parallelism and ZeRO.",
+    )
+    for title, rows in FLAGS:
+        group = parser.add_argument_group(title)
+        for row in rows:
+            group.add_argument(*row.names, dest=_dest(row), **row.options)
+    add_sample_count_args(parser)
+    add_data_args(parser)
+    add_tokenizer_args(parser)
+    return parser
+
+
+def _section(ns: argparse.Namespace, section: str) -> dict:
+    """{field: value} of every table row that fills a field of `section` directly."""
+    return {
+        row.field.split(".", 1)[1]: getattr(ns, _dest(row))
+        for _, rows in FLAGS
+        for row in rows
+        if row.field is not None and row.field.split(".", 1)[0] == section
+    }
+
+
+def _refuse_deprecated(argv: Sequence[str]) -> None:
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        if flag in DEPRECATED_FLAGS:
+            raise UserError(
+                f"{flag} was removed from Megatron-LM; use {DEPRECATED_FLAGS[flag]} instead"
+            )
+
+
+def _require(ns: argparse.Namespace, **dests_by_flag: str) -> None:
+    for flag, dest in dests_by_flag.items():
+        if getattr(ns, dest) is None:
+            raise UserError(f"{flag} is required")
+
+
+def _model_config(ns: argparse.Namespace, vocab_size: int) -> ModelConfig:
+    groups = None
+    if ns.num_key_value_heads is not None:
+        groups = ns.num_key_value_heads
+    elif ns.group_query_attention:
+        groups = ns.num_query_groups if ns.num_query_groups is not None else 1
+    rope = ns.use_rotary_position_embeddings or ns.position_embedding_type == "rope"
+    dtype = torch.bfloat16 if ns.precision__bf16 else None
+    dtype = torch.float16 if ns.precision__fp16 else dtype
+    return ModelConfig(
+        **_section(ns, "model"),
+        num_query_groups=groups,
+        position_embedding_type="rope" if rope else "learned_absolute",
+        vocab_size=vocab_size,
+        seq_length=ns.seq_length,
+        seed=ns.seed,
+        params_dtype=dtype or torch.float32,
+    )
+
+
+def _lr_schedule(ns: argparse.Namespace, gbs: int, train_samples: int) -> LRScheduleConfig:
+    decay, warmup = spans_in_samples(
+        train_iters=ns.train_iters,
+        train_samples=train_samples,
+        global_batch_size=gbs,
+        decay_iters=ns.lr_decay_iters,
+        decay_samples=ns.lr_decay_samples,
+        warmup_iters=ns.lr_warmup_iters,
+        warmup_samples=ns.lr_warmup_samples,
+        warmup_fraction=ns.lr_warmup_fraction,
+    )
+    return LRScheduleConfig(**_section(ns, "schedule"), decay_samples=decay, warmup_samples=warmup)
+
+
+def _check_data_files(data: DataConfig) -> None:
+    blends = [data.blend] if data.blend is not None else list(data.blend_per_split or [])
+    prefixes = [prefix for blend in blends if blend is not None for prefix in blend[0]]
+    for prefix in prefixes:
+        for ext in (".bin", ".idx"):
+            if not os.path.isfile(prefix + ext):
+                raise UserError(
+                    f"data prefix {prefix}: {prefix + ext} does not exist (run "
+                    f"tools/preprocess_data.py, or fix --data-path)"
+                )
+
+
+def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
+    """Flags (and the launcher's environment) -> a validated `RunConfig`, or one UserError."""
+    argv = list(argv)
+    _refuse_deprecated(argv)
+    ns = build_parser().parse_args(argv)
+    _require(
+        ns,
+        **{
+            "--num-layers": "model__num_layers",
+            "--hidden-size": "model__hidden_size",
+            "--num-attention-heads": "model__num_attention_heads",
+            "--micro-batch-size": "micro_batch_size",
+            "--seq-length": "seq_length",
+            "--lr": "schedule__lr",
+        },
+    )
+    launch = detect_launch_env(env, ns.local_rank)
+    parallel_flags = _section(ns, "parallel")
+    ParallelConfig(**parallel_flags, world_size=launch.world_size)  # the layout check, first
+    tp, pp = ns.parallel__tensor_model_parallel_size, ns.parallel__pipeline_model_parallel_size
+    dp = launch.world_size // (tp * pp)
+    if ns.no_pipeline_parallel and pp > 1:
+        raise UserError(
+            f"--no-pipeline-parallel contradicts --pipeline-model-parallel-size {pp} (drop one)"
+        )
+
+    mbs = ns.micro_batch_size
+    gbs = ns.global_batch_size if ns.global_batch_size is not None else mbs * dp
+    if gbs % (mbs * dp):
+        raise UserError(
+            f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x "
+            f"data-parallel size {dp} = {mbs * dp} (with world {launch.world_size} = TP {tp} x "
+            f"PP {pp} x DP {dp}; use a global batch that is a multiple of {mbs * dp})"
+        )
+    if (ns.train_iters is None) == (ns.train_samples is None):
+        raise UserError("give exactly one of --train-iters and --train-samples")
+    precision = PrecisionConfig(**_section(ns, "precision"))
+    if precision.bf16 and precision.fp16:
+        raise UserError("--bf16 and --fp16 are exclusive (keep one)")
+    if precision.fp16 and not torch.cuda.is_available():
+        raise UserError(
+            "--fp16 needs a GPU (DeepSpeed has no fp16 on CPU); use --bf16 or fp32 on CPU"
+        )
+    if ns.schedule__min_lr > ns.schedule__lr:
+        raise UserError(
+            f"--min-lr {ns.schedule__min_lr} is larger than --lr {ns.schedule__lr} (lower --min-lr)"
+        )
+
+    ds_json = None
+    if ns.deepspeed_config:
+        ds_json = load_user_config(ns.deepspeed_config)
+        zero = check_user_config(
+            ds_json,
+            ns.deepspeed_config,
+            global_batch_size=gbs,
+            micro_batch_size=mbs,
+            data_parallel_size=dp,
+            precision=precision,
+            clip_grad=ns.optimizer__clip_grad,
+            zero_stage_flag=ns.zero_stage,
+        )
+    else:
+        zero = ns.zero_stage if ns.zero_stage is not None else 0
+    if pp > 1 and zero > 1:
+        raise UserError(
+            f"--zero-stage {zero} with --pipeline-model-parallel-size {pp}: DeepSpeed's pipeline "
+            f"engine supports ZeRO 0 and 1 only (use --zero-stage 1, or PP=1 for ZeRO-2/3)"
+        )
+    parallel = ParallelConfig(**parallel_flags, world_size=launch.world_size, zero_stage=zero)
+    if parallel.cpu_offload and zero == 0:
+        raise UserError("--cpu-offload needs ZeRO (add --zero-stage 1, 2 or 3)")
+    checkpoint = CheckpointConfig(**_section(ns, "checkpoint"))
+    if checkpoint.save is not None and checkpoint.save_interval is None:
+        if ns.training__exit_interval is None:
+            raise UserError(
+                "--save needs --save-interval (or --exit-interval to save once at exit)"
+            )
+    if checkpoint.finetune and checkpoint.load is None:
+        raise UserError("--finetune needs --load (the checkpoint to start from)")
+
+    train_iters = ns.train_iters if ns.train_iters is not None else ns.train_samples // gbs
+    train_samples = ns.train_samples if ns.train_samples is not None else train_iters * gbs
+    schedule = _lr_schedule(ns, gbs, train_samples)
+
+    tokenizer = TokenizerConfig.from_args(ns)
+    # building the tokenizer checks its files and gives the true vocabulary size
+    model = _model_config(ns, build_tokenizer(tokenizer).vocab_size)
+    model.validate(tp, pp)
+    data = DataConfig.from_args(ns)
+    _check_data_files(data)
+
+    return RunConfig(
+        model=model,
+        parallel=parallel,
+        training=TrainingConfig(
+            **_section(ns, "training"),
+            micro_batch_size=mbs,
+            global_batch_size=gbs,
+            num_microbatches=gbs // (mbs * dp),
+            train_iters=train_iters,
+            train_samples=ns.train_samples,
+            seq_length=ns.seq_length,
+            seed=ns.seed,
+        ),
+        schedule=schedule,
+        optimizer=OptimizerConfig(**_section(ns, "optimizer")),
+        precision=precision,
+        evaluation=EvalConfig(eval_interval=ns.eval_interval, eval_iters=ns.eval_iters),
+        data=data,
+        tokenizer=tokenizer,
+        checkpoint=checkpoint,
+        logging=LoggingConfig(**_section(ns, "logging")),
+        launch=launch,
+        deepspeed_json=ds_json,
+        argv=tuple(argv),
+    )

@@ -1,0 +1,58 @@
+"""`ParallelConfig`: how the ranks of a job split into tensor, pipeline and data parallelism.
+
+The one place that checks that a world size splits into TP x PP x DP; the argument parser,
+`initialize_model_parallel` and the tests all go through `check_world_divisible`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pretrain.errors import UserError
+
+
+def check_world_divisible(world_size: int, tp: int, pp: int) -> None:
+    """Raise a UserError unless `world_size` splits into tp x pp x dp."""
+    if tp < 1 or pp < 1:
+        raise UserError(
+            f"--tensor-model-parallel-size ({tp}) and --pipeline-model-parallel-size ({pp}) must "
+            f"be >= 1"
+        )
+    if world_size % (tp * pp) != 0:
+        raise UserError(
+            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp} = {tp * pp} (launch a multiple of {tp * pp} "
+            f"ranks, or change the parallel sizes)"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    """The parallel layout of one run; checked on construction."""
+
+    tensor_model_parallel_size: int = 1
+    """TP: ranks that split every layer's weights."""
+    pipeline_model_parallel_size: int = 1
+    """PP: ranks that each hold a contiguous block of layers."""
+    world_size: int = 1
+    """Ranks in the job; DP = world / (TP x PP)."""
+    zero_stage: int = 0
+    """DeepSpeed ZeRO stage (0-3), sharding over the data-parallel ranks."""
+    cpu_offload: bool = False
+    """Keep optimizer state in CPU memory (ZeRO >= 1)."""
+    distributed_backend: str | None = None
+    """"nccl" or "gloo"; None picks nccl with GPUs, gloo without."""
+    distributed_timeout_minutes: float = 10.0
+    """Collectives that wait longer than this fail instead of hanging."""
+
+    def __post_init__(self) -> None:
+        check_world_divisible(
+            self.world_size, self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        )
+
+    @property
+    def data_parallel_size(self) -> int:
+        """DP: model replicas, each fed its own slice of every global batch."""
+        return self.world_size // (
+            self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        )

@@ -1,0 +1,98 @@
+"""One training iteration and one evaluation pass over the global batch.
+
+The loss of an iteration is Megatron's: each micro-batch's masked mean over its tokens, averaged
+over the micro-batches of every data-parallel rank. With a fixed micro-batch size the global
+batch is cut into the same micro-batches at every layout, so the loss and the gradients do not
+depend on TP/PP/DP/ZeRO.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from pretrain.model.loss import masked_mean_loss
+from pretrain.parallel import state
+
+if TYPE_CHECKING:  # imports deepspeed, which must wait for the launch environment
+    from pretrain.training.engine import Engine
+
+
+class PipelineBatches:
+    """Loader dicts -> DeepSpeed pipeline items ((tokens, position_ids[, mask]), (labels, loss_mask))."""
+
+    def __init__(self, batches: Iterator[dict], use_mask: bool, device: torch.device):
+        self.batches, self.use_mask, self.device = batches, use_mask, device
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self.batches)
+        inputs = (batch["tokens"], batch["position_ids"]) + (
+            (batch["attention_mask"],) if self.use_mask else ()
+        )
+        return (
+            tuple(x.to(self.device) for x in inputs),
+            (batch["labels"].to(self.device), batch["loss_mask"].to(self.device)),
+        )
+
+
+def _micro_batch_loss(
+    engine: Engine, batch: dict, use_mask: bool, device: torch.device
+) -> torch.Tensor:
+    per_token = engine.ds(
+        batch["tokens"].to(device),
+        position_ids=batch["position_ids"].to(device),
+        attention_mask=batch["attention_mask"].to(device) if use_mask else None,
+        labels=batch["labels"].to(device),
+    )
+    return masked_mean_loss(per_token, batch["loss_mask"].to(device))
+
+
+def _dp_mean(value: torch.Tensor) -> torch.Tensor:
+    if state.get_data_parallel_world_size() > 1:
+        torch.distributed.all_reduce(value, group=state.get_data_parallel_group())
+        value /= state.get_data_parallel_world_size()
+    return value
+
+
+def train_step(
+    engine: Engine, batches, num_microbatches: int, use_mask: bool, device: torch.device
+) -> float:
+    """Forward/backward over the global batch and one optimizer step; returns the iteration's loss."""
+    if engine.pipeline:
+        return float(engine.ds.train_batch(data_iter=batches))
+    losses = []
+    for _ in range(num_microbatches):
+        loss = _micro_batch_loss(engine, next(batches), use_mask, device)
+        engine.ds.backward(loss)
+        engine.ds.step()  # DeepSpeed steps the optimizer at the last micro-batch only
+        losses.append(loss.detach())
+    return float(_dp_mean(torch.stack(losses).mean()))
+
+
+@torch.no_grad()
+def evaluation_loss(
+    engine: Engine,
+    batches,
+    eval_iters: int,
+    num_microbatches: int,
+    use_mask: bool,
+    device: torch.device,
+) -> float:
+    """Mean loss over `eval_iters` global batches, without gradients or optimizer steps."""
+    if engine.pipeline:
+        losses = [float(engine.ds.eval_batch(data_iter=batches)) for _ in range(eval_iters)]
+        return sum(losses) / len(losses)
+    engine.ds.eval()
+    try:
+        losses = [
+            _micro_batch_loss(engine, next(batches), use_mask, device)
+            for _ in range(eval_iters * num_microbatches)
+        ]
+    finally:
+        engine.ds.train()
+    return float(_dp_mean(torch.stack(losses).mean()))

@@ -1,0 +1,87 @@
+"""The package's layers point one way (docs/ARCHITECTURE.md): no module imports a higher layer,
+the converters never import training code, and `import pretrain.convert` stays light."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Bottom up; a module may import its own layer and the layers below it.
+LAYERS = [
+    {"pretrain.errors", "pretrain.atomic", "pretrain.testing_hooks", "pretrain.launch"},
+    {"pretrain.parallel", "pretrain.tokenizer"},
+    {"pretrain.data", "pretrain.model"},
+    {"pretrain.checkpoint"},
+    {"pretrain.training", "pretrain.convert"},
+    {"pretrain.cli"},
+]
+# Same layer, still never: the converters read checkpoints through pretrain.checkpoint only.
+FORBIDDEN = {("pretrain.convert", "pretrain.training"), ("pretrain.training", "pretrain.convert")}
+
+
+def component(module: str) -> str:
+    """`pretrain.training.loop` -> `pretrain.training` (the unit the layer table names)."""
+    return ".".join(module.split(".")[:2])
+
+
+def layer_of(module: str) -> int:
+    name = component(module)
+    for level, members in enumerate(LAYERS):
+        if name in members:
+            return level
+    raise AssertionError(f"{module} is in no layer: add it to LAYERS and docs/ARCHITECTURE.md")
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every `pretrain` import in a file, including function-level ones."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            if node.module == "pretrain":  # from pretrain import errors
+                found += [(node.lineno, f"pretrain.{a.name}") for a in node.names]
+            elif node.module.startswith("pretrain."):
+                found.append((node.lineno, node.module))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.startswith("pretrain")]
+    return found
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_module_imports_a_higher_layer():
+    violations = []
+    for path in sorted((REPO / "pretrain").rglob("*.py")):
+        me = module_name(path)
+        for line, target in imports(path):
+            if layer_of(target) > layer_of(me) or (component(me), component(target)) in FORBIDDEN:
+                violations.append(f"{path.relative_to(REPO)}:{line}: {me} imports {target}")
+    assert not violations, "\n".join(violations)
+
+
+def test_the_checker_sees_an_upward_import(tmp_path):
+    """The rule above is not vacuous: a data module importing the CLI is caught."""
+    bad = tmp_path / "bad.py"
+    bad.write_text("def f():\n    from pretrain.cli import parse_args\n")
+    assert imports(bad) == [(2, "pretrain.cli")]
+    assert layer_of("pretrain.cli") > layer_of("pretrain.data.builder")
+
+
+def test_importing_the_converters_loads_neither_deepspeed_nor_the_cli():
+    modules = [module_name(p) for p in sorted((REPO / "pretrain" / "convert").glob("*.py"))]
+    code = (
+        "import sys\n"
+        + "".join(f"import {m}\n" for m in modules)
+        + "print(sorted(m for m in sys.modules if m == 'deepspeed' or m.startswith('pretrain.')))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    loaded = eval(out.stdout.strip().splitlines()[-1])
+    assert "deepspeed" not in loaded
+    assert not [m for m in loaded if m.startswith(("pretrain.cli", "pretrain.training"))], loaded
