@@ -198,11 +198,12 @@ def torchrun_cmd(nproc: int, args: list[str], *extra: str) -> list[str]:
 
 
 def read_metrics(path: Path) -> dict[int, dict]:
-    """iteration -> metrics; a later line for the same iteration (a resumed run) replaces an earlier one."""
+    """iteration -> metrics, the training and evaluation lines of an iteration merged; a later
+    value for the same iteration and key (a resumed run) replaces an earlier one."""
     out = {}
     for line in Path(path).read_text().splitlines():
         record = json.loads(line)
-        out[record["iteration"]] = record
+        out.setdefault(record["iteration"], {}).update(record)
     return out
 
 

@@ -1,4 +1,10 @@
-"""When and how to evaluate on the validation split during training (Megatron's schedule)."""
+"""When and how to evaluate during and after training (Megatron's schedule and log lines).
+
+During training: `eval_iters` validation batches after every `eval_interval` iterations. After a
+run that reached --train-iters (not an early exit): one more validation pass and, when the test
+split exists, one test pass, printed "... at iteration N on validation set" / "on test set"
+exactly as Megatron-LM prints them.
+"""
 
 from __future__ import annotations
 
@@ -26,12 +32,13 @@ class EvalConfig:
 
 
 class Evaluator:
-    """Runs `eval_iters` validation batches every `eval_interval` iterations and logs the loss."""
+    """Runs and logs the validation (and, at the end, test) passes; `should_evaluate` says when."""
 
     def __init__(
         self,
         config: EvalConfig,
-        batches,
+        valid_batches,
+        test_batches,
         *,
         global_batch_size: int,
         num_microbatches: int,
@@ -39,28 +46,42 @@ class Evaluator:
         device: torch.device,
         metrics: MetricsLogger,
     ):
-        self.config, self.batches, self.metrics = config, batches, metrics
+        self.config, self.metrics = config, metrics
+        self.valid_batches, self.test_batches = valid_batches, test_batches
         self.global_batch_size, self.num_microbatches = global_batch_size, num_microbatches
         self.use_mask, self.device = use_mask, device
 
     def should_evaluate(self, iteration: int) -> bool:
         """True after the iterations at which Megatron evaluates (and only if there is data)."""
         return (
-            self.batches is not None
+            self.valid_batches is not None
             and self.config.eval_iters > 0
             and iteration % self.config.eval_interval == 0
         )
 
-    def evaluate(self, engine: Engine, train_state: TrainState) -> float:
-        """One evaluation; advances the consumed validation samples and logs the loss."""
-        loss = evaluation_loss(
+    def _loss(self, engine: Engine, batches) -> float:
+        return evaluation_loss(
             engine,
-            self.batches,
+            batches,
             self.config.eval_iters,
             self.num_microbatches,
             self.use_mask,
             self.device,
         )
+
+    def evaluate(self, engine: Engine, train_state: TrainState, where: str = "") -> float:
+        """One validation pass; advances the consumed validation samples and logs the loss."""
+        loss = self._loss(engine, self.valid_batches)
         train_state.consumed_valid_samples += self.config.eval_iters * self.global_batch_size
-        self.metrics.log_validation(train_state.iteration, loss)
+        self.metrics.log_validation(train_state.iteration, loss, where)
         return loss
+
+    def evaluate_at_end(self, engine: Engine, train_state: TrainState) -> None:
+        """Megatron's passes after the last iteration: validation, then test if it exists."""
+        if self.config.eval_iters == 0:
+            return
+        if self.valid_batches is not None:
+            self.evaluate(engine, train_state, " on validation set")
+        if self.test_batches is not None:
+            loss = self._loss(engine, self.test_batches)
+            self.metrics.log_validation(train_state.iteration, loss, " on test set", split="test")

@@ -111,11 +111,15 @@ def format_iteration_line(s: IterationStats) -> str:
     return line
 
 
-def format_eval_line(iteration: int, loss: float) -> str:
-    """Megatron-LM's validation block (loss and perplexity between two rules)."""
+def format_eval_line(iteration: int, loss: float, where: str = "") -> str:
+    """Megatron-LM's evaluation block: loss and perplexity between two rules one longer than
+    the line; `where` is "", " on validation set" or " on test set"."""
     ppl = math.exp(min(20.0, loss))
-    text = f" validation loss at iteration {iteration} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
-    bar = "-" * len(text)
+    text = (
+        f" validation loss at iteration {iteration}{where} | lm loss value: {loss:.6E} | "
+        f"lm loss PPL: {ppl:.6E} | "
+    )
+    bar = "-" * (len(text) + 1)
     return f"{bar}\n{text}\n{bar}"
 
 
@@ -298,10 +302,12 @@ class MetricsLogger:
         self._skipped_before = skipped_steps
         self._reset_interval()
 
-    def log_validation(self, iteration: int, loss: float) -> None:
-        """Record and print one evaluation's loss and perplexity."""
+    def log_validation(
+        self, iteration: int, loss: float, where: str = "", split: str = "validation"
+    ) -> None:
+        """Record and print one evaluation's loss and perplexity (`split`: validation or test)."""
         self.writer.write(
             iteration,
-            {"validation-loss": loss, "validation-ppl": math.exp(min(20.0, loss))},
+            {f"{split}-loss": loss, f"{split}-ppl": math.exp(min(20.0, loss))},
         )
-        logger.info(format_eval_line(iteration, loss))
+        logger.info(format_eval_line(iteration, loss, where))

@@ -74,11 +74,13 @@ def train(
     checkpointer: Checkpointer,
     use_mask: bool,
     device: torch.device,
-) -> TrainState:
-    """Train from `train_state` to --train-iters (or an early exit); save at the end."""
+) -> bool:
+    """Train from `train_state` to --train-iters (or an early exit); save at the end.
+
+    Returns True when --train-iters was reached, False after an early exit (Megatron runs its
+    final evaluation only in the first case)."""
     started = time.monotonic()
     while train_state.iteration < config.train_iters:
-        learning_rate = engine.learning_rate()
         step_start = time.perf_counter()
         loss = train_step(engine, train_batches, config.num_microbatches, use_mask, device)
         seconds = time.perf_counter() - step_start
@@ -89,7 +91,7 @@ def train(
             consumed_samples=train_state.consumed_train_samples,
             loss=loss,
             seconds=seconds,
-            learning_rate=learning_rate,
+            learning_rate=engine.learning_rate(),  # after the step, as Megatron logs it
             grad_norm=engine.grad_norm(),
             loss_scale=engine.loss_scale(),
             skipped_steps=engine.skipped_steps,
@@ -104,6 +106,6 @@ def train(
                 f"exiting after iteration {train_state.iteration} (--exit-interval / "
                 f"--exit-duration-in-mins)"
             )
-            return train_state
+            return False
     checkpointer.save_if_unsaved(engine, train_state)
-    return train_state
+    return True

@@ -92,14 +92,15 @@ def _run_record(cfg: RunConfig) -> dict:
 def _data_iterators(
     cfg: RunConfig, consumed_train: int, consumed_valid: int, use_mask: bool, device: torch.device
 ):
-    """(train batches, valid batches or None), positioned after the consumed samples."""
+    """(train, valid, test) batch iterators, valid/test None when absent or --eval-iters 0;
+    train and valid positioned after the consumed samples."""
     from pretrain.training.step import PipelineBatches
 
     t, ev = cfg.training, cfg.evaluation
     num_samples = train_valid_test_num_samples(
         t.train_iters, t.train_samples, ev.eval_interval, ev.eval_iters, t.global_batch_size
     )
-    train_ds, valid_ds, _ = build_train_valid_test_datasets(
+    train_ds, valid_ds, test_ds = build_train_valid_test_datasets(
         cfg.data, build_tokenizer(cfg.tokenizer), num_samples
     )
     dp_rank, dp = state.get_data_parallel_rank(), state.get_data_parallel_world_size()
@@ -112,8 +113,14 @@ def _data_iterators(
         pipeline = cfg.parallel.pipeline_model_parallel_size > 1
         return PipelineBatches(it, use_mask, device) if pipeline else it
 
-    valid = None if valid_ds is None or ev.eval_iters == 0 else batches(valid_ds, consumed_valid)
-    return batches(train_ds, consumed_train), valid
+    def optional(dataset, consumed):
+        return None if dataset is None or ev.eval_iters == 0 else batches(dataset, consumed)
+
+    return (
+        batches(train_ds, consumed_train),
+        optional(valid_ds, consumed_valid),
+        optional(test_ds, 0),
+    )
 
 
 def pretrain(cfg: RunConfig) -> TrainState:
@@ -160,7 +167,7 @@ def pretrain(cfg: RunConfig) -> TrainState:
     # The causal mask is built into attention; a mask tensor is only needed when documents are
     # kept apart (--reset-attention-mask).
     use_mask = cfg.data.reset_attention_mask
-    train_batches, valid_batches = _data_iterators(
+    train_batches, valid_batches, test_batches = _data_iterators(
         cfg,
         train_state.consumed_train_samples,
         train_state.consumed_valid_samples,
@@ -223,6 +230,7 @@ def pretrain(cfg: RunConfig) -> TrainState:
     evaluator = Evaluator(
         cfg.evaluation,
         valid_batches,
+        test_batches,
         global_batch_size=t.global_batch_size,
         num_microbatches=t.num_microbatches,
         use_mask=use_mask,
@@ -237,7 +245,7 @@ def pretrain(cfg: RunConfig) -> TrainState:
         run_record=_run_record(cfg),
     )
     try:
-        train(
+        completed = train(
             t,
             engine,
             train_state,
@@ -248,6 +256,8 @@ def pretrain(cfg: RunConfig) -> TrainState:
             use_mask=use_mask,
             device=device,
         )
+        if completed:
+            evaluator.evaluate_at_end(engine, train_state)
     finally:
         writer.close()
     torch.distributed.barrier()
