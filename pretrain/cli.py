@@ -95,7 +95,7 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _flag("--num-query-groups", type=int, help="key/value groups with --group-query-attention [1 = MQA]"),
         _flag("--num-key-value-heads", type=int, help="Megatron-DeepSpeed spelling of GQA: number of key/value heads"),
         _model("max_position_embeddings", type=int, help="[--seq-length]"),
-        _flag("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute"),
+        _flag("--position-embedding-type", choices=["learned_absolute", "rope"], help="[learned_absolute]"),
         _flag("--use-rotary-position-embeddings", action="store_true", help="Megatron-DeepSpeed spelling of --position-embedding-type rope"),
         _model("rotary_base", type=int, default=10000),
         _model("normalization", type=_normalization, default="LayerNorm", help="LayerNorm | RMSNorm"),
@@ -166,6 +166,19 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _flag("--metrics-file", field="logging.metrics_file", help="append one JSON line per iteration (full-precision loss, grad norm, lr)"),
         _flag("--log-throughput", action="store_true", help="accepted for Megatron scripts (always on)"),
     )),
+    ("Megatron script compatibility (accepted; the behaviour is fixed here)", (
+        _flag("--use-distributed-optimizer", action="store_true", help="shard the optimizer state over data-parallel ranks: ZeRO-1 unless --zero-stage says more"),
+        _flag("--use-flash-attn", action="store_true", help="no-op: attention is torch SDPA, which picks flash attention on GPUs by itself"),
+        _flag("--use-mcore-models", action="store_true", help="no-op: the model is always this project's megatron-core-style GPT"),
+        _flag("--data-impl", choices=["mmap"], help="no-op: the mmap .bin/.idx format is the only one (Megatron-DeepSpeed scripts pass mmap)"),
+        _flag("--no-masked-softmax-fusion", action="store_true", help="no-op: no fused softmax kernel (SDPA); same numerics"),
+        _flag("--no-bias-gelu-fusion", action="store_true", help="no-op: no fused bias+GeLU kernel; same numerics"),
+        _flag("--no-bias-swiglu-fusion", action="store_true", help="no-op: no fused bias+SwiGLU kernel; same numerics"),
+        _flag("--no-bias-dropout-fusion", action="store_true", help="no-op: no fused bias+dropout kernel; same numerics"),
+        _flag("--no-rope-fusion", action="store_true", help="no-op: no fused RoPE kernel; same numerics"),
+        _flag("--no-gradient-accumulation-fusion", action="store_true", help="no-op: gradients accumulate in the parameters' .grad (no fused wgrad kernel)"),
+        _flag("--no-persist-layer-norm", action="store_true", help="no-op: torch LayerNorm/RMSNorm"),
+    )),
 )
 # fmt: on
 
@@ -228,19 +241,44 @@ def _require(ns: argparse.Namespace, **dests_by_flag: str) -> None:
             raise UserError(f"{flag} is required")
 
 
+def _query_groups(ns: argparse.Namespace) -> int | None:
+    """GQA from Megatron's or Megatron-DeepSpeed's spelling; two spellings must agree."""
+    megatron = None
+    if ns.group_query_attention:
+        megatron = ns.num_query_groups if ns.num_query_groups is not None else 1
+    elif ns.num_query_groups is not None and ns.num_key_value_heads is None:
+        raise UserError(
+            f"--num-query-groups {ns.num_query_groups} has no effect without "
+            f"--group-query-attention (add it, as Megatron requires)"
+        )
+    deepspeed = ns.num_key_value_heads
+    if megatron is not None and deepspeed is not None and megatron != deepspeed:
+        raise UserError(
+            f"--num-key-value-heads {deepspeed} disagrees with --group-query-attention "
+            f"--num-query-groups {megatron} (give one spelling, or the same number)"
+        )
+    return deepspeed if deepspeed is not None else megatron
+
+
+def _position_embedding_type(ns: argparse.Namespace) -> str:
+    """--position-embedding-type, or rope from Megatron-DeepSpeed's flag; they must agree."""
+    if ns.use_rotary_position_embeddings:
+        if ns.position_embedding_type not in (None, "rope"):
+            raise UserError(
+                f"--use-rotary-position-embeddings contradicts --position-embedding-type "
+                f"{ns.position_embedding_type} (drop one)"
+            )
+        return "rope"
+    return ns.position_embedding_type or "learned_absolute"
+
+
 def _model_config(ns: argparse.Namespace, vocab_size: int) -> ModelConfig:
-    groups = None
-    if ns.num_key_value_heads is not None:
-        groups = ns.num_key_value_heads
-    elif ns.group_query_attention:
-        groups = ns.num_query_groups if ns.num_query_groups is not None else 1
-    rope = ns.use_rotary_position_embeddings or ns.position_embedding_type == "rope"
     dtype = torch.bfloat16 if ns.precision__bf16 else None
     dtype = torch.float16 if ns.precision__fp16 else dtype
     return ModelConfig(
         **_section(ns, "model"),
-        num_query_groups=groups,
-        position_embedding_type="rope" if rope else "learned_absolute",
+        num_query_groups=_query_groups(ns),
+        position_embedding_type=_position_embedding_type(ns),
         vocab_size=vocab_size,
         seq_length=ns.seq_length,
         seed=ns.seed,
@@ -337,6 +375,13 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
         )
     else:
         zero = ns.zero_stage if ns.zero_stage is not None else 0
+    if ns.use_distributed_optimizer:
+        if ns.zero_stage == 0:
+            raise UserError(
+                "--use-distributed-optimizer shards the optimizer state (ZeRO-1) but --zero-stage "
+                "is 0 (drop one)"
+            )
+        zero = max(zero, 1)
     if pp > 1 and zero > 1:
         raise UserError(
             f"--zero-stage {zero} with --pipeline-model-parallel-size {pp}: DeepSpeed's pipeline "

@@ -346,3 +346,60 @@ def test_cpu_threads_default_to_cores_per_rank():
     finally:
         torch.set_num_threads(before)
     assert kept["OMP_NUM_THREADS"] == "3"  # a user's setting wins
+
+
+def test_megatron_script_flags_are_accepted_with_their_meaning(corpus):
+    compat = [
+        "--use-flash-attn",
+        "--use-mcore-models",
+        "--data-impl",
+        "mmap",
+        "--no-masked-softmax-fusion",
+        "--no-bias-gelu-fusion",
+        "--no-bias-swiglu-fusion",
+        "--no-bias-dropout-fusion",
+        "--no-rope-fusion",
+        "--no-gradient-accumulation-fusion",
+        "--no-persist-layer-norm",
+    ]
+    assert parse_args(_args(corpus, *compat), env=ONE_RANK).parallel.zero_stage == 0
+    # Megatron's distributed optimizer shards the optimizer state over DP: ZeRO-1
+    dist_opt = parse_args(_args(corpus, "--use-distributed-optimizer"), env=_world(2))
+    assert dist_opt.parallel.zero_stage == 1
+    more = _args(corpus, "--use-distributed-optimizer", "--zero-stage", "2")
+    assert parse_args(more, env=_world(2)).parallel.zero_stage == 2
+    with pytest.raises(UserError, match="--use-distributed-optimizer .* --zero-stage is 0"):
+        parse_args(_args(corpus, "--use-distributed-optimizer", "--zero-stage", "0"), env=ONE_RANK)
+    with pytest.raises(UserError, match="--data-impl: invalid choice: 'lazy'"):
+        parse_args(_args(corpus, "--data-impl", "lazy"), env=ONE_RANK)
+
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        (["--num-key-value-heads", "2", "--group-query-attention", "--num-query-groups", "1"],
+         ["--num-key-value-heads 2 disagrees", "--num-query-groups 1"]),
+        (["--num-query-groups", "2"], ["--num-query-groups 2 has no effect without --group-query-attention"]),
+        (["--use-rotary-position-embeddings", "--position-embedding-type", "learned_absolute"],
+         ["--use-rotary-position-embeddings contradicts --position-embedding-type learned_absolute"]),
+    ],
+)  # fmt: skip
+def test_two_spellings_that_disagree_are_refused(corpus, extra, words):
+    with pytest.raises(UserError) as err:
+        parse_args(_args(corpus, *extra), env=ONE_RANK)
+    assert all(w in str(err.value) for w in words), str(err.value)
+    same = ["--num-key-value-heads", "2", "--group-query-attention", "--num-query-groups", "2"]
+    assert parse_args(_args(corpus, *same), env=ONE_RANK).model.num_query_groups == 2
+
+
+def test_fp16_loss_scale_flags_and_deepspeed_json_must_agree():
+    from pretrain.training.deepspeed_config import PrecisionConfig, check_user_config
+
+    sizes = dict(global_batch_size=8, micro_batch_size=2, data_parallel_size=1, clip_grad=1.0)
+    fp16 = PrecisionConfig(fp16=True, loss_scale_window=500)
+    ds = {"fp16": {"enabled": True, "loss_scale_window": 1000}}
+    with pytest.raises(UserError) as err:
+        check_user_config(ds, "ds.json", precision=fp16, zero_stage_flag=None, **sizes)
+    assert "fp16.loss_scale_window=1000 but --loss-scale-window is 500" in str(err.value)
+    agree = {"fp16": {"enabled": True, "loss_scale_window": 500, "initial_scale_power": 32}}
+    assert check_user_config(agree, "ds.json", precision=fp16, zero_stage_flag=None, **sizes) == 0

@@ -63,7 +63,6 @@ def test_tool_builds_caches_from_a_training_command_line(tmp_path, monkeypatch):
         "--bf16",
         "--tensor-model-parallel-size",
         "2",
-        "--train",
         "--save",
         str(tmp_path / "ckpt"),
     ]
@@ -112,3 +111,16 @@ def test_tool_reports_user_errors_without_traceback(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
     assert "missing" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(180)
+def test_tool_refuses_a_flag_that_is_not_a_training_flag(tmp_path):
+    """A typo of a data flag must not be skipped as 'some training flag' (caches for the wrong data)."""
+    a = write_corpus(str(tmp_path / "a"), random_lengths(50, seed=1))
+    base = ["--data-path", a, "--seq-length", "8", "--train-iters", "1", "--global-batch-size", "1"]
+    base += ["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]
+    proc = run_tool(base + ["--num-layers", "2", "--splt", "90,10,0"])
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: unrecognized argument(s): --splt 90,10,0"), last
+    assert not os.path.exists(os.path.join(os.path.dirname(a), "cache")), "nothing was built"

@@ -2,7 +2,7 @@
 """Build every dataset index cache a training run needs, before the run.
 
 Put this script in front of your training arguments; it reads only the data, tokenizer and
-sample-count flags and ignores the rest:
+sample-count flags, skips the other pretrain_gpt.py flags, and refuses anything else (a typo):
 
     python tools/build_data_cache.py --data-path data/shakespeare_text_document --split 949,50,1 \\
         --seq-length 1024 --train-iters 2000 --global-batch-size 16 --eval-interval 200 --eval-iters 10 \\
@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from tqdm import tqdm  # noqa: E402
 
+from pretrain.cli import build_parser as training_parser  # noqa: E402
 from pretrain.data.builder import build_train_valid_test_datasets, count_builds  # noqa: E402
 from pretrain.data.config import (  # noqa: E402
     SPLIT_NAMES,
@@ -33,13 +34,13 @@ from pretrain.data.config import (  # noqa: E402
     add_sample_count_args,
     train_valid_test_num_samples,
 )
-from pretrain.errors import exit_on_user_error  # noqa: E402
+from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
 from pretrain.tokenizer import TokenizerConfig, add_tokenizer_args, build_tokenizer  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # allow_abbrev=False: an unknown training flag must never be taken for an abbreviation of ours
     """The data, sample-count and tokenizer flags (training's own definitions)."""
+    # allow_abbrev=False: an unknown training flag must never be taken for an abbreviation of ours
     parser = argparse.ArgumentParser(
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -49,6 +50,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_sample_count_args(parser)
     add_tokenizer_args(parser)
     return parser
+
+
+def _refuse_unknown(rest: list[str]) -> None:
+    """The flags this tool does not read must still be pretrain_gpt.py flags: a typo of a data
+    flag (say --split-ratio) would otherwise build caches for the wrong data silently."""
+    _, unknown = training_parser().parse_known_args(rest)
+    if unknown:
+        raise UserError(
+            f"unrecognized argument(s): {' '.join(unknown)} (neither a data flag nor a "
+            f"pretrain_gpt.py flag; see --help)"
+        )
 
 
 @exit_on_user_error
@@ -61,11 +73,7 @@ def main(argv=None) -> int:
     counts = train_valid_test_num_samples(
         ns.train_iters, ns.train_samples, ns.eval_interval, ns.eval_iters, ns.global_batch_size
     )
-    if ignored:
-        print(
-            f"ignoring {len([a for a in ignored if a.startswith('--')])} non-data flags",
-            file=sys.stderr,
-        )
+    _refuse_unknown(ignored)
     start = time.time()
     with tqdm(total=count_builds(cfg), desc="index caches", unit="dataset") as bar:
 

@@ -97,6 +97,34 @@ def build_metadata(
     }
 
 
+_MEGATRON_ITER = re.compile(r"^iter_\d{7}$")
+
+
+def refuse_foreign_checkpoint(load_dir: str) -> None:
+    """One line naming the converter when `load_dir` holds a Megatron-LM or Megatron-DeepSpeed
+    checkpoint rather than ours (training would otherwise start from scratch over it)."""
+    if not os.path.isdir(load_dir):
+        return
+    entries = os.listdir(load_dir)
+    if any(_MEGATRON_ITER.match(e) for e in entries):
+        raise UserError(
+            f"--load {load_dir} holds a Megatron-LM checkpoint (iter_NNNNNNN folders); convert it "
+            f"with tools/convert_from_megatron.py --load {load_dir} --save NEW_DIR, then train "
+            f"with --load NEW_DIR --finetune"
+        )
+    ours = [
+        t for t in available_tags(load_dir) if os.path.isfile(os.path.join(load_dir, t, META_FILE))
+    ]
+    theirs = [t for t in available_tags(load_dir) if t not in ours]
+    if theirs and not ours:
+        raise UserError(
+            f"--load {load_dir} holds DeepSpeed checkpoints without {META_FILE} ({theirs[-1]}: "
+            f"Megatron-DeepSpeed's format?); convert it to Megatron-LM's format with "
+            f"Megatron-DeepSpeed's tools/convert_checkpoint/deepspeed_to_megatron.py, then with "
+            f"tools/convert_from_megatron.py"
+        )
+
+
 def read_latest(load_dir: str) -> tuple[str, dict] | None:
     """(tag, metadata) of the checkpoint `latest` names in `load_dir`, or None if there is none."""
     path = os.path.join(load_dir, LATEST_FILE)

@@ -209,6 +209,7 @@ SHAPE_ATTRIBUTES = (
     ("add_bias_linear", "add_bias_linear"),
     ("untie_embeddings_and_output_weights", "untie_embeddings_and_output_weights"),
     ("vocab_size", "vocab_size"),
+    ("max_positions", "max_position_embeddings"),  # the learned position table only
 )
 
 
@@ -222,10 +223,11 @@ def flag_for(field_name: str) -> str:
 
 def shape_mismatches(saved: ModelConfig, ours: ModelConfig) -> list[str]:
     """One phrase per shape-deciding setting where `ours` differs from `saved`."""
+    learned = "learned_absolute" in (saved.position_embedding_type, ours.position_embedding_type)
     return [
         f"{attr}={getattr(saved, attr)} but this run has {getattr(ours, attr)} ({flag_for(name)})"
         for attr, name in SHAPE_ATTRIBUTES
-        if getattr(saved, attr) != getattr(ours, attr)
+        if getattr(saved, attr) != getattr(ours, attr) and (attr != "max_positions" or learned)
     ]
 
 

@@ -29,6 +29,7 @@ from pretrain.checkpoint.format import (
     build_metadata,
     check_same_model,
     read_latest,
+    refuse_foreign_checkpoint,
     tag_for,
 )
 from pretrain.errors import UserError
@@ -189,6 +190,14 @@ def check_compatible(
                 f"{getattr(parallel, key)}; DeepSpeed checkpoints are split per TP/PP rank: "
                 f"{RELAYOUT_HINT}, or run with {flag} {saved[key]}"
             )
+    padded = model.padded_vocab_size(parallel.tensor_model_parallel_size)
+    if meta.get("padded_vocab_size", padded) != padded:
+        raise UserError(
+            f"--load {path}: the checkpoint's embedding has {meta['padded_vocab_size']} rows "
+            f"(padded vocabulary), this run pads to {padded} (--make-vocab-size-divisible-by "
+            f"{model.make_vocab_size_divisible_by}); use the checkpoint's "
+            f"--make-vocab-size-divisible-by {meta['model'].get('make_vocab_size_divisible_by')}"
+        )
     loads_optimizer = not (config.finetune or config.no_load_optim)
     dp = parallel.data_parallel_size
     if (
@@ -213,6 +222,7 @@ def check_before_launch(
     config: CheckpointConfig, model: ModelConfig, parallel: ParallelConfig
 ) -> None:
     """Refuse an incompatible `--load` before the process group exists (one line, no hang)."""
+    refuse_foreign_checkpoint(config.load)
     found = read_latest(config.load)
     if found is not None:
         check_compatible(config, model, parallel, found[1], config.load)

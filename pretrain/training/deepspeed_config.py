@@ -155,6 +155,17 @@ def check_user_config(
             raise mismatch(
                 f"{key}.enabled", str(enabled).lower(), flag, "given" if given else "not given"
             )
+    fp16_json = ds.get("fp16", {})
+    for key, flag, value in (
+        ("loss_scale", "--loss-scale", precision.loss_scale or 0),  # 0 = dynamic in DeepSpeed
+        ("initial_scale_power", "--initial-loss-scale", math.log2(precision.initial_loss_scale)),
+        ("loss_scale_window", "--loss-scale-window", precision.loss_scale_window),
+        ("hysteresis", "--hysteresis", precision.hysteresis),
+        ("min_loss_scale", "--min-loss-scale", precision.min_loss_scale),
+    ):
+        if precision.fp16 and key in fp16_json and float(fp16_json[key]) != float(value):
+            shown = precision.initial_loss_scale if key == "initial_scale_power" else value
+            raise mismatch(f"fp16.{key}", fp16_json[key], flag, shown)
     if "gradient_clipping" in ds and float(ds["gradient_clipping"]) != clip_grad:
         raise mismatch("gradient_clipping", ds["gradient_clipping"], "--clip-grad", clip_grad)
     for section, flags in (
