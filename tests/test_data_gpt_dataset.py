@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pretrain.data.config import DataConfig, split_matrix
-from pretrain.data.gpt_dataset import GPTDataset, masks_and_position_ids, plan_epochs, split_ranges
+from pretrain.data.gpt_dataset import GPTDataset, document_tensors, plan_epochs, split_ranges
 from pretrain.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from pretrain.tokenizer import NullTokenizer
 
@@ -64,25 +64,58 @@ def assert_same_arrays(ours, theirs, names):
         np.testing.assert_array_equal(a, b, err_msg=name)
 
 
+def dense_mask_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
+    """[..., S] ids -> Megatron's [..., 1, S, S] bool mask (True = masked): causal within a document."""
+    s = document_ids.shape[-1]
+    causal = torch.ones(s, s, dtype=torch.bool).tril()
+    same = document_ids[..., :, None] == document_ids[..., None, :]
+    return (~(causal & same)).unsqueeze(-3)
+
+
+def assert_no_square_tensor(batch, s):
+    # the loader contract: O(S) per sample, never an [S, S] mask
+    for key, value in batch.items():
+        assert list(value.shape).count(s) <= 1, (key, tuple(value.shape))
+
+
+def assert_same_sample(ours: dict, theirs: dict, what) -> None:
+    """Our sample (or batch) equals megatron's, whose dense attention_mask we rebuild from our
+    document_ids (with --reset-attention-mask) or must be the plain causal mask (without)."""
+    theirs = dict(theirs)
+    mask = theirs.pop("attention_mask", None)
+    ours = dict(ours)
+    document_ids = ours.pop("document_ids", None)
+    assert list(ours) == [k for k in theirs if k in ours] and set(ours) == set(theirs), what
+    for key, v2 in theirs.items():
+        v1 = ours[key]
+        if not isinstance(v2, torch.Tensor):  # megatron's blended dataset_id: a numpy int16
+            assert int(v1) == int(v2), (what, key)
+            continue
+        assert v1.dtype == v2.dtype and v1.shape == v2.shape, (what, key)
+        assert torch.equal(v1, v2), (what, key)
+    if document_ids is not None:
+        assert document_ids.dtype == torch.int32 and document_ids.shape == ours["tokens"].shape
+        assert mask is not None and torch.equal(dense_mask_from_document_ids(document_ids), mask)
+    elif mask is not None:
+        s = mask.shape[-1]
+        causal = ~torch.ones(s, s, dtype=torch.bool).tril()
+        assert torch.equal(mask, causal.expand_as(mask)), what  # attention's own is_causal
+
+
 def assert_same_samples(ours, theirs, indices):
     # the batched path the DataLoader uses equals megatron's samples stacked
     head = list(indices)[:6]
     batch = ours.__getitems__(head)
+    assert_no_square_tensor(batch, batch["tokens"].shape[1])
     expected = [theirs[k] for k in head]
-    assert list(batch) == list(expected[0])
-    for key in batch:
-        want = torch.stack([torch.as_tensor(e[key]).to(batch[key].dtype) for e in expected])
-        assert batch[key].shape == want.shape and torch.equal(batch[key], want), key
+    dtypes = {key: value.dtype for key, value in batch.items()}
+    stacked = {
+        key: torch.stack([torch.as_tensor(e[key]).to(dtypes.get(key)) for e in expected])
+        for key in expected[0]
+    }
+    assert_same_sample(batch, stacked, "batch")
     for k in indices:
-        s1, s2 = ours[k], theirs[k]
-        assert list(s1) == list(s2)
-        for key in s1:
-            v1, v2 = s1[key], s2[key]
-            if isinstance(v2, torch.Tensor):
-                assert v1.dtype == v2.dtype and v1.shape == v2.shape, key
-                assert torch.equal(v1, v2), (k, key)
-            else:
-                assert int(v1) == int(v2), (k, key)
+        assert_same_sample(ours[k], theirs[k], k)
 
 
 # ---- split and epoch arithmetic -----------------------------------------------------------------
@@ -218,9 +251,9 @@ def test_default_cache_dir_is_beside_the_prefix_and_reloads_by_mmap(tmp_path):
     np.testing.assert_array_equal(first.shuffle_index, again.shuffle_index)
 
 
-def test_masks_and_position_ids_by_hand():
+def test_document_tensors_by_hand():
     eod = 9
-    tokens = torch.tensor([1, 9, 2, 3, 9, 4])
+    tokens = np.array([[1, 9, 2, 3, 9, 4], [9, 9, 5, 6, 7, 8]])
     cfg = DataConfig(
         seq_length=6,
         blend=(["p"], None),
@@ -229,10 +262,12 @@ def test_masks_and_position_ids_by_hand():
         reset_position_ids=True,
         reset_attention_mask=True,
     )
-    mask, loss_mask, pos = masks_and_position_ids(tokens, eod, cfg)
-    assert pos.tolist() == [0, 1, 0, 1, 2, 0]
-    assert loss_mask.tolist() == [1, 0, 1, 1, 0, 1]
-    visible = (~mask[0]).int().tolist()
+    loss_mask, pos, docs = document_tensors(tokens, eod, cfg)
+    assert pos.tolist() == [[0, 1, 0, 1, 2, 0], [0, 0, 0, 1, 2, 3]]
+    assert loss_mask.tolist() == [[1, 0, 1, 1, 0, 1], [0, 0, 1, 1, 1, 1]]
+    assert docs.tolist() == [[0, 0, 1, 1, 1, 2], [0, 1, 2, 2, 2, 2]]
+    assert (loss_mask.dtype, pos.dtype, docs.dtype) == (torch.float32, torch.int64, torch.int32)
+    visible = (~dense_mask_from_document_ids(docs[0])[0]).int().tolist()
     assert visible == [
         [1, 0, 0, 0, 0, 0],
         [1, 1, 0, 0, 0, 0],
@@ -242,10 +277,9 @@ def test_masks_and_position_ids_by_hand():
         [0, 0, 0, 0, 0, 1],
     ]
     cfg = DataConfig(seq_length=6, blend=(["p"], None), split="1")
-    mask, loss_mask, pos = masks_and_position_ids(tokens, eod, cfg)
-    assert pos.tolist() == list(range(6)) and loss_mask.tolist() == [1] * 6
-    assert mask.shape == (1, 6, 6) and mask.dtype == torch.bool
-    assert torch.equal(~mask[0], torch.ones(6, 6).tril().bool())
+    loss_mask, pos, docs = document_tensors(tokens, eod, cfg)
+    assert pos.tolist() == [list(range(6))] * 2 and loss_mask.tolist() == [[1] * 6] * 2
+    assert docs is None
 
 
 def test_too_small_split_is_a_user_error(tmp_path):

@@ -140,12 +140,8 @@ def test_loader_resume_continues_exact_sequence(tmp_path):
     assert batch["tokens"].shape == (mbs, 16) and batch["tokens"].dtype == torch.int64
     assert batch["labels"].dtype == torch.int64 and batch["position_ids"].dtype == torch.int64
     assert batch["loss_mask"].dtype == torch.float32
-    assert (
-        batch["attention_mask"].shape == (mbs, 1, 16, 16)
-        and batch["attention_mask"].dtype == torch.bool
-    )
-    causal_masked = ~torch.ones(16, 16).tril().bool()
-    assert all(torch.equal(batch["attention_mask"][i, 0], causal_masked) for i in range(mbs))
+    # causal attention needs no tensor: no attention_mask, no document_ids without the reset flag
+    assert list(batch) == ["tokens", "labels", "loss_mask", "position_ids"]
     assert torch.equal(batch["position_ids"], torch.arange(16).expand(mbs, 16))
     # micro-batch m on rank r is samples consumed + m*mbs*dp + r*mbs + [0, mbs)
     assert torch.equal(
@@ -157,3 +153,51 @@ def test_loader_resume_continues_exact_sequence(tmp_path):
         assert len(resumed) == len(full[r]) - 5
         for a, b in zip(resumed, full[r][5:], strict=False):
             assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.timeout(120)
+def test_loader_with_document_flags_carries_o_of_s_document_ids(tmp_path):
+    """Through a worker process and a blend: document ids, reset positions and the EOD loss mask
+    follow the EODs of each sample's tokens; no tensor is [S, S]."""
+    from pretrain.data.builder import build_train_valid_test_datasets
+
+    prefixes = [
+        write_corpus(str(tmp_path / f"c{i}"), random_lengths(80, seed=i, hi=12)) for i in range(2)
+    ]
+    S, mbs = 32, 4
+    cfg = DataConfig(
+        seq_length=S,
+        blend=(prefixes, [0.6, 0.4]),
+        split="1",
+        data_cache_path=str(tmp_path / "cache"),
+        num_workers=1,
+        eod_mask_loss=True,
+        reset_position_ids=True,
+        reset_attention_mask=True,
+    )
+    train, _, _ = build_train_valid_test_datasets(cfg, TOKENIZER, [5 * mbs, 0, 0])
+    for batch in itertools.islice(build_pretraining_data_loader(train, 0, mbs, 0, 1, cfg), 5):
+        assert list(batch) == [
+            "dataset_id",
+            "tokens",
+            "labels",
+            "loss_mask",
+            "position_ids",
+            "document_ids",
+        ]
+        assert all(list(v.shape).count(S) <= 1 for v in batch.values())
+        ids, tokens = batch["document_ids"], batch["tokens"]
+        assert ids.shape == (mbs, S) and ids.dtype == torch.int32
+        is_eod = tokens == TOKENIZER.eod
+        assert is_eod.any()  # short documents: several per sample
+        # a new document starts right after each EOD, and only there
+        assert torch.equal(ids[:, 0], torch.zeros(mbs, dtype=torch.int32))
+        assert torch.equal(ids[:, 1:] - ids[:, :-1], is_eod[:, :-1].int())
+        # positions count from each document's start
+        restart = torch.cat([torch.ones(mbs, 1, dtype=torch.bool), is_eod[:, :-1]], dim=1)
+        assert torch.equal(batch["position_ids"][restart], torch.zeros(int(restart.sum())).long())
+        assert torch.equal(
+            batch["position_ids"][:, 1:][~restart[:, 1:]],
+            batch["position_ids"][:, :-1][~restart[:, 1:]] + 1,
+        )
+        assert torch.equal(batch["loss_mask"], (~is_eod).float())

@@ -2,17 +2,22 @@
 
 One 4-rank world builds, per flavour, the TP=1 model (no groups), then TP=2 (dp=2) and TP=4:
 weights, logits, per-token loss and every gathered parameter gradient must equal TP=1's.
+With document ids (--reset-attention-mask) the model also equals, at TP=1 and TP=2, the same model
+whose attention core is plain SDPA with a dense boolean document-causal mask built here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from distributed import run_on_ranks
 
+import pretrain.model.gpt as gpt_module
 from pretrain.errors import UserError
 from pretrain.model import Embedding, FinalNormAndHead, GPTModel, ModelConfig, TransformerLayer
 from pretrain.parallel import state
@@ -53,15 +58,43 @@ def batch(seq: int = 12):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def reset_mask_and_positions(seq: int = 12):
-    """Two documents per sample (split at 5 and 8): block-diagonal causal mask, restarting positions."""
-    mask = torch.ones(2, 1, seq, seq, dtype=torch.bool)  # True = masked
+CUTS = (5, 8)  # where the second document starts in sample 0 and sample 1
+
+
+def reset_documents_and_positions(seq: int = 12):
+    """Two documents per sample (split at CUTS): document ids and restarting positions."""
+    document_ids = torch.zeros(2, seq, dtype=torch.int32)
     positions = torch.zeros(2, seq, dtype=torch.int64)
-    for b, cut in enumerate((5, 8)):
+    for b, cut in enumerate(CUTS):
+        document_ids[b, cut:] = 1
+        positions[b, :cut], positions[b, cut:] = torch.arange(cut), torch.arange(seq - cut)
+    return document_ids, positions
+
+
+def dense_document_mask(seq: int = 12) -> torch.Tensor:
+    """[2, 1, seq, seq] bool, True = may attend: block-diagonal causal, built from CUTS alone."""
+    visible = torch.zeros(2, 1, seq, seq, dtype=torch.bool)
+    for b, cut in enumerate(CUTS):
         for lo, hi in ((0, cut), (cut, seq)):
-            mask[b, 0, lo:hi, lo:hi] = torch.ones(hi - lo, hi - lo).triu(1).bool()
-            positions[b, lo:hi] = torch.arange(hi - lo)
-    return mask, positions
+            visible[b, 0, lo:hi, lo:hi] = torch.ones(hi - lo, hi - lo).tril().bool()
+    return visible
+
+
+@contextlib.contextmanager
+def dense_mask_attention(visible: torch.Tensor):
+    """The model's document attention replaced by plain SDPA with an explicit dense mask."""
+
+    def attend(q, k, v, document_ids, dropout_p=0.0, enable_gqa=False):
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=visible, dropout_p=dropout_p, enable_gqa=enable_gqa
+        )
+
+    kernel = gpt_module.document_causal_attention
+    gpt_module.document_causal_attention = attend
+    try:
+        yield
+    finally:
+        gpt_module.document_causal_attention = kernel
 
 
 def gathered(tensor: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
@@ -73,25 +106,25 @@ def gathered(tensor: torch.Tensor, param: torch.nn.Parameter) -> torch.Tensor:
     return merge_shards(shards, param.partition_dim, param.partition_stride)
 
 
-def run_model(config: ModelConfig, mask=None, positions=None):
+def run_model(config: ModelConfig, document_ids=None, positions=None):
     model = GPTModel(config)
     tokens, labels = batch()
-    loss = model(tokens, positions, mask, labels=labels)
+    loss = model(tokens, positions, document_ids, labels=labels)
     loss.mean().backward()
     with torch.no_grad():
-        logits = model(tokens, positions, mask, gather_logits=True)
+        logits = model(tokens, positions, document_ids, gather_logits=True)
     return model, loss.detach(), logits
 
 
 def check_tp_equivalence(rank: int, config: ModelConfig, tp: int, with_mask: bool) -> None:
-    mask, positions = reset_mask_and_positions() if with_mask else (None, None)
-    ref_model, ref_loss, ref_logits = run_model(config, mask, positions)  # no groups: TP=1
+    document_ids, positions = reset_documents_and_positions() if with_mask else (None, None)
+    ref_model, ref_loss, ref_logits = run_model(config, document_ids, positions)  # TP=1
     ref_params = dict(ref_model.named_parameters())
     ref_norm = global_grad_norm(ref_model.parameters())
 
     state.initialize_model_parallel(tp, 1)
-    model, loss, logits = run_model(config, mask, positions)
-    what = f"{'llama' if config.swiglu else 'gpt2'} tp={tp} mask={with_mask}"
+    model, loss, logits = run_model(config, document_ids, positions)
+    what = f"{'llama' if config.swiglu else 'gpt2'} tp={tp} documents={with_mask}"
     assert logits.shape == ref_logits.shape
     torch.testing.assert_close(
         logits, ref_logits, rtol=TOL, atol=TOL, msg=lambda m: f"{what} logits: {m}"
@@ -142,10 +175,33 @@ def check_recompute_and_dropout(rank: int) -> None:
     state.destroy_model_parallel()
 
 
+def check_documents_equal_dense_reference(config: ModelConfig, tp: int) -> None:
+    """Loss, logits and gradients with document ids equal those of dense-mask SDPA at this TP."""
+    document_ids, positions = reset_documents_and_positions()
+    if tp > 1:
+        state.initialize_model_parallel(tp, 1)
+    with dense_mask_attention(dense_document_mask()):
+        ref_model, ref_loss, ref_logits = run_model(config, document_ids, positions)
+    model, loss, logits = run_model(config, document_ids, positions)
+    what = f"{'llama' if config.swiglu else 'gpt2'} tp={tp}"
+    torch.testing.assert_close(loss, ref_loss, rtol=TOL, atol=TOL, msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(logits, ref_logits, rtol=TOL, atol=TOL)
+    ref_params = dict(ref_model.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(
+            param.grad, ref_params[name].grad, rtol=TOL, atol=TOL, msg=lambda m, n=name: f"{n}: {m}"
+        )
+    # the documents really are apart: causal attention over the whole sample differs
+    assert not torch.allclose(run_model(config, None, positions)[1], loss, atol=1e-4), what
+    if tp > 1:
+        state.destroy_model_parallel()
+
+
 def model_world(rank: int, world: int) -> str:
     for config in (GPT2, LLAMA):
         for tp in (2, 4):
             check_tp_equivalence(rank, config, tp, with_mask=(tp == 2))
+        check_documents_equal_dense_reference(config, tp=2)
     check_recompute_and_dropout(rank)
     return "ok"
 
@@ -153,6 +209,11 @@ def model_world(rank: int, world: int) -> str:
 @pytest.mark.timeout(300)
 def test_gpt_both_flavours_equal_tp1_at_tp2_and_tp4():
     assert run_on_ranks(model_world, 4, timeout=240) == ["ok"] * 4
+
+
+@pytest.mark.parametrize("config", [GPT2, LLAMA], ids=["gpt2", "llama"])
+def test_document_attention_equals_dense_mask_reference_tp1(config):
+    check_documents_equal_dense_reference(config, tp=1)
 
 
 @pytest.mark.parametrize("config", [GPT2, LLAMA], ids=["gpt2", "llama"])
@@ -180,11 +241,13 @@ def test_pipeline_parts_start_from_the_whole_models_weights(config):
     torch.testing.assert_close(loss, whole(tokens, labels=labels), rtol=0, atol=0)
 
 
-def test_explicit_causal_mask_equals_is_causal():
+def test_one_document_per_sample_equals_is_causal():
     model = GPTModel(LLAMA)
     tokens, _ = batch()
-    causal = torch.ones(12, 12).triu(1).bool().expand(2, 1, 12, 12)
-    torch.testing.assert_close(model(tokens, None, causal), model(tokens), rtol=1e-6, atol=1e-6)
+    one_document = torch.zeros(2, 12, dtype=torch.int32)
+    torch.testing.assert_close(
+        model(tokens, None, one_document), model(tokens), rtol=1e-6, atol=1e-6
+    )
 
 
 def test_losses_are_per_token_fp32_and_logits_padded():

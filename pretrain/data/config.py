@@ -94,13 +94,17 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--reset-position-ids", action="store_true", help="position ids restart after each EOD"
     )
     g.add_argument(
-        "--reset-attention-mask", action="store_true", help="tokens cannot attend across an EOD"
+        "--reset-attention-mask",
+        action="store_true",
+        help="tokens cannot attend across an EOD (the loader passes O(S) document ids to "
+        "attention, never an [S,S] mask)",
     )
     g.add_argument(
         "--no-create-attention-mask-in-dataloader",
         dest="create_attention_mask",
         action="store_false",
-        help="do not build the [1,S,S] mask in the loader (use with a causal attention kernel)",
+        help="the loader builds no attention input: attention is causal over the whole sample "
+        "(refused with --reset-attention-mask, which needs the document ids)",
     )
     g.add_argument(
         "--allow-ambiguous-pad-tokens",
@@ -245,9 +249,10 @@ class DataConfig:
     reset_position_ids: bool = False
     """Position ids restart after each EOD (--reset-position-ids)."""
     reset_attention_mask: bool = False
-    """Tokens cannot attend across an EOD (--reset-attention-mask)."""
+    """Tokens cannot attend across an EOD (--reset-attention-mask): batches carry document_ids."""
     create_attention_mask: bool = True
-    """Build the attention mask in the loader (off: --no-create-attention-mask-in-dataloader)."""
+    """The loader builds what attention needs (document_ids with reset_attention_mask; nothing
+    for causal attention); off (--no-create-attention-mask-in-dataloader): nothing, ever."""
     allow_ambiguous_pad_tokens: bool = False
     """Keep a pad id equal to another special token (--allow-ambiguous-pad-tokens)."""
     num_workers: int = 2
@@ -283,6 +288,11 @@ class DataConfig:
             object.__setattr__(self, "split", LEGACY_DEFAULT_SPLIT)  # frozen: set once, here
         if self.split is not None:
             split_matrix(self.split)  # validate now, with the flag named
+        if self.reset_attention_mask and not self.create_attention_mask:
+            raise UserError(
+                "--reset-attention-mask needs the document ids the data loader builds; "
+                "drop --no-create-attention-mask-in-dataloader (or --reset-attention-mask)"
+            )
         if self.mid_level_dataset_surplus < 0:
             raise UserError("--mid-level-dataset-surplus must be >= 0")
         if self.num_workers < 0:

@@ -165,44 +165,46 @@ def resolve_pad_id(tokenizer, allow_ambiguous: bool) -> int:
     return pad
 
 
-def _segment_starts(tokens: torch.Tensor, eod: int) -> torch.Tensor:
-    """For each position, the first position of its document: one past the last EOD before it."""
-    n = tokens.numel()
-    starts = torch.zeros(n, dtype=torch.long)
-    after_eod = torch.nonzero(tokens[:-1] == eod).flatten() + 1
-    starts[after_eod] = after_eod
-    return torch.cummax(starts, dim=0).values
-
-
 @functools.lru_cache(maxsize=4)
-def _plain_masks(seq_length: int, create_attention_mask: bool):
-    """The sample-independent causal mask and positions (no reset flags), shared process-wide so
-    that every sample of every dataset holds the same tensors and batches can expand, not copy."""
-    positions = torch.arange(seq_length, dtype=torch.long)
-    mask = (positions[None, :] > positions[:, None]).unsqueeze(0) if create_attention_mask else None
-    return mask, positions
+def _positions(seq_length: int) -> torch.Tensor:
+    """0..S-1, shared process-wide so that batches without --reset-position-ids expand, not copy."""
+    return torch.arange(seq_length, dtype=torch.long)
 
 
-def masks_and_position_ids(tokens: torch.Tensor, eod: int, cfg: DataConfig):
-    """(attention_mask [1,S,S] bool True=masked or None, loss_mask float32 [S], position_ids int64 [S])."""
-    n = tokens.numel()
-    loss_mask = torch.ones(n, dtype=torch.float32)
-    if cfg.eod_mask_loss:
-        loss_mask[tokens == eod] = 0.0
-    positions = torch.arange(n, dtype=torch.long)
-    starts = (
-        _segment_starts(tokens, eod)
-        if (cfg.reset_position_ids or cfg.reset_attention_mask)
-        else None
-    )
-    position_ids = positions - starts if cfg.reset_position_ids else positions
-    attention_mask = None
-    if cfg.create_attention_mask:
-        visible = positions[None, :] <= positions[:, None]
-        if cfg.reset_attention_mask:
-            visible &= positions[None, :] >= starts[:, None]
-        attention_mask = (~visible).unsqueeze(0)
-    return attention_mask, loss_mask, position_ids
+def emits_document_ids(cfg: DataConfig) -> bool:
+    """Whether batches carry `document_ids` (what attention needs for --reset-attention-mask)."""
+    return cfg.reset_attention_mask and cfg.create_attention_mask
+
+
+def document_tensors(tokens: np.ndarray, eod: int, cfg: DataConfig):
+    """[b, S] input ids -> tensors (loss_mask float32, position_ids int64, document_ids int32 or
+    None), each [b, S].
+
+    Megatron's semantics for the flags, O(S) per sample: an EOD input token gets no loss
+    (--eod-mask-loss); positions restart after each EOD (--reset-position-ids); and instead of
+    Megatron's [S, S] mask, --reset-attention-mask yields document ids: the number of EODs before
+    each position, so a token sees exactly the earlier tokens with its id (the EOD ends its
+    document).
+    """
+    is_eod = tokens == eod
+    loss_mask = (~is_eod if cfg.eod_mask_loss else np.ones(tokens.shape, bool)).astype(np.float32)
+    b, n = tokens.shape
+    positions = _positions(n)
+    if cfg.reset_position_ids:
+        # each position minus its document's start (one past the last EOD before it); torch's
+        # cummax is ~4x faster than numpy's maximum.accumulate here
+        starts = np.zeros((b, n), dtype=np.int64)
+        np.multiply(is_eod[:, :-1], positions.numpy()[1:], out=starts[:, 1:])
+        position_ids = torch.cummax(torch.from_numpy(starts), dim=1).values
+        torch.sub(positions, position_ids, out=position_ids)
+    else:
+        position_ids = positions.expand(b, n)
+    document_ids = None
+    if emits_document_ids(cfg):
+        ids = np.cumsum(is_eod, axis=1, dtype=np.int32)
+        ids -= is_eod  # an EOD belongs to the document it ends
+        document_ids = torch.from_numpy(ids)
+    return torch.from_numpy(loss_mask), position_ids, document_ids
 
 
 class GPTDataset(torch.utils.data.Dataset):
@@ -274,9 +276,9 @@ class GPTDataset(torch.utils.data.Dataset):
         self.document_index = np.asarray(arrays["document_index"])
         self.sample_index = np.asarray(arrays["sample_index"])
         self.shuffle_index = np.asarray(arrays["shuffle_index"])
-        # without these flags masks and positions do not depend on the sample (Megatron caches them too)
+        # without these flags loss mask and positions do not depend on the sample
         self._cacheable = not (
-            cfg.reset_position_ids or cfg.reset_attention_mask or cfg.eod_mask_loss
+            cfg.reset_position_ids or emits_document_ids(cfg) or cfg.eod_mask_loss
         )
 
     def __len__(self) -> int:
@@ -302,29 +304,30 @@ class GPTDataset(torch.utils.data.Dataset):
         return np.concatenate(parts, out=out)
 
     def tensors(self, text: np.ndarray) -> dict[str, torch.Tensor]:
-        """[b, S + x] token ids -> the batch: tokens, labels, (attention_mask), loss_mask, position_ids."""
+        """[b, S + x] token ids -> the batch: tokens, labels, loss_mask, position_ids
+        [, document_ids]; every tensor is O(S) per sample (docs/ARCHITECTURE.md, loader contract)."""
         b = text.shape[0]
-        text = torch.from_numpy(text)
-        if self.extra_token:
-            tokens, labels = text[:, :-1].contiguous(), text[:, 1:].contiguous()
-        else:
-            tokens, labels = text, torch.roll(text, shifts=-1, dims=1)
-            labels[:, -1] = self.pad
-        S = tokens.shape[1]
+        S = self.cfg.seq_length
+        document_ids = None
         if self._cacheable:
-            mask, positions = _plain_masks(S, self.cfg.create_attention_mask)
-            # one shared tensor expanded over the batch, not b copies (4 MB each at S = 2048)
-            attention_mask = None if mask is None else mask.unsqueeze(0).expand(b, 1, S, S)
-            position_ids = positions.expand(b, S)
+            # one shared positions tensor expanded over the batch, not b copies
+            position_ids = _positions(S).expand(b, S)
             # cheaper than torch.ones
             loss_mask = torch.from_numpy(np.ones((b, S), dtype=np.float32))
         else:
-            rows = [masks_and_position_ids(tokens[i], self.eod, self.cfg) for i in range(b)]
-            attention_mask = (
-                torch.stack([r[0] for r in rows]) if self.cfg.create_attention_mask else None
+            # before the pad ids are replaced below: a pad id equal to EOD counts as EOD (Megatron)
+            loss_mask, position_ids, document_ids = document_tensors(
+                text[:, :S], self.eod, self.cfg
             )
-            loss_mask = torch.stack([r[1] for r in rows])
-            position_ids = torch.stack([r[2] for r in rows])
+        if self.extra_token:
+            # numpy copies: torch's copy goes multi-threaded from 32k elements (S >= 4096 at
+            # micro-batch 8) and its thread pool costs more CPU than the copy in a busy process
+            tokens = torch.from_numpy(np.ascontiguousarray(text[:, :-1]))
+            labels = torch.from_numpy(np.ascontiguousarray(text[:, 1:]))
+        else:
+            tokens = torch.from_numpy(text)
+            labels = torch.roll(tokens, shifts=-1, dims=1)
+            labels[:, -1] = self.pad
         # Padding sits at the end; a pad of -1 is no real token, so unpadded samples need no scan.
         if (
             self.pad != PAD_TOKEN_ID
@@ -334,11 +337,10 @@ class GPTDataset(torch.utils.data.Dataset):
             loss_mask[labels == self.pad] = 0.0
             tokens[tokens == self.pad] = 0
             labels[labels == self.pad] = 0
-        batch = {"tokens": tokens, "labels": labels}
-        if attention_mask is not None:
-            batch["attention_mask"] = attention_mask
-        batch["loss_mask"] = loss_mask
+        batch = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask}
         batch["position_ids"] = position_ids
+        if document_ids is not None:
+            batch["document_ids"] = document_ids
         return batch
 
     def __getitems__(self, indices: list[int]) -> dict[str, torch.Tensor]:

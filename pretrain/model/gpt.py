@@ -1,12 +1,13 @@
 """The GPT model (GPT-2 and Llama flavours) built from tensor-parallel layers.
 
 Activations are batch-first, [b, s, h] (what scaled_dot_product_attention and Hugging Face use).
-Attention masks, when given, are bool [b, 1, s, s] with True = masked (the data loader's
-convention); without one, attention is causal through SDPA's `is_causal` (flash on GPU).
+Attention is causal through SDPA's `is_causal` (flash on GPU). With `document_ids` [b, s] (the
+loader's, with --reset-attention-mask) it is causal within each document
+(`pretrain.model.document_attention`); no [s, s] mask exists anywhere.
 
 The model is three kinds of parts, each usable alone as a pipeline stage:
     Embedding          tokens, position_ids -> hidden              (first stage)
-    TransformerLayer   hidden, position_ids, attention_mask -> hidden   (layer_number = global index)
+    TransformerLayer   hidden, position_ids, document_ids -> hidden       (layer_number = global index)
     FinalNormAndHead   hidden [, output_weight] -> TP-local logits  (last stage)
 GPTModel chains them; with tied embeddings (the default) the head multiplies by the word embedding.
 
@@ -48,6 +49,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pretrain.model.config import ModelConfig
+from pretrain.model.document_attention import document_causal_attention
 from pretrain.parallel import state
 from pretrain.parallel.cross_entropy import vocab_parallel_cross_entropy
 from pretrain.parallel.layers import (
@@ -120,7 +122,7 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
-        attention_mask: torch.Tensor | None,
+        document_ids: torch.Tensor | None,
     ) -> torch.Tensor:
         b, s, _ = x.shape
         mixed = self.qkv(x).view(b, s, self.local_groups, self.heads_per_group + 2, self.head_dim)
@@ -134,17 +136,15 @@ class Attention(nn.Module):
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         dropout = self.dropout if self.training else 0.0
+        gqa = self.local_groups != self.local_heads
         # attention probabilities belong to this rank's heads: their dropout differs per TP rank
         with tensor_parallel_rng() if dropout > 0 else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=None if attention_mask is None else ~attention_mask,
-                is_causal=attention_mask is None,
-                dropout_p=dropout,
-                enable_gqa=self.local_groups != self.local_heads,
-            )
+            if document_ids is None:
+                out = F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa
+                )
+            else:
+                out = document_causal_attention(q, k, v, document_ids, dropout, gqa)
         return self.proj(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
 
 
@@ -251,19 +251,19 @@ class TransformerLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         position_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.recompute and self.training and torch.is_grad_enabled():
-            return checkpoint(self._forward, hidden, position_ids, attention_mask)
-        return self._forward(hidden, position_ids, attention_mask)
+            return checkpoint(self._forward, hidden, position_ids, document_ids)
+        return self._forward(hidden, position_ids, document_ids)
 
-    def _forward(self, hidden, position_ids, attention_mask):
+    def _forward(self, hidden, position_ids, document_ids):
         rotary = None
         if self.rotary is not None:
             if position_ids is None:
                 position_ids = default_position_ids(hidden)
             rotary = self.rotary(position_ids, hidden.dtype)
-        attn = self.attention(self.input_norm(hidden), rotary, attention_mask)
+        attn = self.attention(self.input_norm(hidden), rotary, document_ids)
         hidden = hidden + F.dropout(attn, self.dropout, self.training)
         mlp = self.mlp(self.post_attention_norm(hidden))
         return hidden + F.dropout(mlp, self.dropout, self.training)
@@ -320,15 +320,16 @@ class GPTModel(nn.Module):
         self,
         tokens: torch.Tensor,
         position_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         gather_logits: bool = False,
     ) -> torch.Tensor:
         """Per-token loss [b, s] (fp32) if `labels` is given; else logits [b, s, V_padded/tp]
-        (this rank's vocabulary shard), or the full [b, s, V_padded] with `gather_logits=True`."""
+        (this rank's vocabulary shard), or the full [b, s, V_padded] with `gather_logits=True`.
+        `document_ids` [b, s] keeps documents apart in attention (None: causal over the sample)."""
         hidden = self.embedding(tokens, position_ids)
         for layer in self.layers:
-            hidden = layer(hidden, position_ids, attention_mask)
+            hidden = layer(hidden, position_ids, document_ids)
         tied = (
             None
             if self.config.untie_embeddings_and_output_weights

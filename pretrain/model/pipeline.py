@@ -16,8 +16,9 @@ both stay equal, and marks the copy `ds_pipe_replicated`. We also mark it `share
 gradient norm counts it once. Every part initialises from its GPTModel name, so both copies and
 every layer start from the one-process model's weights at any layout.
 
-Activations between stages are tuples (hidden [b,s,h], position_ids [b,s] int64 [, attention
-mask [b,1,s,s] bool]). The loss is the masked mean over the micro-batch's tokens, as at PP = 1.
+Activations between stages are tuples (hidden [b,s,h], position_ids [b,s] int64 [, document_ids
+[b,s] int32 with --reset-attention-mask]): the document boundaries travel as O(s) ids, never as
+an [s,s] mask. The loss is the masked mean over the micro-batch's tokens, as at PP = 1.
 """
 
 from __future__ import annotations
@@ -41,16 +42,14 @@ def _split(inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     return hidden, position_ids, inputs[2] if len(inputs) > 2 else None
 
 
-def _pack(hidden, position_ids, attention_mask):
-    return (
-        (hidden, position_ids) if attention_mask is None else (hidden, position_ids, attention_mask)
-    )
+def _pack(hidden, position_ids, document_ids):
+    return (hidden, position_ids) if document_ids is None else (hidden, position_ids, document_ids)
 
 
 class EmbeddingPipe(Embedding):
     def forward(self, inputs):
-        tokens, position_ids, attention_mask = _split(inputs)
-        return _pack(super().forward(tokens, position_ids), position_ids, attention_mask)
+        tokens, position_ids, document_ids = _split(inputs)
+        return _pack(super().forward(tokens, position_ids), position_ids, document_ids)
 
 
 def tied_lm_head(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
@@ -60,9 +59,9 @@ def tied_lm_head(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor
 
 class TransformerLayerPipe(TransformerLayer):
     def forward(self, inputs):
-        hidden, position_ids, attention_mask = _split(inputs)
+        hidden, position_ids, document_ids = _split(inputs)
         return _pack(
-            super().forward(hidden, position_ids, attention_mask), position_ids, attention_mask
+            super().forward(hidden, position_ids, document_ids), position_ids, document_ids
         )
 
 

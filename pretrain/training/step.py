@@ -21,7 +21,8 @@ if TYPE_CHECKING:  # imports deepspeed, which must wait for the launch environme
 
 
 class PipelineBatches:
-    """Loader dicts -> DeepSpeed pipeline items ((tokens, position_ids[, mask]), (labels, loss_mask))."""
+    """Loader dicts -> DeepSpeed pipeline items ((tokens, position_ids[, document_ids]),
+    (labels, loss_mask))."""
 
     def __init__(self, batches: Iterator[dict], use_mask: bool, device: torch.device):
         self.batches, self.use_mask, self.device = batches, use_mask, device
@@ -32,7 +33,7 @@ class PipelineBatches:
     def __next__(self):
         batch = next(self.batches)
         inputs = (batch["tokens"], batch["position_ids"]) + (
-            (batch["attention_mask"],) if self.use_mask else ()
+            (batch["document_ids"],) if self.use_mask else ()
         )
         return (
             tuple(x.to(self.device) for x in inputs),
@@ -46,7 +47,7 @@ def _micro_batch_loss(
     per_token = engine.ds(
         batch["tokens"].to(device),
         position_ids=batch["position_ids"].to(device),
-        attention_mask=batch["attention_mask"].to(device) if use_mask else None,
+        document_ids=batch["document_ids"].to(device) if use_mask else None,
         labels=batch["labels"].to(device),
     )
     return masked_mean_loss(per_token, batch["loss_mask"].to(device))
