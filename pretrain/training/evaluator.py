@@ -42,14 +42,14 @@ class Evaluator:
         *,
         global_batch_size: int,
         num_microbatches: int,
-        use_mask: bool,
+        use_document_ids: bool,
         device: torch.device,
         metrics: MetricsLogger,
     ):
         self.config, self.metrics = config, metrics
         self.valid_batches, self.test_batches = valid_batches, test_batches
         self.global_batch_size, self.num_microbatches = global_batch_size, num_microbatches
-        self.use_mask, self.device = use_mask, device
+        self.use_document_ids, self.device = use_document_ids, device
 
     def should_evaluate(self, iteration: int) -> bool:
         """True after the iterations at which Megatron evaluates (and only if there is data)."""
@@ -65,7 +65,7 @@ class Evaluator:
             batches,
             self.config.eval_iters,
             self.num_microbatches,
-            self.use_mask,
+            self.use_document_ids,
             self.device,
         )
 

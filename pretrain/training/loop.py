@@ -72,7 +72,7 @@ def train(
     metrics: MetricsLogger,
     evaluator: Evaluator,
     checkpointer: Checkpointer,
-    use_mask: bool,
+    use_document_ids: bool,
     device: torch.device,
 ) -> bool:
     """Train from `train_state` to --train-iters (or an early exit); save at the end.
@@ -82,7 +82,7 @@ def train(
     started = time.monotonic()
     while train_state.iteration < config.train_iters:
         step_start = time.perf_counter()
-        loss = train_step(engine, train_batches, config.num_microbatches, use_mask, device)
+        loss = train_step(engine, train_batches, config.num_microbatches, use_document_ids, device)
         seconds = time.perf_counter() - step_start
         train_state.iteration += 1
         train_state.consumed_train_samples += config.global_batch_size

@@ -90,7 +90,11 @@ def _run_record(cfg: RunConfig) -> dict:
 
 
 def _data_iterators(
-    cfg: RunConfig, consumed_train: int, consumed_valid: int, use_mask: bool, device: torch.device
+    cfg: RunConfig,
+    consumed_train: int,
+    consumed_valid: int,
+    use_document_ids: bool,
+    device: torch.device,
 ):
     """(train, valid, test) batch iterators, valid/test None when absent or --eval-iters 0;
     train and valid positioned after the consumed samples."""
@@ -111,7 +115,7 @@ def _data_iterators(
         )
         it = iter(loader)
         pipeline = cfg.parallel.pipeline_model_parallel_size > 1
-        return PipelineBatches(it, use_mask, device) if pipeline else it
+        return PipelineBatches(it, use_document_ids, device) if pipeline else it
 
     def optional(dataset, consumed):
         return None if dataset is None or ev.eval_iters == 0 else batches(dataset, consumed)
@@ -164,14 +168,14 @@ def pretrain(cfg: RunConfig) -> TrainState:
     train_state, rng = (
         load_checkpoint(cfg.checkpoint, engine) if cfg.checkpoint.load else (TrainState(), None)
     )
-    # The causal mask is built into attention; a mask tensor is only needed when documents are
+    # Causal attention needs no input; document ids (O(S) per sample) only when documents are
     # kept apart (--reset-attention-mask).
-    use_mask = cfg.data.reset_attention_mask
+    use_document_ids = cfg.data.reset_attention_mask
     train_batches, valid_batches, test_batches = _data_iterators(
         cfg,
         train_state.consumed_train_samples,
         train_state.consumed_valid_samples,
-        use_mask,
+        use_document_ids,
         device,
     )
     if rng is not None:  # last: creating the loaders above draws from the torch generator
@@ -233,7 +237,7 @@ def pretrain(cfg: RunConfig) -> TrainState:
         test_batches,
         global_batch_size=t.global_batch_size,
         num_microbatches=t.num_microbatches,
-        use_mask=use_mask,
+        use_document_ids=use_document_ids,
         device=device,
         metrics=metrics,
     )
@@ -253,7 +257,7 @@ def pretrain(cfg: RunConfig) -> TrainState:
             metrics=metrics,
             evaluator=evaluator,
             checkpointer=checkpointer,
-            use_mask=use_mask,
+            use_document_ids=use_document_ids,
             device=device,
         )
         if completed:

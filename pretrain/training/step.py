@@ -24,8 +24,8 @@ class PipelineBatches:
     """Loader dicts -> DeepSpeed pipeline items ((tokens, position_ids[, document_ids]),
     (labels, loss_mask))."""
 
-    def __init__(self, batches: Iterator[dict], use_mask: bool, device: torch.device):
-        self.batches, self.use_mask, self.device = batches, use_mask, device
+    def __init__(self, batches: Iterator[dict], use_document_ids: bool, device: torch.device):
+        self.batches, self.use_document_ids, self.device = batches, use_document_ids, device
 
     def __iter__(self):
         return self
@@ -33,7 +33,7 @@ class PipelineBatches:
     def __next__(self):
         batch = next(self.batches)
         inputs = (batch["tokens"], batch["position_ids"]) + (
-            (batch["document_ids"],) if self.use_mask else ()
+            (batch["document_ids"],) if self.use_document_ids else ()
         )
         return (
             tuple(x.to(self.device) for x in inputs),
@@ -42,12 +42,12 @@ class PipelineBatches:
 
 
 def _micro_batch_loss(
-    engine: Engine, batch: dict, use_mask: bool, device: torch.device
+    engine: Engine, batch: dict, use_document_ids: bool, device: torch.device
 ) -> torch.Tensor:
     per_token = engine.ds(
         batch["tokens"].to(device),
         position_ids=batch["position_ids"].to(device),
-        document_ids=batch["document_ids"].to(device) if use_mask else None,
+        document_ids=batch["document_ids"].to(device) if use_document_ids else None,
         labels=batch["labels"].to(device),
     )
     return masked_mean_loss(per_token, batch["loss_mask"].to(device))
@@ -61,14 +61,14 @@ def _dp_mean(value: torch.Tensor) -> torch.Tensor:
 
 
 def train_step(
-    engine: Engine, batches, num_microbatches: int, use_mask: bool, device: torch.device
+    engine: Engine, batches, num_microbatches: int, use_document_ids: bool, device: torch.device
 ) -> float:
     """Forward/backward over the global batch and one optimizer step; returns the iteration's loss."""
     if engine.pipeline:
         return float(engine.ds.train_batch(data_iter=batches))
     losses = []
     for _ in range(num_microbatches):
-        loss = _micro_batch_loss(engine, next(batches), use_mask, device)
+        loss = _micro_batch_loss(engine, next(batches), use_document_ids, device)
         engine.ds.backward(loss)
         engine.ds.step()  # DeepSpeed steps the optimizer at the last micro-batch only
         losses.append(loss.detach())
@@ -81,7 +81,7 @@ def evaluation_loss(
     batches,
     eval_iters: int,
     num_microbatches: int,
-    use_mask: bool,
+    use_document_ids: bool,
     device: torch.device,
 ) -> float:
     """Mean loss over `eval_iters` global batches, without gradients or optimizer steps."""
@@ -91,7 +91,7 @@ def evaluation_loss(
     engine.ds.eval()
     try:
         losses = [
-            _micro_batch_loss(engine, next(batches), use_mask, device)
+            _micro_batch_loss(engine, next(batches), use_document_ids, device)
             for _ in range(eval_iters * num_microbatches)
         ]
     finally:
