@@ -272,7 +272,9 @@ def check_grad_norm_over_tp_and_pp() -> None:
 
 def layers_world(rank: int, world: int) -> list[str]:
     done = []
-    with pytest.raises(UserError, match=r"world size 4 is not divisible by tensor-parallel size 3"):
+    with pytest.raises(
+        UserError, match=r"world size 4 is not divisible by --tensor-model-parallel-size 3"
+    ):
         state.initialize_model_parallel(3, 1)
     for tp, pp in ((4, 1), (2, 1), (2, 2), (1, 2)):
         state.initialize_model_parallel(tp, pp)

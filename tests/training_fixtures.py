@@ -227,15 +227,15 @@ def training_batch(argv: list[str], iteration: int) -> dict:
     """The global batch `pretrain_gpt.py argv` trains on at `iteration` (1-based), read through the
     data pipeline in this process: samples [(iteration - 1) gbs, iteration gbs) of the train split.
     `argv` must be a one-process layout (the samples do not depend on the layout)."""
-    from pretrain.arguments import parse_args
+    from pretrain.cli import parse_args
     from pretrain.data.builder import build_train_valid_test_datasets
     from pretrain.data.config import train_valid_test_num_samples
     from pretrain.tokenizer import build_tokenizer
 
     cfg = parse_args(argv, env={})
-    t = cfg.training
+    t, ev = cfg.training, cfg.evaluation
     num_samples = train_valid_test_num_samples(
-        t.train_iters, t.train_samples, t.eval_interval, t.eval_iters, t.global_batch_size
+        t.train_iters, t.train_samples, ev.eval_interval, ev.eval_iters, t.global_batch_size
     )
     train = build_train_valid_test_datasets(cfg.data, build_tokenizer(cfg.tokenizer), num_samples)[
         0
