@@ -17,7 +17,12 @@ from pretrain.errors import UserError
 from pretrain.parallel import state
 from pretrain.parallel.cross_entropy import vocab_parallel_cross_entropy
 from pretrain.parallel.grad_norm import global_grad_norm
-from pretrain.parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from pretrain.parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    mask_padded_vocab_,
+)
 from pretrain.parallel.random import seed_everything, tensor_parallel_rng
 from pretrain.parallel.sharding import mark_tensor_parallel, merge_shards, shard_tensor
 
@@ -132,6 +137,54 @@ def check_cross_entropy(tp: int) -> None:
     assert_rel(local.grad, my_shard(logits.grad, -1), f"cross entropy tp={tp} logits grad")
 
 
+def check_cross_entropy_excludes_padding(tp: int) -> None:
+    """Padded vocabulary ids (>= 37 of 64; at TP=4 rank 2 holds both kinds, rank 3 padding only)
+    get -inf logits: the loss is torch's cross entropy over the 37 real ids alone, the real ids'
+    gradient is torch's, and the padded ids' gradient is exactly zero."""
+    vocab, padded = 37, 64
+    torch.manual_seed(41)
+    logits = (3 * torch.randn(4, 6, padded)).requires_grad_(True)
+    target = torch.randint(0, vocab, (4, 6))
+    target[0, :2] = torch.tensor([0, vocab - 1])
+    weights = torch.rand(4, 6)
+    real = logits[..., :vocab]
+    ref = F.cross_entropy(real.reshape(-1, vocab), target.view(-1), reduction="none").view(4, 6)
+    (ref * weights).sum().backward()
+
+    local = my_shard(logits.detach(), -1).clone().requires_grad_(True)
+    masked = mask_padded_vocab_(local * 1.0, vocab)  # in place on a non-leaf, as the LM head does
+    loss = vocab_parallel_cross_entropy(masked, target)
+    assert_rel(loss, ref.detach(), f"padded cross entropy tp={tp} loss")
+    (loss * weights).sum().backward()
+    expected_grad = torch.cat([logits.grad[..., :vocab], torch.zeros(4, 6, padded - vocab)], -1)
+    assert_rel(local.grad, my_shard(expected_grad, -1), f"padded cross entropy tp={tp} grad")
+    start = state.get_tensor_model_parallel_rank() * (padded // tp)
+    is_padding = torch.arange(start, start + padded // tp) >= vocab
+    assert torch.all(local.grad[..., is_padding] == 0)
+    assert torch.all(torch.isneginf(masked[..., is_padding]))
+    assert torch.isfinite(masked[..., ~is_padding]).all()
+
+
+def check_embedding_init_ignores_padding(tp: int) -> None:
+    """An embedding's real rows start the same at any padded size and TP; padding rows are zero."""
+    full = {}
+    for padded in (40, 64, 128):
+        layer = VocabParallelEmbedding(padded, 8, vocab_size=37)
+        layer.initialize("embedding.word_embeddings", 5, 0.02)
+        shards = [torch.empty_like(layer.weight) for _ in range(tp)]
+        dist.all_gather(
+            shards, layer.weight.detach(), group=state.get_tensor_model_parallel_group()
+        )
+        full[padded] = torch.cat(shards)
+        assert torch.equal(full[padded][37:], torch.zeros(padded - 37, 8))
+    unpadded = VocabParallelEmbedding(37 * tp, 8, vocab_size=37)
+    unpadded.initialize("embedding.word_embeddings", 5, 0.02)
+    assert torch.equal(full[40][:37], full[64][:37]) and torch.equal(full[64][:37], full[128][:37])
+    if state.get_tensor_model_parallel_rank() == 0:  # rank 0's 37 rows are all real here
+        assert torch.equal(unpadded.weight.detach(), full[40][:37])
+    assert abs(full[128][:37].std().item() / 0.02 - 1) < 0.2  # drawn, not zero
+
+
 def check_groups(rank: int, world: int, tp: int, pp: int) -> None:
     dp = world // (tp * pp)
     t, d, p = rank % tp, (rank // tp) % dp, rank // (tp * dp)
@@ -235,6 +288,8 @@ def layers_world(rank: int, world: int) -> list[str]:
                 check_row(tp, input_is_parallel)
             check_embedding(tp)
             check_cross_entropy(tp)
+            check_cross_entropy_excludes_padding(tp)
+            check_embedding_init_ignores_padding(tp)
             check_tp_rng(tp)
         state.destroy_model_parallel()
         done.append(f"tp{tp}pp{pp}")
@@ -268,6 +323,15 @@ def test_single_process_defaults_without_initialisation():
         vocab_parallel_cross_entropy(logits, target),
         F.cross_entropy(logits, target, reduction="none"),
     )
+    # padded ids 7..9 of a 7-token vocabulary: out of the loss and of the gradient at TP = 1 too
+    leaf = logits.clone().requires_grad_(True)
+    loss = vocab_parallel_cross_entropy(mask_padded_vocab_(leaf * 1.0, 7), target % 7)
+    real = logits[:, :7].clone().requires_grad_(True)
+    expected = F.cross_entropy(real, target % 7, reduction="none")
+    torch.testing.assert_close(loss, expected, rtol=1e-6, atol=0.0)
+    loss.sum().backward(), expected.sum().backward()
+    assert torch.equal(leaf.grad[:, 7:], torch.zeros(3, 3))
+    torch.testing.assert_close(leaf.grad[:, :7], real.grad, rtol=1e-6, atol=1e-7)
 
 
 def fails_on_rank_1(rank: int, world: int) -> int:

@@ -25,7 +25,7 @@ PYTHON = (
     else sys.executable
 )
 BIN = Path(PYTHON).parent
-VOCAB = 100  # NullTokenizer ids 0..99, eod = 100; padded to 128 (x TP)
+VOCAB = 100  # NullTokenizer ids 0..99, eod = 100: 101 tokens
 
 
 def make_corpus(prefix: Path, num_docs: int = 200, seed: int = 0) -> str:
@@ -42,8 +42,17 @@ def make_corpus(prefix: Path, num_docs: int = 200, seed: int = 0) -> str:
     return str(prefix)
 
 
-def model_flags(flavour: str, layers: int = 2, hidden: int = 32) -> list[str]:
-    common = [
+def model_flags(
+    flavour: str, layers: int = 2, hidden: int = 32, vocab_divisible_by: int | None = 64
+) -> list[str]:
+    """Tiny-model flags. The vocabulary pads to a multiple of `vocab_divisible_by` x TP: 64 gives
+    128 rows at TP 1 and 2 alike; None leaves Megatron's default (128: 128 rows at TP 1, 256 at 2)."""
+    padding = (
+        []
+        if vocab_divisible_by is None
+        else ["--make-vocab-size-divisible-by", str(vocab_divisible_by)]
+    )
+    common = padding + [
         "--num-layers",
         str(layers),
         "--hidden-size",
@@ -52,8 +61,6 @@ def model_flags(flavour: str, layers: int = 2, hidden: int = 32) -> list[str]:
         "4",
         "--seq-length",
         "16",
-        "--make-vocab-size-divisible-by",
-        "64",
         "--attention-dropout",
         "0",
         "--hidden-dropout",
@@ -214,3 +221,24 @@ LOG_LINE = re.compile(
 
 def logged_losses(output: str) -> dict[int, float]:
     return {int(m.group(1)): float(m.group(4)) for m in LOG_LINE.finditer(output)}
+
+
+def training_batch(argv: list[str], iteration: int) -> dict:
+    """The global batch `pretrain_gpt.py argv` trains on at `iteration` (1-based), read through the
+    data pipeline in this process: samples [(iteration - 1) gbs, iteration gbs) of the train split.
+    `argv` must be a one-process layout (the samples do not depend on the layout)."""
+    from pretrain.cli import parse_args
+    from pretrain.data.builder import build_train_valid_test_datasets
+    from pretrain.data.config import train_valid_test_num_samples
+    from pretrain.tokenizer import build_tokenizer
+
+    cfg = parse_args(argv, env={})
+    t, ev = cfg.training, cfg.evaluation
+    num_samples = train_valid_test_num_samples(
+        t.train_iters, t.train_samples, ev.eval_interval, ev.eval_iters, t.global_batch_size
+    )
+    train = build_train_valid_test_datasets(cfg.data, build_tokenizer(cfg.tokenizer), num_samples)[
+        0
+    ]
+    first = (iteration - 1) * t.global_batch_size
+    return train.__getitems__(list(range(first, first + t.global_batch_size)))

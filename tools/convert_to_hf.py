@@ -69,8 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--verify",
         action="store_true",
-        help="compare our model's and transformers' logits on one token batch (fail above 1e-4, fp32), "
-        "then print a short greedy sample",
+        help="compare our model's and transformers' logits and loss on one token batch (fail above "
+        "1e-4 absolute for logits, 1e-6 relative for the loss, fp32), then print a short greedy sample",
     )
     p.add_argument("--prompt", default="First Citizen:", help="text the --verify sample continues")
     p.add_argument("--max-new-tokens", type=int, default=24, help="length of the --verify sample")
@@ -103,26 +103,17 @@ def _move_into_place(tmp: str, out_dir: str) -> None:
 def _verify(ck, tmp: str, tokenizer, has_tokenizer: bool, args) -> None:
     import transformers
 
-    from pretrain.convert.verify import (
-        LOGIT_TOLERANCE,
-        compare_logits,
-        greedy_generate,
-        our_model,
-        token_batch,
-    )
+    from pretrain.convert.verify import compare_logits, greedy_generate, our_model, token_batch
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(
         tmp, dtype=torch.float32, local_files_only=True
     ).eval()
     result = compare_logits(our_model(ck.state_dict, ck.config), hf, token_batch(ck.config))
-    print(
-        f"verify: max abs logit difference {result.max_abs_diff:.3e} over {tuple(result.tokens.shape)} tokens "
-        f"(tolerance {LOGIT_TOLERANCE:.0e}, fp32)"
-    )
+    print(result.report())
     if not result.ok:
         raise UserError(
-            f"verification failed: our model and transformers differ by {result.max_abs_diff:.3e} > "
-            f"{LOGIT_TOLERANCE:.0e}; nothing was written to {args.output_dir} (please report this)"
+            f"verification failed: {result.failure()}; nothing was written to {args.output_dir} "
+            f"(please report this)"
         )
     room = ck.config.max_positions  # learned position embeddings end there
     if has_tokenizer:

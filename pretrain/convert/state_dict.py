@@ -4,10 +4,8 @@ A *full* state dict has GPTModel's names (`embedding.*`, `layers.<i>.*`, `head.*
 shapes. Converters keep it *unpadded*: the word embedding and the untied output layer have exactly
 `config.vocab_size` rows. Training pads them to `padded_vocab_size(tp)` (Megatron's rule), so:
 - reading a checkpoint drops the padding rows (`trim_vocab`),
-- writing one adds them back (`pad_vocab`); they are zeros, because the HF model they come from
-  has no such rows. A zero row gives a zero logit for a token id that never occurs; Megatron's
-  loss still counts it in the softmax, which is why a checkpoint whose TP needs more padding than
-  the original starts at a (slightly) different loss.
+- writing one adds them back (`pad_vocab`) as zeros, as training initialises them. Padding rows
+  never enter our softmax (their logits are -inf), so the padded size changes nothing.
 
 Which dimension a parameter is split along over TP is read from the model itself: every sharded
 parameter carries `partition_dim` and `partition_stride` (pretrain/parallel/sharding.py). A

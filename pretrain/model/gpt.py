@@ -34,7 +34,9 @@ Layouts (the conversion contract):
   whole groups.
 - mlp.fc1.weight with SwiGLU: full = [gate; up] (2 ffn rows); each TP rank holds [gate_r; up_r]
   (partition_stride = 2). Without SwiGLU: [ffn, h].
-- Padded vocabulary rows (padded_vocab_size(tp)) are part of the embedding and the logits.
+- Padded vocabulary rows (padded_vocab_size(tp)) are part of the embedding and of the TP-local
+  logits, but never of a softmax: they are initialised to zeros and their logits are -inf (so
+  their gradient is zero). The model is the same function at every padded size, i.e. every TP.
 - GELU is the exact erf GELU (Megatron's default; HF GPT-2 calls it activation_function="gelu").
 - RoPE is HF's rotate-half convention, applied at `position_ids` (so reset position ids restart it).
 """
@@ -57,6 +59,7 @@ from pretrain.parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
     column_parallel_linear,
+    mask_padded_vocab_,
 )
 from pretrain.parallel.mappings import gather_from_tensor_model_parallel_region
 from pretrain.parallel.random import checkpoint, init_normal_, tensor_parallel_rng
@@ -189,7 +192,10 @@ class Embedding(nn.Module):
         tp = state.get_tensor_model_parallel_world_size()
         self.dropout = config.hidden_dropout
         self.word_embeddings = VocabParallelEmbedding(
-            config.padded_vocab_size(tp), config.hidden_size, dtype=config.params_dtype
+            config.padded_vocab_size(tp),
+            config.hidden_size,
+            dtype=config.params_dtype,
+            vocab_size=config.vocab_size,
         )
         self.word_embeddings.initialize(
             f"{self.prefix}.word_embeddings", config.seed, config.init_method_std
@@ -269,8 +275,14 @@ class TransformerLayer(nn.Module):
         return hidden + F.dropout(mlp, self.dropout, self.training)
 
 
+def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """TP-local logits hidden @ weight-shard^T [b, s, V_padded/tp], -inf at padded vocabulary ids."""
+    return mask_padded_vocab_(column_parallel_linear(hidden, weight), vocab_size)
+
+
 class FinalNormAndHead(nn.Module):
-    """Final norm and the column-parallel LM head; returns TP-local logits [b, s, V_padded/tp].
+    """Final norm and the column-parallel LM head; returns TP-local logits [b, s, V_padded/tp]
+    (-inf at the padded ids, see `lm_head_logits`).
 
     With tied embeddings there is no output layer of its own: the caller passes the (local shard
     of the) word-embedding weight as `output_weight`.
@@ -282,6 +294,7 @@ class FinalNormAndHead(nn.Module):
         super().__init__()
         tp = state.get_tensor_model_parallel_world_size()
         self.final_norm = build_norm(config)
+        self.vocab_size = config.vocab_size
         self.output_layer = None
         if config.untie_embeddings_and_output_weights:
             self.output_layer = ColumnParallelLinear(
@@ -290,19 +303,28 @@ class FinalNormAndHead(nn.Module):
                 bias=False,
                 dtype=config.params_dtype,
             )
-            self.output_layer.initialize(
-                f"{self.prefix}.output_layer", config.seed, config.init_method_std
+            init_normal_(  # padding rows zero, real rows independent of the padded size
+                self.output_layer.weight,
+                f"{self.prefix}.output_layer.weight",
+                config.seed,
+                config.init_method_std,
+                real_rows=config.vocab_size,
             )
 
     def forward(
         self, hidden: torch.Tensor, output_weight: torch.Tensor | None = None
     ) -> torch.Tensor:
-        hidden = self.final_norm(hidden)
-        if self.output_layer is not None:
-            return self.output_layer(hidden)
+        return self.logits(self.final_norm(hidden), output_weight)
+
+    def logits(
+        self, normed: torch.Tensor, output_weight: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The LM head alone, on the final norm's output."""
+        if self.output_layer is not None:  # its own forward: ZeRO-3 gathers the weight in a hook
+            return mask_padded_vocab_(self.output_layer(normed), self.vocab_size)
         if output_weight is None:
             raise ValueError("tied embeddings: pass the word-embedding weight as output_weight")
-        return column_parallel_linear(hidden, output_weight)
+        return lm_head_logits(normed, output_weight, self.vocab_size)
 
 
 class GPTModel(nn.Module):
@@ -325,8 +347,9 @@ class GPTModel(nn.Module):
         gather_logits: bool = False,
     ) -> torch.Tensor:
         """Per-token loss [b, s] (fp32) if `labels` is given; else logits [b, s, V_padded/tp]
-        (this rank's vocabulary shard), or the full [b, s, V_padded] with `gather_logits=True`.
-        `document_ids` [b, s] keeps documents apart in attention (None: causal over the sample)."""
+        (this rank's vocabulary shard, -inf at padded ids), or the real vocabulary's [b, s, V]
+        (padding dropped) with `gather_logits=True`. `document_ids` [b, s] keeps documents apart
+        in attention (None: causal over the sample)."""
         hidden = self.embedding(tokens, position_ids)
         for layer in self.layers:
             hidden = layer(hidden, position_ids, document_ids)
@@ -338,4 +361,6 @@ class GPTModel(nn.Module):
         logits = self.head(hidden, tied)
         if labels is not None:
             return vocab_parallel_cross_entropy(logits, labels)
-        return gather_from_tensor_model_parallel_region(logits) if gather_logits else logits
+        if not gather_logits:
+            return logits
+        return gather_from_tensor_model_parallel_region(logits)[..., : self.config.vocab_size]

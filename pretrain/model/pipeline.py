@@ -28,10 +28,9 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from pretrain.model.config import ModelConfig
-from pretrain.model.gpt import Embedding, FinalNormAndHead, TransformerLayer
+from pretrain.model.gpt import Embedding, FinalNormAndHead, TransformerLayer, lm_head_logits
 from pretrain.model.loss import masked_mean_loss
 from pretrain.parallel.cross_entropy import vocab_parallel_cross_entropy
-from pretrain.parallel.layers import column_parallel_linear
 
 TIED_KEY = "embed"
 TIED_WEIGHT = "word_embeddings.weight"
@@ -53,8 +52,10 @@ class EmbeddingPipe(Embedding):
 
 
 def tied_lm_head(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
-    """Forward of the last stage's embedding copy: the LM head with the word-embedding weight."""
-    return column_parallel_linear(hidden, embedding.word_embeddings.weight)
+    """Forward of the last stage's embedding copy: the LM head with the word-embedding weight
+    (-inf at padded vocabulary ids, as in GPTModel)."""
+    words = embedding.word_embeddings
+    return lm_head_logits(hidden, words.weight, words.vocab_size)
 
 
 class TransformerLayerPipe(TransformerLayer):
@@ -71,7 +72,7 @@ class HeadPipe(FinalNormAndHead):
 
     def forward(self, inputs):
         hidden = self.final_norm(inputs[0])
-        return hidden if self.output_layer is None else self.output_layer(hidden)
+        return hidden if self.output_layer is None else self.logits(hidden)
 
 
 def pipeline_loss(

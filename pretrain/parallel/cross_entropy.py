@@ -8,6 +8,9 @@ No rank ever holds the full [.., V] logits. With each rank's shard [.., V/t]:
   loss = log(sum_exp) - target_logit.
 Backward: softmax minus one-hot (only the owning rank subtracts 1), times the incoming gradient.
 Computation is in fp32 whatever the logits' dtype. Labels must be valid ids in [0, V).
+Logits of -inf (the padded vocabulary ids, see pretrain.parallel.layers.mask_padded_vocab_) are
+left out exactly: exp(-inf) = 0 in the sum, and their gradient is 0. Some id of every row must be
+finite, and no label may point at a -inf logit.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ Y = X A^T + b with the weight A stored as [out, in] (torch.nn.Linear's layout):
 - Row: A split along `in`; each rank multiplies its slice of the input, the partial products are
   all-reduced, then the (replicated) bias is added once.
 - VocabParallelEmbedding: rank r holds rows [r V/t, (r+1) V/t); ids outside give zero rows, and an
-  all-reduce assembles the full embedding.
+  all-reduce assembles the full embedding. V is the padded vocabulary; the padding rows are zeros,
+  and `mask_padded_vocab_` keeps them out of every softmax over logits.
 
 Parameters are allocated uninitialised; `initialize(name, seed, std)` fills them with their shard
 of the layout-independent full tensor (pretrain.parallel.random.init_normal_), biases with zeros.
@@ -129,16 +130,48 @@ class RowParallelLinear(_ParallelLinear):
         return y + self.bias if self.bias is not None else y
 
 
-class VocabParallelEmbedding(nn.Module):
-    """Embedding table with the vocabulary (rows) split over TP ranks."""
+def padded_vocab_columns(local_vocab: int, vocab_size: int) -> slice | None:
+    """This TP rank's columns (of `local_vocab`) whose global vocabulary id is padding (>= vocab_size)."""
+    start = state.get_tensor_model_parallel_rank() * local_vocab
+    first_padded = max(vocab_size - start, 0)
+    return slice(first_padded, None) if first_padded < local_vocab else None
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype = torch.float32):
+
+def mask_padded_vocab_(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Set this rank's logits [..., V_padded/tp] at padded ids to -inf, in place; returns `logits`.
+
+    Padding rows then never enter a softmax: exp(-inf) = 0 in the loss, in evaluation and in
+    sampling, and their gradient is exactly zero, so the model is the same at every padded size.
+    In place, so the logits (the largest activation) are not copied; the matmul that produced them
+    does not keep its output for backward.
+    """
+    padded = padded_vocab_columns(logits.shape[-1], vocab_size)
+    if padded is not None:
+        logits[..., padded] = float("-inf")
+    return logits
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table with the vocabulary (rows) split over TP ranks.
+
+    `num_embeddings` is the padded size; `vocab_size` (default: the same) the true one: rows at and
+    after it are padding, initialised to zeros, and never looked up.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        dtype: torch.dtype = torch.float32,
+        vocab_size: int | None = None,
+    ):
         super().__init__()
         world, rank = (
             state.get_tensor_model_parallel_world_size(),
             state.get_tensor_model_parallel_rank(),
         )
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.vocab_size = num_embeddings if vocab_size is None else vocab_size
         local = divide(num_embeddings, world, "vocabulary size")
         self.vocab_start, self.vocab_end = rank * local, (rank + 1) * local
         self.weight = mark_tensor_parallel(
@@ -146,7 +179,8 @@ class VocabParallelEmbedding(nn.Module):
         )
 
     def initialize(self, name: str, seed: int, std: float) -> None:
-        init_normal_(self.weight, f"{name}.weight", seed, std)
+        """Real rows from the layout-independent draw for `name`; padding rows zero."""
+        init_normal_(self.weight, f"{name}.weight", seed, std, real_rows=self.vocab_size)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if state.get_tensor_model_parallel_world_size() == 1:

@@ -149,16 +149,27 @@ def draw_full_normal(
 
 
 @torch.no_grad()
-def init_normal_(param: torch.Tensor, name: str, seed: int, std: float) -> torch.Tensor:
+def init_normal_(
+    param: torch.Tensor, name: str, seed: int, std: float, real_rows: int | None = None
+) -> torch.Tensor:
     """Fill `param` with its TP shard of the full N(0, std) tensor drawn for `name`.
 
     The full tensor is drawn in fp32 on the CPU (so CPU and GPU runs agree), then sharded and cast.
+    `real_rows` (a padded vocabulary's true size): only rows [0, real_rows) are drawn, exactly as
+    in an unpadded tensor, and the padding rows after them are zeros, so neither the real rows nor
+    the padding depend on how much padding there is (which grows with TP).
     """
     world = state.get_tensor_model_parallel_world_size() if is_tensor_parallel(param) else 1
     shape = list(param.shape)
     if world > 1:
         shape[param.partition_dim] *= world
-    full = draw_full_normal(shape, name, seed, std)
+    if real_rows is None:
+        full = draw_full_normal(shape, name, seed, std)
+    else:
+        if not 0 < real_rows <= shape[0]:
+            raise ValueError(f"{name}: real_rows {real_rows} not in (0, {shape[0]}]")
+        full = torch.zeros(shape, dtype=torch.float32)
+        full[:real_rows] = draw_full_normal([real_rows] + shape[1:], name, seed, std)
     if world > 1:
         full = shard_tensor(
             full,
