@@ -11,6 +11,7 @@ sample-count flags, skips the other pretrain_gpt.py flags, and refuses anything 
 
 Training started with the same flags finds the caches and loads them (memory-mapped) instead of
 building. With a node-local --data-cache-path, run it once per node (or let training build it).
+With --plan it prints the blend plan of tools/plan_blend.py instead and builds nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from plan_blend import add_plan_args, run_plan  # noqa: E402  (tools/, beside this script)
 from tqdm import tqdm  # noqa: E402
 
 from pretrain.cli import build_parser as training_parser  # noqa: E402
@@ -39,7 +41,7 @@ from pretrain.tokenizer import TokenizerConfig, add_tokenizer_args, build_tokeni
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The data, sample-count and tokenizer flags (training's own definitions)."""
+    """The data, sample-count and tokenizer flags (training's own definitions), and --plan's."""
     # allow_abbrev=False: an unknown training flag must never be taken for an abbreviation of ours
     parser = argparse.ArgumentParser(
         description=__doc__,
@@ -49,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_data_args(parser)
     add_sample_count_args(parser)
     add_tokenizer_args(parser)
+    add_plan_args(parser)
+    parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the blend plan (tools/plan_blend.py), build nothing",
+    )
     return parser
 
 
@@ -69,6 +77,10 @@ def main(argv=None) -> int:
     ns, ignored = build_parser().parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = DataConfig.from_args(ns)
+    if ns.plan:
+        _refuse_unknown(ignored)
+        run_plan(ns, cfg)
+        return 0
     tokenizer = build_tokenizer(TokenizerConfig.from_args(ns))
     counts = train_valid_test_num_samples(
         ns.train_iters, ns.train_samples, ns.eval_interval, ns.eval_iters, ns.global_batch_size

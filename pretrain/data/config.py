@@ -78,6 +78,18 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "its own",
     )
     g.add_argument(
+        "--blend-weights-unit",
+        choices=["samples", "tokens"],
+        default="samples",
+        help="what the weights of 'W1 PREFIX1 W2 PREFIX2' are shares of: samples (Megatron's) "
+        "or tokens; every sample is seq-length tokens, so both give the same blend",
+    )
+    g.add_argument(
+        "--allow-tokenizer-mismatch",
+        action="store_true",
+        help="use data whose fingerprint (PREFIX.json) names another tokenizer than the one given",
+    )
+    g.add_argument(
         "--mid-level-dataset-surplus",
         type=float,
         default=0.005,
@@ -261,6 +273,10 @@ class DataConfig:
     """"single" (Megatron's sequential sampler) or "cyclic" (--dataloader-type)."""
     data_sharding: bool = True
     """Cyclic sampler: one bucket per DP rank (off: --no-data-sharding)."""
+    blend_weights_unit: str = "samples"
+    """What blend weights are shares of: "samples" (Megatron's) or "tokens" (--blend-weights-unit)."""
+    allow_tokenizer_mismatch: bool = False
+    """Accept data whose fingerprint names another tokenizer (--allow-tokenizer-mismatch)."""
 
     def __post_init__(self):
         if self.seq_length is None or self.seq_length <= 0:
@@ -322,6 +338,8 @@ class DataConfig:
             num_workers=ns.num_workers,
             dataloader_type=ns.dataloader_type,
             data_sharding=ns.data_sharding,
+            blend_weights_unit=getattr(ns, "blend_weights_unit", "samples"),
+            allow_tokenizer_mismatch=getattr(ns, "allow_tokenizer_mismatch", False),
         )
 
 

@@ -1,0 +1,135 @@
+#!/usr/bin/env python
+"""Plan a data blend before paying for it: what each prefix contributes to each split.
+
+Put this script in front of your training arguments; it reads only the data and sample-count flags
+(and ignores the rest), reads only the .idx files, and builds nothing:
+
+    python tools/plan_blend.py --data-path 0.3 data/a_text_document 0.7 data/b_text_document \\
+        --split 949,50,1 --seq-length 1024 --train-iters 2000 --global-batch-size 16 \\
+        [--max-epochs 4] [--plot plan.png] [... any other training flags ...]
+
+For every split and prefix it prints: tokens, documents, the requested weight (normalized), the
+samples the blend will draw, the resulting epochs and the prefix's actual share of the split's
+tokens; then a warning for every prefix read more than --max-epochs times or less than
+--min-epochs of it (train split). `tools/build_data_cache.py --plan` prints the same table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pretrain.data.config import (  # noqa: E402
+    DataConfig,
+    add_data_args,
+    add_sample_count_args,
+    train_valid_test_num_samples,
+)
+from pretrain.data.plan import (  # noqa: E402
+    DEFAULT_MAX_EPOCHS,
+    DEFAULT_MIN_EPOCHS,
+    PlanRow,
+    format_plan,
+    plan_blend,
+    plan_warnings,
+)
+from pretrain.errors import exit_on_user_error  # noqa: E402
+
+
+def add_plan_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The plan's own flags (also used by build_data_cache.py --plan)."""
+    g = parser.add_argument_group("plan")
+    g.add_argument(
+        "--max-epochs",
+        type=float,
+        default=DEFAULT_MAX_EPOCHS,
+        help=f"warn when a prefix is read more often than this (default {DEFAULT_MAX_EPOCHS:g})",
+    )
+    g.add_argument(
+        "--min-epochs",
+        type=float,
+        default=DEFAULT_MIN_EPOCHS,
+        help="warn when training reads less than this fraction of a prefix "
+        f"(default {DEFAULT_MIN_EPOCHS:g})",
+    )
+    g.add_argument("--plot", default=None, help="also draw token shares and epochs into this PNG")
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The data, sample-count and plan flags; other training flags are ignored."""
+    # allow_abbrev=False: an unknown training flag must never be taken for an abbreviation of ours
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    add_data_args(parser)
+    add_sample_count_args(parser)
+    return add_plan_args(parser)
+
+
+def plot_plan(rows: list[PlanRow], path: str, max_epochs: float) -> None:
+    """Two panels per split present: the token share and the epochs of each prefix."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from pretrain.atomic import atomic_write
+
+    splits = [s for s in ("train", "valid", "test") if any(r.split == s for r in rows)]
+    fig, axes = plt.subplots(len(splits), 2, figsize=(11, 1.2 + 0.5 * len(rows)), squeeze=False)
+    colours = plt.get_cmap("tab10").colors
+    for (share_ax, epoch_ax), split in zip(axes, splits, strict=True):
+        mine = [r for r in rows if r.split == split]
+        names = [os.path.basename(r.prefix) for r in mine]
+        y = range(len(mine))
+        bar_colours = [colours[i % len(colours)] for i in y]
+        share_ax.barh(y, [100 * r.token_share for r in mine], color=bar_colours)
+        requested = [None if r.weight is None else 100 * r.weight for r in mine]
+        for i, w in enumerate(requested):
+            if w is not None:
+                share_ax.plot([w, w], [i - 0.4, i + 0.4], color="black", lw=2)
+        share_ax.set_yticks(list(y), names)
+        share_ax.set_xlabel("share of tokens, % (black: requested weight)")
+        share_ax.set_title(f"{split}: token share")
+        epoch_ax.barh(y, [r.epochs for r in mine], color=bar_colours)
+        epoch_ax.axvline(max_epochs, color="red", ls="--", label=f"--max-epochs {max_epochs:g}")
+        epoch_ax.set_yticks(list(y), names)
+        epoch_ax.set_xlabel("epochs (times each prefix is read)")
+        epoch_ax.set_title(f"{split}: epochs")
+        epoch_ax.legend(loc="lower right", fontsize="small")
+    fig.tight_layout()
+    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
+    plt.close(fig)
+
+
+def run_plan(ns: argparse.Namespace, cfg: DataConfig) -> list[PlanRow]:
+    """Print the plan (and warnings), draw it if --plot; return its rows."""
+    counts = train_valid_test_num_samples(
+        ns.train_iters, ns.train_samples, ns.eval_interval, ns.eval_iters, ns.global_batch_size
+    )
+    rows = plan_blend(cfg, counts)
+    print(format_plan(rows, cfg.seq_length))
+    for line in plan_warnings(rows, ns.max_epochs, ns.min_epochs):
+        print(line)
+    if ns.plot:
+        plot_plan(rows, ns.plot, ns.max_epochs)
+        print(f"wrote {ns.plot}")
+    return rows
+
+
+@exit_on_user_error
+def main(argv=None) -> int:
+    """Command-line entry point; returns the exit status."""
+    ns, _ = build_parser().parse_known_args(argv)
+    run_plan(ns, DataConfig.from_args(ns))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
