@@ -15,6 +15,7 @@ import torch
 
 from pretrain.data.builder import build_train_valid_test_datasets
 from pretrain.data.config import DataConfig, train_valid_test_num_samples
+from pretrain.data.plan import log_plan
 from pretrain.data.samplers import build_pretraining_data_loader
 from pretrain.launch import LaunchEnv
 from pretrain.model.config import ModelConfig
@@ -107,6 +108,7 @@ def _data_iterators(
     train_ds, valid_ds, test_ds = build_train_valid_test_datasets(
         cfg.data, build_tokenizer(cfg.tokenizer), num_samples
     )
+    log_plan(cfg.data, num_samples, logger)  # the blend plan table, once (rank 0 logs INFO)
     dp_rank, dp = state.get_data_parallel_rank(), state.get_data_parallel_world_size()
 
     def batches(dataset, consumed):
