@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from pretrain.data.config import DataConfig, add_data_args, add_sample_count_args
+from pretrain.data.fingerprint import check_data
 from pretrain.errors import UserError
 from pretrain.launch import detect_launch_env
 from pretrain.model.config import ModelConfig
@@ -405,10 +406,13 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
 
     tokenizer = TokenizerConfig.from_args(ns)
     # building the tokenizer checks its files and gives the true vocabulary size
-    model = _model_config(ns, build_tokenizer(tokenizer).vocab_size)
+    built_tokenizer = build_tokenizer(tokenizer)
+    model = _model_config(ns, built_tokenizer.vocab_size)
     model.validate(tp, pp)
     data = DataConfig.from_args(ns)
     _check_data_files(data)
+    # data fingerprints: made by this tokenizer, largest token id inside its vocabulary
+    check_data(data, tokenizer, built_tokenizer, built_tokenizer.vocab_size)
 
     return RunConfig(
         model=model,

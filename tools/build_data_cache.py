@@ -36,6 +36,7 @@ from pretrain.data.config import (  # noqa: E402
     add_sample_count_args,
     train_valid_test_num_samples,
 )
+from pretrain.data.fingerprint import check_data  # noqa: E402
 from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
 from pretrain.tokenizer import TokenizerConfig, add_tokenizer_args, build_tokenizer  # noqa: E402
 
@@ -81,7 +82,9 @@ def main(argv=None) -> int:
         _refuse_unknown(ignored)
         run_plan(ns, cfg)
         return 0
-    tokenizer = build_tokenizer(TokenizerConfig.from_args(ns))
+    tok_cfg = TokenizerConfig.from_args(ns)
+    tokenizer = build_tokenizer(tok_cfg)
+    check_data(cfg, tok_cfg, tokenizer, tokenizer.vocab_size)  # fingerprints, before any work
     counts = train_valid_test_num_samples(
         ns.train_iters, ns.train_samples, ns.eval_interval, ns.eval_iters, ns.global_batch_size
     )

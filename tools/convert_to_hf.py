@@ -72,6 +72,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="compare our model's and transformers' logits and loss on one token batch (fail above "
         "1e-4 absolute for logits, 1e-6 relative for the loss, fp32), then print a short greedy sample",
     )
+    p.add_argument(
+        "--allow-tokenizer-mismatch",
+        action="store_true",
+        help="export even if the training data's fingerprint names another tokenizer",
+    )
     p.add_argument("--prompt", default="First Citizen:", help="text the --verify sample continues")
     p.add_argument("--max-new-tokens", type=int, default=24, help="length of the --verify sample")
     return p.parse_args(argv)
@@ -144,6 +149,15 @@ def main(argv=None) -> None:
     ck = read_checkpoint(args.load, args.iteration)
     flavour = hf_flavour(ck.config)  # before any writing: an inexpressible model fails here
     tokenizer = build_tokenizer_from_checkpoint(ck.tokenizer)
+    from pretrain.data.fingerprint import check_recorded_data  # the data it was trained on
+
+    check_recorded_data(
+        ck.meta.get("data"),
+        ck.tokenizer,
+        tokenizer,
+        ck.config.vocab_size,
+        args.allow_tokenizer_mismatch,
+    )
     dtype = DTYPES[args.dtype] or next(iter(ck.state_dict.values())).dtype
     print(
         f"read {ck.path} (iteration {ck.iteration}, {sum(v.numel() for v in ck.state_dict.values()):,} "

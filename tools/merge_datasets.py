@@ -11,6 +11,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from pretrain.data.fingerprint import (  # noqa: E402
+    dataset_counts,
+    read_sidecar,
+    sidecar_path,
+    write_sidecar,
+)
 from pretrain.data.indexed_dataset import (  # noqa: E402
     IndexedDataset,
     IndexedDatasetBuilder,
@@ -28,6 +34,8 @@ def prefixes_in_dir(directory: str) -> list[str]:
     stems = {}
     for name in names:
         stem, ext = os.path.splitext(name)
+        if ext == ".json" and os.path.isfile(os.path.join(directory, stem + ".idx")):
+            continue  # a fingerprint sidecar (PREFIX.json), merged separately
         if ext not in (".bin", ".idx"):
             raise UserError(
                 f"{os.path.join(directory, name)}: not a .bin/.idx file (move it out of --input)"
@@ -62,6 +70,29 @@ def merge(prefixes: list[str], output_prefix: str) -> IndexedDataset:
     return IndexedDataset(output_prefix)
 
 
+def merged_sidecar(prefixes: list[str]) -> dict | None:
+    """The inputs' fingerprints merged (None if one has none); different tokenizers: UserError."""
+    sidecars = [read_sidecar(p) for p in prefixes]
+    if any(s is None for s in sidecars):
+        return None
+    first = sidecars[0]["tokenizer"]
+    for prefix, sidecar in zip(prefixes, sidecars, strict=True):
+        other = sidecar["tokenizer"]
+        if other.get("sha256") != first.get("sha256"):
+            raise UserError(
+                f"{prefix}: tokenized with {other.get('type')} (sha256 {other.get('sha256', '')[:12]}), "
+                f"but {prefixes[0]} with {first.get('type')} (sha256 {first.get('sha256', '')[:12]}); "
+                "merge only datasets made by one tokenizer (nothing was written)"
+            )
+    return {
+        "tokenizer": first,
+        "json_keys": sorted({k for s in sidecars for k in s.get("json_keys", [])}),
+        "inputs": [i for s in sidecars for i in s.get("inputs", [])],
+        "merged_from": [os.path.abspath(p) for p in prefixes],
+        "max_token_id": max(int(s["max_token_id"]) for s in sidecars),
+    }
+
+
 def build_parser() -> argparse.ArgumentParser:
     """This tool's flags."""
     p = argparse.ArgumentParser(description=__doc__)
@@ -83,13 +114,22 @@ def main(argv: list[str] | None = None) -> IndexedDataset:
         raise UserError(
             f"--output-prefix {args.output_prefix}: is also an input (choose another name)"
         )
+    sidecar = merged_sidecar(prefixes)  # before writing: different tokenizers are refused
+    if os.path.exists(sidecar_path(args.output_prefix)):  # never describe the new data with it
+        os.remove(sidecar_path(args.output_prefix))
     ds = merge(prefixes, args.output_prefix)
+    if sidecar is not None:
+        write_sidecar(args.output_prefix, {**sidecar, **dataset_counts(args.output_prefix)})
     tokens = int(ds.sequence_lengths.sum(dtype="int64"))
     print(
         f"merged {len(prefixes)} datasets: {len(ds):,} sequences, {ds.num_documents:,} documents, "
         f"{tokens:,} tokens ({ds.dtype.name})"
     )
     print(f"wrote {args.output_prefix}.bin and {args.output_prefix}.idx")
+    if sidecar is not None:
+        print(f"wrote {args.output_prefix}.json (the inputs' fingerprints merged)")
+    else:
+        print("no fingerprint written: some inputs have no PREFIX.json (e.g. made by Megatron-LM)")
     return ds
 
 

@@ -26,6 +26,13 @@ from pretrain.data.encoder import (
     init_worker,
     share_with_forked_workers,
 )
+from pretrain.data.fingerprint import (
+    dataset_counts,
+    input_files,
+    sidecar_path,
+    tokenizer_fingerprint,
+    write_sidecar,
+)
 from pretrain.data.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
 from pretrain.errors import UserError, data_error
 from pretrain.tokenizer import TokenizerConfig, add_tokenizer_args
@@ -252,6 +259,28 @@ def _open_builders(cfg: PreprocessConfig, dtype) -> list[IndexedDatasetBuilder]:
     return [IndexedDatasetBuilder(get_bin_path(p), dtype) for p in cfg.output_prefixes()]
 
 
+def _write_sidecars(
+    cfg: PreprocessConfig, encoder: Encoder, sources: list[str], largest: list[int]
+) -> None:
+    """`PREFIX.json` beside each output pair: what made it and what it holds (pretrain/data/fingerprint.py)."""
+    tokenizer = tokenizer_fingerprint(cfg.tokenizer, encoder.tokenizer)
+    tokenizer["append_eod"] = cfg.append_eod
+    inputs = input_files(sources)
+    for key, prefix, max_id in zip(cfg.json_keys, cfg.output_prefixes(), largest, strict=True):
+        write_sidecar(
+            prefix,
+            {
+                "tokenizer": tokenizer,
+                "json_keys": cfg.json_keys,
+                "json_key": key,
+                "level": cfg.level,
+                "inputs": inputs,
+                **dataset_counts(prefix),
+                "max_token_id": max_id,
+            },
+        )
+
+
 def run(cfg: PreprocessConfig) -> Summary:
     """Tokenize the inputs into the output prefix(es); returns what was written."""
     sources = expand_inputs(cfg.inputs)
@@ -269,6 +298,7 @@ def run(cfg: PreprocessConfig) -> Summary:
     summary = Summary()
     start = time.monotonic()
     builders = _open_builders(cfg, encoder.dtype)
+    largest = [-1] * len(builders)  # largest token id per output, for the fingerprint sidecar
     progress = _Progress(total_input_bytes(sources), cfg.log_interval)
     finished = False
     try:
@@ -284,8 +314,10 @@ def run(cfg: PreprocessConfig) -> Summary:
             batches = iter_record_batches(sources, cfg.json_keys, cfg.batch_bytes)
             for encoded in _ordered_results(pool, batches, window=2 * cfg.workers + 2):
                 _report_bad(cfg, summary, encoded.source, encoded.bad)
-                for builder, key in zip(builders, encoded.keys, strict=False):
+                for i, (builder, key) in enumerate(zip(builders, encoded.keys, strict=True)):
                     builder.add_document_batch(key.tokens, key.lengths, key.sequences_per_document)
+                    if len(key.tokens):
+                        largest[i] = max(largest[i], int(key.tokens.max()))
                     summary.sequences += len(key.lengths)
                     summary.tokens += len(key.tokens)
                 summary.documents += encoded.documents
@@ -293,8 +325,13 @@ def run(cfg: PreprocessConfig) -> Summary:
                 progress.update(summary, encoded.nbytes)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
-        for builder, prefix in zip(builders, cfg.output_prefixes(), strict=False):
+        for builder, prefix in zip(builders, cfg.output_prefixes(), strict=True):
+            if os.path.exists(
+                sidecar_path(prefix)
+            ):  # an old fingerprint must never describe new data
+                os.remove(sidecar_path(prefix))
             builder.finalize(get_idx_path(prefix))
+        _write_sidecars(cfg, encoder, sources, largest)
         finished = True
     finally:
         progress.close()
@@ -314,4 +351,5 @@ def main(argv: list[str] | None = None) -> Summary:
     print(f"done: {summary.line()}")
     for prefix in summary.outputs:
         print(f"wrote {prefix}.bin and {prefix}.idx")
+        print(f"wrote {prefix}.json (fingerprint: tokenizer, inputs, counts, largest token id)")
     return summary

@@ -1,0 +1,259 @@
+"""Data fingerprints: which tokenizer made a dataset, and does it fit the model, before launch.
+
+`tools/preprocess_data.py` writes a sidecar `PREFIX.json` beside `PREFIX.bin`/`PREFIX.idx` (which
+stay byte-identical to Megatron's): the tokenizer (type, a SHA-256 of its files, vocabulary size,
+EOD id, whether EOD was appended), the JSON keys, the input files with their sizes, the counts and
+the largest token id. `check_data` then refuses, in one line naming both sides, data whose largest
+token id does not fit the vocabulary, or whose sidecar names another tokenizer than the one given
+(`--allow-tokenizer-mismatch` overrides). Megatron-made data has no sidecar: its largest token id is
+computed once in one streaming pass over the `.bin` and cached beside the index caches.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterable
+
+import numpy as np
+
+from pretrain.atomic import atomic_write_bytes
+from pretrain.data.config import DataConfig
+from pretrain.data.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
+from pretrain.errors import UserError
+
+log = logging.getLogger(__name__)
+
+FORMAT = "pretrain-data-fingerprint/1"
+_CHUNK_TOKENS = 1 << 24  # streaming pass: 16 M tokens per read
+
+
+def sidecar_path(prefix: str) -> str:
+    """`PREFIX.json`, beside `PREFIX.bin` and `PREFIX.idx`."""
+    return f"{prefix}.json"
+
+
+def file_sha256(path: str) -> str:
+    """Hex SHA-256 of a file's bytes, read in 1 MiB pieces."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _tokenizer_files(tok_cfg, tokenizer) -> dict[str, str]:
+    """{role: path} of the files that define the tokenizer (paths may differ; contents count)."""
+    kind = tok_cfg.tokenizer_type
+    if kind == "GPT2BPETokenizer":
+        return {"vocab_file": tok_cfg.vocab_file, "merge_file": tok_cfg.merge_file}
+    if kind == "HuggingFaceTokenizer":
+        files = {"tokenizer.json": tokenizer.path}
+        config = os.path.join(os.path.dirname(tokenizer.path), "tokenizer_config.json")
+        if os.path.isfile(config):  # it can choose the EOD token
+            files["tokenizer_config.json"] = config
+        return files
+    if kind == "TikTokenizer":
+        return {"tokenizer_model": tok_cfg.tokenizer_model}
+    return {}
+
+
+def _eod(tokenizer) -> int | None:
+    try:
+        return int(tokenizer.eod)
+    except UserError:  # a tokenizer without an end-of-document token (fine without --append-eod)
+        return None
+
+
+def tokenizer_fingerprint(tok_cfg, tokenizer) -> dict:
+    """{type, files: {role: sha256}, sha256, vocab_size, eod}: equal for equal tokenizers."""
+    files = {role: file_sha256(path) for role, path in _tokenizer_files(tok_cfg, tokenizer).items()}
+    identity = {
+        "type": tok_cfg.tokenizer_type,
+        "files": files,
+        "vocab_size": int(tokenizer.vocab_size),
+        "eod": _eod(tokenizer),
+        "tiktoken_pattern": tok_cfg.tiktoken_pattern,
+        "include_special_tokens": tok_cfg.hf_include_special_tokens,
+    }
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
+    return {
+        "type": tok_cfg.tokenizer_type,
+        "files": files,
+        "sha256": digest,
+        "vocab_size": int(tokenizer.vocab_size),
+        "eod": _eod(tokenizer),
+    }
+
+
+def write_sidecar(prefix: str, sidecar: dict) -> None:
+    """Write `PREFIX.json` atomically (a reader sees the old file or the whole new one)."""
+    data = json.dumps({"format": FORMAT, **sidecar}, indent=2, sort_keys=False) + "\n"
+    atomic_write_bytes(sidecar_path(prefix), data.encode("utf-8"))
+
+
+def read_sidecar(prefix: str) -> dict | None:
+    """The sidecar of `prefix`, or None when there is none (Megatron-made data)."""
+    path = sidecar_path(prefix)
+    try:
+        with open(path, encoding="utf-8") as f:
+            sidecar = json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, json.JSONDecodeError) as err:
+        raise UserError(
+            f"{path}: unreadable data fingerprint ({err}); delete it or re-run preprocess_data.py"
+        ) from None
+    if not isinstance(sidecar, dict) or sidecar.get("format") != FORMAT:
+        raise UserError(f"{path}: not a {FORMAT} file (delete it or re-run preprocess_data.py)")
+    return sidecar
+
+
+def input_files(sources: Iterable[str]) -> list[dict]:
+    """[{path, bytes}] of the preprocessing inputs (folders: the sum of their files)."""
+    out = []
+    for path in sources:
+        if os.path.isdir(path):
+            size = sum(
+                os.path.getsize(os.path.join(root, f)) for root, _, fs in os.walk(path) for f in fs
+            )
+        else:
+            size = os.path.getsize(path)
+        out.append({"path": os.path.abspath(path), "bytes": size})
+    return out
+
+
+def dataset_counts(prefix: str) -> dict:
+    """{documents, sequences, tokens, dtype} of a written dataset, from its .idx."""
+    ds = IndexedDataset(prefix)
+    return {
+        "documents": ds.num_documents,
+        "sequences": len(ds),
+        "tokens": int(ds.sequence_lengths.sum(dtype=np.int64)),
+        "dtype": ds.dtype.name,
+    }
+
+
+def _scan_max_token(prefix: str) -> int:
+    """Largest token id in PREFIX.bin, in one streaming pass (-1 when empty)."""
+    ds = IndexedDataset(prefix)
+    tokens = ds._bin
+    largest = -1
+    for start in range(0, len(tokens), _CHUNK_TOKENS):
+        largest = max(largest, int(tokens[start : start + _CHUNK_TOKENS].max()))
+    return largest
+
+
+def _stats_cache_file(prefix: str, cache_dir: str | None) -> str:
+    directory = cache_dir or os.path.join(prefix, "cache", "GPTDataset_indices")
+    h = hashlib.sha256()  # bound to the content of the .idx and the size of the .bin
+    h.update(file_sha256(get_idx_path(prefix)).encode())
+    h.update(str(os.path.getsize(get_bin_path(prefix))).encode())
+    return os.path.join(directory, f"{h.hexdigest()[:32]}-TokenStats.json")
+
+
+def largest_token_id(prefix: str, cache_dir: str | None = None) -> int:
+    """From the sidecar, else from a cached streaming pass over the .bin (computed once)."""
+    sidecar = read_sidecar(prefix)
+    if sidecar is not None and "max_token_id" in sidecar:
+        return int(sidecar["max_token_id"])
+    path = _stats_cache_file(prefix, cache_dir)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return int(json.load(f)["max_token_id"])
+    except (OSError, ValueError, KeyError):
+        pass
+    log.info(
+        "%s: no fingerprint; scanning %s for its largest token id", prefix, get_bin_path(prefix)
+    )
+    largest = _scan_max_token(prefix)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        atomic_write_bytes(path, json.dumps({"prefix": prefix, "max_token_id": largest}).encode())
+    except OSError as err:  # a read-only data folder: the check still works, just uncached
+        log.warning("could not cache the token scan in %s (%s)", path, err.strerror)
+    return largest
+
+
+def data_prefixes(cfg: DataConfig) -> list[str]:
+    """Every prefix `cfg` reads, once each, in order of appearance."""
+    blends = [cfg.blend] if cfg.blend is not None else list(cfg.blend_per_split or [])
+    seen: dict[str, None] = {}
+    for blend in blends:
+        if blend is not None:
+            seen.update(dict.fromkeys(blend[0]))
+    return list(seen)
+
+
+def _describe(tok: dict) -> str:
+    return (
+        f"{tok.get('type')} (sha256 {str(tok.get('sha256'))[:12]}, vocab {tok.get('vocab_size')})"
+    )
+
+
+def check_prefix(prefix: str, given: dict, vocab_size: int, cfg: DataConfig) -> None:
+    """Refuse `prefix` if its tokens do not fit `vocab_size` or another tokenizer made it."""
+    sidecar = read_sidecar(prefix)
+    made_by = None if sidecar is None else sidecar.get("tokenizer")
+    if made_by is not None and made_by.get("sha256") != given["sha256"]:
+        line = (
+            f"{prefix}: tokenized with {_describe(made_by)}, but this run uses {_describe(given)}"
+        )
+        if not cfg.allow_tokenizer_mismatch:
+            raise UserError(
+                f"{line} (pass the tokenizer that made the data, or --allow-tokenizer-mismatch)"
+            )
+        log.warning("%s; continuing (--allow-tokenizer-mismatch)", line)
+    largest = largest_token_id(prefix, cfg.data_cache_path)
+    if largest >= vocab_size:
+        by = "" if made_by is None else f" (made by {_describe(made_by)})"
+        raise UserError(
+            f"{prefix}: holds token id {largest}{by}, but the vocabulary of {_describe(given)} has "
+            f"{vocab_size} ids; tokenize the data with this run's tokenizer or use the data's"
+        )
+
+
+def check_data(cfg: DataConfig, tok_cfg, tokenizer, vocab_size: int) -> None:
+    """Check every prefix of `cfg` against the tokenizer given and a vocabulary of `vocab_size`
+    ids (the model's, or the tokenizer's where there is no model). One-line UserError on a mismatch."""
+    given = tokenizer_fingerprint(tok_cfg, tokenizer)
+    for prefix in data_prefixes(cfg):
+        if IndexedDataset.exists(prefix):  # a missing pair is reported by the builder
+            check_prefix(prefix, given, vocab_size, cfg)
+
+
+def data_fingerprints(cfg: DataConfig) -> dict[str, dict]:
+    """{prefix: summary} of every prefix `cfg` reads, for checkpoints and model cards: the
+    sidecar's tokenizer, counts and largest token id, or the counts and largest id from the .idx
+    and the cached scan for data without a sidecar."""
+    out = {}
+    for prefix in data_prefixes(cfg):
+        sidecar = read_sidecar(prefix) or {}
+        summary = dataset_counts(prefix)
+        summary["max_token_id"] = largest_token_id(prefix, cfg.data_cache_path)
+        summary["tokenizer"] = sidecar.get("tokenizer")
+        summary["sidecar"] = bool(sidecar)
+        out[prefix] = summary
+    return out
+
+
+def check_recorded_data(
+    data_meta: dict | None, tok_cfg, tokenizer, vocab_size: int, allow_mismatch: bool = False
+) -> int:
+    """`check_data` for the data a checkpoint records (its metadata's "data" entry): the prefixes
+    still on disk are checked, the others skipped (an export may run elsewhere). Returns how many
+    prefixes were checked."""
+    if not data_meta or tokenizer is None:
+        return 0
+    blends = [data_meta.get("blend")] + list(data_meta.get("blend_per_split") or [])
+    prefixes = dict.fromkeys(p for b in blends if b for p in b[0])
+    here = [p for p in prefixes if IndexedDataset.exists(p)]
+    cfg = DataConfig(
+        seq_length=1, blend=(here, None), split="1", allow_tokenizer_mismatch=allow_mismatch
+    )
+    given = tokenizer_fingerprint(tok_cfg, tokenizer)
+    for prefix in here:
+        check_prefix(prefix, given, vocab_size, cfg)
+    return len(here)
