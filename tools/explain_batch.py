@@ -88,12 +88,14 @@ class _Texts:
         self.tokenizer = tokenizer
         self._full: dict[tuple[str, int], str] = {}
 
-    def start(self, prefix: str, doc: int) -> str:
-        tokens = self.indexed[prefix].get(doc)[:PREVIEW_TOKENS]
+    def start(self, prefix: str, doc: int, offset: int = 0) -> str:
+        """The decoded start of document `doc` (from token `offset`), shortened, as repr."""
+        tokens = self.indexed[prefix].get(doc, offset=offset)[:PREVIEW_TOKENS]
         text = self.tokenizer.detokenize(tokens.tolist())
         return repr(text[:PREVIEW_CHARS] + ("..." if len(text) > PREVIEW_CHARS else ""))
 
     def full(self, prefix: str, doc: int) -> str:
+        """The whole decoded document (cached: --grep asks for the same documents often)."""
         key = (prefix, doc)
         if key not in self._full:
             self._full[key] = self.tokenizer.detokenize(self.indexed[prefix].get(doc).tolist())
@@ -110,8 +112,10 @@ def print_sample(s: SampleOrigin, texts: _Texts, as_json: bool) -> None:
         f"sample {s.sample} dataset {s.dataset} dataset_sample {s.dataset_sample} "
         f"documents {s.documents}"
     )
-    for doc, _, _ in s.documents:
+    for doc, first, _ in s.documents:
         print(f"    document {doc}: {texts.start(s.dataset, doc)}")
+        if first > 0:  # the window starts inside the document: show where
+            print(f"      at token {first}: {texts.start(s.dataset, doc, first)}")
 
 
 def grep(ns, dataset, cfg, texts: _Texts, first: int, ranks: list[int]) -> int:

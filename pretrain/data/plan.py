@@ -221,7 +221,7 @@ def log_plan(
 ) -> list[PlanRow]:
     """Log the blend plan table and its warnings (once, at the start of training); return the rows."""
     rows = plan_blend(cfg, num_samples)
-    log.info("data plan (seq length %d):\n%s", cfg.seq_length, format_plan(rows, cfg.seq_length))
-    for line in plan_warnings(rows, max_epochs):
-        log.warning("%s", line)
+    text = "\n".join([format_plan(rows, cfg.seq_length), *plan_warnings(rows, max_epochs)])
+    # info, warnings included: every rank calls this, and only rank 0 logs at info
+    log.info("data plan (seq length %d):\n%s", cfg.seq_length, text)
     return rows
