@@ -43,6 +43,7 @@ def sample(hf_dir: Path, prompt: str, new_tokens: int, temperature: float, top_k
     import transformers
 
     transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
     tok = transformers.AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
     model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, local_files_only=True).eval()
     ids = tok(prompt, return_tensors="pt").input_ids
