@@ -71,7 +71,10 @@ def test_summary_prints_perplexity_and_a_seeded_sample(tmp_path, demo_tokenizer)
     first, second = tool("demo_summary.py", *args), tool("demo_summary.py", *args)
     assert first.returncode == 0, first.stderr
     loss = float(f"{7.5 / math.sqrt(100):.6E}")
-    assert f"validation:      lm loss {loss:.4f}, perplexity {math.exp(loss):,.1f} at iteration 100" in first.stdout
+    assert (
+        f"validation:      lm loss {loss:.4f}, perplexity {math.exp(loss):,.1f} at iteration 100"
+        in first.stdout
+    )
     assert "temperature 0.8, top-k 40, seed 1234" in first.stdout
     sample = first.stdout.split("-" * 78)[1]
     assert sample.strip().startswith("ROMEO:") and len(sample.strip()) > len("ROMEO:")
