@@ -58,6 +58,9 @@ def write_log(path, iterations, offset=0.0):
         lines.append(format_iteration_line(stats(it, 8.0 / math.sqrt(it) + offset, 1e-3 / it)))
         if it % 50 == 0:
             lines.append(format_eval_line(it, 7.5 / math.sqrt(it) + offset))
+    # after the last iteration: Megatron's final validation and test blocks
+    lines.append(format_eval_line(it, 7.4 / math.sqrt(it) + offset, " on validation set"))
+    lines.append(format_eval_line(it, 9.9, " on test set"))
     path.write_text("\n".join(lines) + "\n")
     return path
 
@@ -69,7 +72,8 @@ def test_parser_reads_what_the_logger_wrote(tmp_path):
     assert its == list(range(10, 101, 10))
     assert np.allclose(losses, [8.0 / math.sqrt(i) for i in its], rtol=1e-6)
     assert run.series("grad norm")[1] == [round(2.0 / i, 3) for i in its]
-    assert run.validation == [(50, float(f"{7.5 / math.sqrt(50):.6E}")), (100, 0.75)]
+    final = float(f"{7.4 / math.sqrt(100):.6E}")  # the end-of-training one replaces iteration 100's
+    assert run.validation == [(50, float(f"{7.5 / math.sqrt(50):.6E}")), (100, final)]
     assert run.tokens_at([10, 100]) == [10 * 8 * 64, 100 * 8 * 64]
 
 

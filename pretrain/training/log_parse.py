@@ -13,7 +13,10 @@ from pathlib import Path
 
 ITERATION_LINE = re.compile(r"^\s*iteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
 FIELD = re.compile(r"\s*([^|:]+?):\s*([^|]+?)\s*\|")
-VALIDATION_LINE = re.compile(r"validation loss at iteration (\d+)\s*\|\s*lm loss value:\s*(\S+)")
+# periodic evaluations, and the one after the last iteration (" on validation set"); not the test set
+VALIDATION_LINE = re.compile(
+    r"validation loss at iteration (\d+)(?: on validation set)?\s*\|\s*lm loss value:\s*(\S+)"
+)
 # our start-up banner: "batch | global 8 = micro 4 x ...; 2,048 tokens/iteration"
 BANNER_BATCH = re.compile(r"batch\s*\|\s*global (\d+) = .*?([\d,]+) tokens/iteration")
 
@@ -67,7 +70,9 @@ def read_run_log(path: Path, seq_length: int | None = None) -> RunLog:
     """Parse one log file; `seq_length` overrides the one read from the banner."""
     text = Path(path).read_text(errors="replace")
     run = RunLog(path=Path(path), rows=parse_iteration_lines(text))
-    run.validation = [(int(i), float(v)) for i, v in VALIDATION_LINE.findall(text)]
+    # one point per iteration: the final evaluation may repeat the last periodic one
+    by_iteration = {int(i): float(v) for i, v in VALIDATION_LINE.findall(text)}
+    run.validation = sorted(by_iteration.items())
     banner = BANNER_BATCH.search(text)
     if seq_length is not None:
         run.seq_length = seq_length
