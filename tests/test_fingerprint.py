@@ -188,3 +188,15 @@ def test_training_and_build_data_cache_check_before_launch(tmp_path, gpt2_data):
         capture_output=True, text=True, env=ENV, timeout=120,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
+
+
+def test_convert_checks_the_data_the_checkpoint_records(tmp_path, gpt2_data):
+    from pretrain.data.fingerprint import check_recorded_data
+
+    meta = {"blend": [[gpt2_data[0], str(tmp_path / "gone")], None], "blend_per_split": None}
+    gpt2, tik = build_tokenizer(GPT2), build_tokenizer(TIKTOKEN)
+    assert check_recorded_data(meta, GPT2, gpt2, gpt2.vocab_size) == 1  # the missing one is skipped
+    with pytest.raises(UserError, match="TikTokenizer"):
+        check_recorded_data(meta, TIKTOKEN, tik, tik.vocab_size)
+    assert check_recorded_data(meta, TIKTOKEN, tik, tik.vocab_size, allow_mismatch=True) == 1
+    assert check_recorded_data(None, GPT2, gpt2, gpt2.vocab_size) == 0

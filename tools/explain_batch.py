@@ -27,6 +27,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from plan_blend import refuse_unknown  # noqa: E402  (tools/, beside this script)
+
 from pretrain.data.builder import build_train_valid_test_datasets  # noqa: E402
 from pretrain.data.config import (  # noqa: E402
     DataConfig,
@@ -151,7 +153,8 @@ def grep(ns, dataset, cfg, texts: _Texts, first: int, ranks: list[int]) -> int:
 @exit_on_user_error
 def main(argv=None) -> int:
     """Command-line entry point; returns the exit status."""
-    ns, _ = build_parser().parse_known_args(argv)
+    ns, rest = build_parser().parse_known_args(argv)
+    refuse_unknown(rest)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     first, last = parse_iterations(ns.iteration)
     dp = ns.data_parallel_size

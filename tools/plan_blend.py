@@ -36,7 +36,7 @@ from pretrain.data.plan import (  # noqa: E402
     plan_blend,
     plan_warnings,
 )
-from pretrain.errors import exit_on_user_error  # noqa: E402
+from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
 
 
 def add_plan_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -108,6 +108,19 @@ def plot_plan(rows: list[PlanRow], path: str, max_epochs: float) -> None:
     plt.close(fig)
 
 
+def refuse_unknown(rest: list[str]) -> None:
+    """Flags this tool does not read must still be pretrain_gpt.py flags: a typo of a data flag
+    would otherwise give a plan (or an explanation) for other data, silently."""
+    from pretrain.cli import build_parser as training_parser
+
+    _, unknown = training_parser().parse_known_args(rest)
+    if unknown:
+        raise UserError(
+            f"unrecognized argument(s): {' '.join(unknown)} (neither a data flag nor a "
+            "pretrain_gpt.py flag; see --help)"
+        )
+
+
 def run_plan(ns: argparse.Namespace, cfg: DataConfig) -> list[PlanRow]:
     """Print the plan (and warnings), draw it if --plot; return its rows."""
     counts = train_valid_test_num_samples(
@@ -126,7 +139,8 @@ def run_plan(ns: argparse.Namespace, cfg: DataConfig) -> list[PlanRow]:
 @exit_on_user_error
 def main(argv=None) -> int:
     """Command-line entry point; returns the exit status."""
-    ns, _ = build_parser().parse_known_args(argv)
+    ns, rest = build_parser().parse_known_args(argv)
+    refuse_unknown(rest)
     run_plan(ns, DataConfig.from_args(ns))
     return 0
 
