@@ -7,6 +7,7 @@ import dataclasses
 import importlib.resources
 import shutil
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -286,3 +287,14 @@ def test_overwrite_replaces_an_existing_export_only_when_complete(tmp_path):
 def test_hf_models_we_cannot_express_are_refused(hf_config, words):
     with pytest.raises(UserError, match=words.replace("(", r"\(").replace(")", r"\)")):
         from_hf_config(hf_config)
+
+
+def test_checkpoints_record_data_fingerprints_and_tokens_seen(checkpoints, corpus):
+    """Each checkpoint says what it was trained on: the data's fingerprint and the tokens read
+    from each prefix (2 iterations x global batch 8 x 16 tokens, one prefix)."""
+    meta = read_checkpoint(str(checkpoints["gpt2", "221"])).meta
+    assert meta["tokens_seen"] == {corpus: 2 * 8 * 16}
+    fingerprint = meta["data_fingerprints"][corpus]
+    tokens = np.fromfile(corpus + ".bin", dtype=np.uint16)  # make_corpus: 200 documents, uint16
+    assert (fingerprint["documents"], fingerprint["sequences"]) == (200, 200)
+    assert fingerprint["tokens"] == tokens.size and fingerprint["max_token_id"] == tokens.max()

@@ -257,3 +257,19 @@ def check_recorded_data(
     for prefix in here:
         check_prefix(prefix, given, vocab_size, cfg)
     return len(here)
+
+
+def tokens_seen(dataset, consumed_samples: int, seq_length: int) -> dict[str, int]:
+    """{prefix: training tokens read from it} after the first `consumed_samples` samples of
+    `dataset` in Megatron's sequential order (a GPTDataset, or a BlendedDataset whose blending
+    index says which prefix each sample comes from)."""
+    datasets = getattr(dataset, "datasets", None)
+    if datasets is None:
+        return {dataset.dataset_path: consumed_samples * seq_length}
+    counts = np.bincount(
+        np.asarray(dataset.dataset_index[:consumed_samples]), minlength=len(datasets)
+    )
+    seen: dict[str, int] = {}
+    for ds, count in zip(datasets, counts, strict=True):
+        seen[ds.dataset_path] = seen.get(ds.dataset_path, 0) + int(count) * seq_length
+    return seen

@@ -15,6 +15,7 @@ import dataclasses
 import json
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -96,7 +97,8 @@ class Checkpointer:
     """Decides when to save (`should_save`) and saves a live engine, committing `latest` last.
 
     `run_record` is stored in every checkpoint's metadata beside the model and layout (the
-    tokenizer, data and training settings, argv), so a checkpoint says how it was made.
+    tokenizer, data and training settings, data fingerprints, argv), so a checkpoint says how it
+    was made; `tokens_seen(consumed_samples)` adds the training tokens read per data prefix.
     """
 
     def __init__(
@@ -107,9 +109,11 @@ class Checkpointer:
         parallel: ParallelConfig,
         tokenizer: dict,
         run_record: dict,
+        tokens_seen: Callable[[int], dict[str, int]] | None = None,
     ):
         self.config, self.model, self.parallel = config, model, parallel
         self.tokenizer, self.run_record = tokenizer, run_record
+        self.tokens_seen = tokens_seen
         self.last_saved: int | None = None
 
     def should_save(self, iteration: int) -> bool:
@@ -143,6 +147,11 @@ class Checkpointer:
                 pipeline_engine=engine.pipeline,
                 tokenizer=self.tokenizer,
                 deepspeed_config=engine.ds_config,
+                tokens_seen=(
+                    None
+                    if self.tokens_seen is None
+                    else self.tokens_seen(train_state.consumed_train_samples)
+                ),
                 **self.run_record,
             )
             atomic_write_bytes(

@@ -7,6 +7,7 @@ sees all of them, and hands each component the part it needs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import warnings
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ import torch
 
 from pretrain.data.builder import build_train_valid_test_datasets
 from pretrain.data.config import DataConfig, train_valid_test_num_samples
+from pretrain.data.fingerprint import data_fingerprints, tokens_seen
 from pretrain.data.plan import log_plan
 from pretrain.data.samplers import build_pretraining_data_loader
 from pretrain.launch import LaunchEnv
@@ -87,7 +89,16 @@ def _run_record(cfg: RunConfig) -> dict:
         "precision": dataclasses.asdict(cfg.precision),
         "evaluation": dataclasses.asdict(cfg.evaluation),
         "argv": list(cfg.argv),
+        "data_fingerprints": data_fingerprints(cfg.data),
     }
+
+
+def _tokens_seen_counter(cfg: RunConfig, train_dataset):
+    """consumed samples -> {prefix: tokens trained on}, recorded in checkpoints (and model
+    cards); only for Megatron's sequential sampler, whose order the blend index gives."""
+    if cfg.data.dataloader_type != "single":
+        return None
+    return functools.partial(tokens_seen, train_dataset, seq_length=cfg.training.seq_length)
 
 
 def _data_iterators(
@@ -97,8 +108,8 @@ def _data_iterators(
     use_document_ids: bool,
     device: torch.device,
 ):
-    """(train, valid, test) batch iterators, valid/test None when absent or --eval-iters 0;
-    train and valid positioned after the consumed samples."""
+    """(train, valid, test) batch iterators, valid/test None when absent or --eval-iters 0,
+    train and valid positioned after the consumed samples; and the train dataset."""
     from pretrain.training.step import PipelineBatches
 
     t, ev = cfg.training, cfg.evaluation
@@ -126,6 +137,7 @@ def _data_iterators(
         batches(train_ds, consumed_train),
         optional(valid_ds, consumed_valid),
         optional(test_ds, 0),
+        train_ds,
     )
 
 
@@ -173,7 +185,7 @@ def pretrain(cfg: RunConfig) -> TrainState:
     # Causal attention needs no input; document ids (O(S) per sample) only when documents are
     # kept apart (--reset-attention-mask).
     use_document_ids = cfg.data.reset_attention_mask
-    train_batches, valid_batches, test_batches = _data_iterators(
+    train_batches, valid_batches, test_batches, train_dataset = _data_iterators(
         cfg,
         train_state.consumed_train_samples,
         train_state.consumed_valid_samples,
@@ -249,6 +261,7 @@ def pretrain(cfg: RunConfig) -> TrainState:
         parallel=par,
         tokenizer=dataclasses.asdict(cfg.tokenizer),
         run_record=_run_record(cfg),
+        tokens_seen=_tokens_seen_counter(cfg, train_dataset),
     )
     try:
         completed = train(
