@@ -97,7 +97,7 @@ def test_preprocess_writes_the_model_ids(models, tmp_path):
 
 
 def test_training_flags_take_vocab_and_eod_from_the_model(models, tmp_path):
-    from pretrain.arguments import parse_args
+    from pretrain.cli import parse_args
 
     model = models["default"]
     src = tmp_path / "in.jsonl"
