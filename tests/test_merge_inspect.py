@@ -102,7 +102,9 @@ def test_merge_errors(tmp_path):
 
 
 def test_inspect_summary_and_decode(tmp_path, capsys):
-    tok = build_tokenizer(TokenizerConfig("GPT2BPETokenizer", VOCAB, MERGES))
+    tok = build_tokenizer(
+        TokenizerConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=VOCAB, merge_file=MERGES)
+    )
     docs = [["Hello world.", " Second sentence 😀"], [], ["漢字 é"]]
     prefix = _write(tmp_path / "d", [[tok.tokenize(s) for s in d] for d in docs])
     info = inspect_tool.main(

@@ -20,7 +20,7 @@ from pretrain.errors import UserError
 from pretrain.tokenizer import TokenizerConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GPT2 = TokenizerConfig("GPT2BPETokenizer", VOCAB, MERGES)
+GPT2 = TokenizerConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=VOCAB, merge_file=MERGES)
 TOOL = [sys.executable, os.path.join(REPO, "tools", "preprocess_data.py")]
 TOOL_GPT2 = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", VOCAB, "--merge-file", MERGES]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -243,7 +243,7 @@ def test_tiktoken_and_null_tokenizers(tmp_path):
     preprocess(
         [src],
         tmp_path / "tk",
-        tokenizer=TokenizerConfig("TikTokenizer", tokenizer_model=CL100K),
+        tokenizer=TokenizerConfig(tokenizer_type="TikTokenizer", tokenizer_model=CL100K),
         append_eod=True,
     )
     ds = IndexedDataset(str(tmp_path / "tk_text_document"))
@@ -256,7 +256,7 @@ def test_tiktoken_and_null_tokenizers(tmp_path):
     preprocess(
         [src],
         tmp_path / "null",
-        tokenizer=TokenizerConfig("NullTokenizer", vocab_size=10),
+        tokenizer=TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=10),
         append_eod=True,
     )
     ds = IndexedDataset(str(tmp_path / "null_text_document"))

