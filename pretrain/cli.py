@@ -52,7 +52,6 @@ DEPRECATED_FLAGS = {
     "--batch-size": "--micro-batch-size",
     "--warmup": "--lr-warmup-fraction",
     "--model-parallel-size": "--tensor-model-parallel-size",
-    "--checkpoint-activations": "--recompute-activations",
 }
 
 
@@ -99,6 +98,7 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _flag("--position-embedding-type", choices=["learned_absolute", "rope"], help="[learned_absolute]"),
         _flag("--use-rotary-position-embeddings", action="store_true", help="Megatron-DeepSpeed spelling of --position-embedding-type rope"),
         _model("rotary_base", type=int, default=10000),
+        _flag("--rotary-percent", type=float, default=1.0, help="accepted with 1.0 only (RoPE rotates every dimension of a head, Megatron's default); other values are refused"),
         _model("normalization", type=_normalization, default="LayerNorm", help="LayerNorm | RMSNorm"),
         _model("norm_epsilon", type=float, default=1e-5),
         _model("swiglu", action="store_true", help="gated SiLU MLP (Llama)"),
@@ -108,12 +108,12 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _model("hidden_dropout", type=float, default=0.1),
         _model("init_method_std", type=float, default=0.02),
         _model("make_vocab_size_divisible_by", type=int, default=128, help="pad the vocabulary to a multiple of this times TP [128]"),
-        _model("recompute_activations", action="store_true", help="recompute each block's activations in backward (saves memory)"),
+        _model("recompute_activations", "--checkpoint-activations", action="store_true", help="recompute each block's activations in backward (saves memory); --checkpoint-activations is Megatron-DeepSpeed's spelling"),
     )),
     ("parallelism", (
         _flag("--tensor-model-parallel-size", field="parallel.tensor_model_parallel_size", type=int, default=1),
         _flag("--pipeline-model-parallel-size", field="parallel.pipeline_model_parallel_size", type=int, default=1),
-        _flag("--no-pipeline-parallel", action="store_true", help="Megatron-DeepSpeed flag; PP=1 always runs without the pipeline engine"),
+        _flag("--no-pipeline-parallel", action="store_true", help="accepted (Megatron-DeepSpeed): PP=1 always runs without the pipeline engine; refused with PP > 1"),
         _flag("--zero-stage", type=int, choices=[0, 1, 2, 3], help="ZeRO stage over data-parallel ranks [0, or the stage in --deepspeed_config]"),
         _flag("--cpu-offload", field="parallel.cpu_offload", action="store_true", help="keep optimizer state in CPU memory (ZeRO >= 1)"),
         _flag("--distributed-backend", field="parallel.distributed_backend", choices=["nccl", "gloo"], help="[nccl with GPUs, gloo without]"),
@@ -132,19 +132,23 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _flag("--lr-warmup-samples", type=int, default=0),
         _flag("--lr-warmup-fraction", type=float, help="warmup as a fraction of the decay span"),
         _flag("--lr-warmup-init", field="schedule.warmup_init", type=float, default=0.0),
+        _flag("--lr-decay-tokens", type=int, help="Megatron-DeepSpeed: decay over this many tokens (= tokens / --seq-length samples; replaces --lr-decay-iters/-samples)"),
+        _flag("--lr-warmup-tokens", type=int, help="Megatron-DeepSpeed: warm up over this many tokens (= tokens / --seq-length samples)"),
+        _flag("--train-tokens", field="training.train_tokens", type=int, help="Megatron-DeepSpeed: also stop once this many tokens were trained on (samples x --seq-length)"),
+        _flag("--override-opt_param-scheduler", action="store_true", help="accepted: the LR schedule always comes from the flags, a checkpoint gives only its position"),
         _flag("--weight-decay", field="optimizer.weight_decay", type=float, default=0.01),
         _flag("--clip-grad", field="optimizer.clip_grad", type=float, default=1.0, help="global gradient-norm clip (0 = off)"),
         _flag("--adam-beta1", field="optimizer.adam_beta1", type=float, default=0.9),
         _flag("--adam-beta2", field="optimizer.adam_beta2", type=float, default=0.999),
         _flag("--adam-eps", field="optimizer.adam_eps", type=float, default=1e-8),
-        _flag("--optimizer", choices=["adam"], default="adam", help="AdamW (decoupled weight decay)"),
+        _flag("--optimizer", choices=["adam"], default="adam", help="accepted: adam, the only choice (AdamW, decoupled weight decay)"),
         _flag("--bf16", field="precision.bf16", action="store_true"),
         _flag("--fp16", field="precision.fp16", action="store_true"),
         _flag("--loss-scale", field="precision.loss_scale", type=float, help="static fp16 loss scale [dynamic]"),
-        _flag("--initial-loss-scale", field="precision.initial_loss_scale", type=float, default=2.0**32),
-        _flag("--min-loss-scale", field="precision.min_loss_scale", type=float, default=1.0),
-        _flag("--loss-scale-window", field="precision.loss_scale_window", type=int, default=1000),
-        _flag("--hysteresis", field="precision.hysteresis", type=int, default=2),
+        _flag("--initial-loss-scale", field="precision.initial_loss_scale", type=float, help="first dynamic fp16 loss scale [2^32, or 2^initial_scale_power from --deepspeed_config]"),
+        _flag("--min-loss-scale", field="precision.min_loss_scale", type=float, help="[1, or the --deepspeed_config fp16 value]"),
+        _flag("--loss-scale-window", field="precision.loss_scale_window", type=int, help="[1000, or the --deepspeed_config fp16 value]"),
+        _flag("--hysteresis", field="precision.hysteresis", type=int, help="[2, or the --deepspeed_config fp16 value]"),
         _flag("--exit-interval", field="training.exit_interval", type=int, help="save (with --save) and exit after this iteration"),
         _flag("--exit-duration-in-mins", field="training.exit_duration_in_mins", type=float, help="save and exit after this many minutes"),
     )),
@@ -166,6 +170,11 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _flag("--peak-tflops", field="logging.peak_tflops", type=float, help="peak TFLOP/s per device for MFU [a table of known GPUs; none on CPU]"),
         _flag("--metrics-file", field="logging.metrics_file", help="append one JSON line per iteration (full-precision loss, grad norm, lr)"),
         _flag("--log-throughput", action="store_true", help="accepted for Megatron scripts (always on)"),
+        _flag("--log-validation-ppl-to-tensorboard", action="store_true", help="no-op: validation and test perplexity are always written"),
+        _flag("--log-timers-to-tensorboard", action="store_true", help="accepted: there are no per-phase timers; iteration-time is always written"),
+        _flag("--log-batch-size-to-tensorboard", action="store_true", help="accepted: not written (the global batch size is in every log line)"),
+        _flag("--log-optimizer-states-to-tensorboard", action="store_true", help="accepted: optimizer-state norms are not written"),
+        _flag("--tensorboard-queue-size", type=int, help="accepted: TensorBoard's own queue size is used (events are flushed when the run ends)"),
     )),
     ("Megatron script compatibility (accepted; the behaviour is fixed here)", (
         _flag("--use-distributed-optimizer", action="store_true", help="shard the optimizer state over data-parallel ranks: ZeRO-1 unless --zero-stage says more"),
@@ -179,6 +188,11 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _flag("--no-rope-fusion", action="store_true", help="no-op: no fused RoPE kernel; same numerics"),
         _flag("--no-gradient-accumulation-fusion", action="store_true", help="no-op: gradients accumulate in the parameters' .grad (no fused wgrad kernel)"),
         _flag("--no-persist-layer-norm", action="store_true", help="no-op: torch LayerNorm/RMSNorm"),
+        _flag("--attention-backend", choices=["auto", "flash", "fused", "unfused", "local"], help="accepted: attention is torch SDPA, which picks its kernel by itself"),
+        _flag("--no-query-key-layer-scaling", action="store_true", help="no-op: attention scores are never scaled by the layer number (Megatron-DeepSpeed flag)"),
+        _flag("--deepspeed-activation-checkpointing", action="store_true", help="no-op: --recompute-activations uses this project's checkpointing, which replays the RNG states"),
+        _flag("--no-async-tensor-model-parallel-allreduce", action="store_true", help="no-op: tensor-parallel all-reduces are synchronous"),
+        _flag("--no-mmap-bin-files", action="store_true", help="no-op: .bin files are always memory-mapped"),
     )),
 )
 # fmt: on
@@ -273,6 +287,13 @@ def _position_embedding_type(ns: argparse.Namespace) -> str:
     return ns.position_embedding_type or "learned_absolute"
 
 
+def _tokens_to_samples(tokens: int, seq_length: int) -> float:
+    """Megatron-DeepSpeed counts these spans in tokens; without curriculum learning every
+    sample has --seq-length tokens, so the same schedule in samples is tokens / seq_length."""
+    samples = tokens / seq_length
+    return int(samples) if samples.is_integer() else samples
+
+
 def _model_config(ns: argparse.Namespace, vocab_size: int) -> ModelConfig:
     dtype = torch.bfloat16 if ns.precision__bf16 else None
     dtype = torch.float16 if ns.precision__fp16 else dtype
@@ -298,7 +319,49 @@ def _lr_schedule(ns: argparse.Namespace, gbs: int, train_samples: int) -> LRSche
         warmup_samples=ns.lr_warmup_samples,
         warmup_fraction=ns.lr_warmup_fraction,
     )
+    if ns.lr_decay_tokens is not None:  # Megatron-DeepSpeed: tokens override iterations/samples
+        decay = _tokens_to_samples(ns.lr_decay_tokens, ns.seq_length)
+    if ns.lr_warmup_tokens is not None:
+        if ns.lr_warmup_iters or ns.lr_warmup_samples or ns.lr_warmup_fraction is not None:
+            raise UserError(
+                "--lr-warmup-tokens and --lr-warmup-iters/-samples/-fraction are exclusive "
+                "(keep one)"
+            )
+        warmup = _tokens_to_samples(ns.lr_warmup_tokens, ns.seq_length)
+    if warmup > decay:
+        raise UserError(
+            f"warmup ({warmup} samples) is longer than the decay span ({decay} samples) "
+            f"(shorten --lr-warmup-* or lengthen --lr-decay-*)"
+        )
     return LRScheduleConfig(**_section(ns, "schedule"), decay_samples=decay, warmup_samples=warmup)
+
+
+# Megatron's fp16 loss-scale defaults, and the DeepSpeed JSON keys that can set them instead.
+_LOSS_SCALE_DEFAULTS = {
+    "initial_loss_scale": ("initial_scale_power", 2.0**32),
+    "min_loss_scale": ("min_loss_scale", 1.0),
+    "loss_scale_window": ("loss_scale_window", 1000),
+    "hysteresis": ("hysteresis", 2),
+}
+
+
+def _precision(ns: argparse.Namespace, ds_json: dict | None) -> PrecisionConfig:
+    """Precision flags; an fp16 loss-scale flag not given takes the --deepspeed_config value
+    (what DeepSpeed would use in a Megatron-DeepSpeed run), else Megatron's default. A flag that
+    is given and disagrees with the JSON is refused later (check_user_config)."""
+    values = _section(ns, "precision")
+    fp16_json = (ds_json or {}).get("fp16", {}) if values["fp16"] else {}
+    for name, (key, default) in _LOSS_SCALE_DEFAULTS.items():
+        if values[name] is None:
+            if key not in fp16_json:
+                values[name] = default
+            elif key == "initial_scale_power":
+                values[name] = 2.0 ** fp16_json[key]
+            else:
+                values[name] = type(default)(fp16_json[key])
+    if values["loss_scale"] is None and fp16_json.get("loss_scale"):  # 0 = dynamic
+        values["loss_scale"] = float(fp16_json["loss_scale"])
+    return PrecisionConfig(**values)
 
 
 def _check_data_files(data: DataConfig) -> None:
@@ -349,7 +412,13 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
         )
     if (ns.train_iters is None) == (ns.train_samples is None):
         raise UserError("give exactly one of --train-iters and --train-samples")
-    precision = PrecisionConfig(**_section(ns, "precision"))
+    if ns.rotary_percent != 1.0:
+        raise UserError(
+            f"--rotary-percent {ns.rotary_percent}: only 1.0 is implemented (RoPE rotates every "
+            f"dimension of a head; drop the flag)"
+        )
+    ds_json = load_user_config(ns.deepspeed_config) if ns.deepspeed_config else None
+    precision = _precision(ns, ds_json)
     if precision.bf16 and precision.fp16:
         raise UserError("--bf16 and --fp16 are exclusive (keep one)")
     if precision.fp16 and not torch.cuda.is_available():
@@ -361,9 +430,7 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
             f"--min-lr {ns.schedule__min_lr} is larger than --lr {ns.schedule__lr} (lower --min-lr)"
         )
 
-    ds_json = None
-    if ns.deepspeed_config:
-        ds_json = load_user_config(ns.deepspeed_config)
+    if ds_json is not None:
         zero = check_user_config(
             ds_json,
             ns.deepspeed_config,
@@ -404,6 +471,8 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
     train_samples = ns.train_samples if ns.train_samples is not None else train_iters * gbs
     schedule = _lr_schedule(ns, gbs, train_samples)
 
+    if ns.tokenizer_type is None:  # Megatron's pretrain_gpt.py: args_defaults
+        ns.tokenizer_type = "GPT2BPETokenizer"
     tokenizer = TokenizerConfig.from_args(ns)
     # building the tokenizer checks its files and gives the true vocabulary size
     built_tokenizer = build_tokenizer(tokenizer)

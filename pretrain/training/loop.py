@@ -46,6 +46,9 @@ class TrainingConfig:
     """Save (with --save) and exit after an iteration divisible by this (--exit-interval)."""
     exit_duration_in_mins: float | None = None
     """Save and exit after this many minutes (--exit-duration-in-mins)."""
+    train_tokens: int | None = None
+    """Also end training once consumed samples x seq_length reach this (--train-tokens,
+    Megatron-DeepSpeed's second stopping rule; the run counts as completed)."""
 
 
 def _all_ranks_agree(flag: bool) -> bool:
@@ -61,6 +64,11 @@ def _should_exit(config: TrainingConfig, iteration: int, started: float) -> bool
         minutes = (time.monotonic() - started) / 60
         stop = stop or _all_ranks_agree(minutes > config.exit_duration_in_mins)
     return stop
+
+
+def _tokens_done(config: TrainingConfig, train_state: TrainState) -> bool:
+    tokens = train_state.consumed_train_samples * config.seq_length
+    return config.train_tokens is not None and tokens >= config.train_tokens
 
 
 def train(
@@ -80,7 +88,7 @@ def train(
     Returns True when --train-iters was reached, False after an early exit (Megatron runs its
     final evaluation only in the first case)."""
     started = time.monotonic()
-    while train_state.iteration < config.train_iters:
+    while train_state.iteration < config.train_iters and not _tokens_done(config, train_state):
         step_start = time.perf_counter()
         loss = train_step(engine, train_batches, config.num_microbatches, use_document_ids, device)
         seconds = time.perf_counter() - step_start
