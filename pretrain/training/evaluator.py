@@ -4,6 +4,9 @@ During training: `eval_iters` validation batches after every `eval_interval` ite
 run that reached --train-iters (not an early exit): one more validation pass and, when the test
 split exists, one test pass, printed "... at iteration N on validation set" / "on test set"
 exactly as Megatron-LM prints them.
+
+Without a validation split (e.g. `--split 100,0,0`) Megatron silently never evaluates; so do we,
+after one info line saying why. `--eval-iters 0` means no evaluation and no valid/test loaders.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pretrain.training.logging import MetricsLogger
+from pretrain.training.logging import MetricsLogger, logger
 from pretrain.training.state import TrainState
 from pretrain.training.step import evaluation_loss
 
@@ -50,6 +53,21 @@ class Evaluator:
         self.valid_batches, self.test_batches = valid_batches, test_batches
         self.global_batch_size, self.num_microbatches = global_batch_size, num_microbatches
         self.use_document_ids, self.device = use_document_ids, device
+
+    def note_missing_data(self, source: str) -> None:
+        """Say once (info) why --eval-iters > 0 evaluates nothing, or only the final test pass;
+        `source` names where the splits come from (e.g. "--split 100,0,0")."""
+        if self.config.eval_iters == 0 or self.valid_batches is not None:
+            return
+        test = (
+            "only the final test pass runs"
+            if self.test_batches is not None
+            else "no evaluation runs (nor a final test pass)"
+        )
+        logger.info(
+            f"no validation data ({source} leaves the valid split empty): "
+            f"--eval-iters {self.config.eval_iters} is unused and {test}"
+        )
 
     def should_evaluate(self, iteration: int) -> bool:
         """True after the iterations at which Megatron evaluates (and only if there is data)."""

@@ -255,6 +255,10 @@ def pretrain(cfg: RunConfig) -> TrainState:
         device=device,
         metrics=metrics,
     )
+    data = cfg.data
+    evaluator.note_missing_data(
+        f"--split {data.split}" if data.blend is not None else "the per-split data paths"
+    )
     checkpointer = Checkpointer(
         cfg.checkpoint,
         model=cfg.model,
