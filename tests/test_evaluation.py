@@ -40,7 +40,7 @@ EVAL_LINE = re.compile(
 
 # every --eval-interval (2), then Megatron's final validation and test passes
 EVALUATIONS = [(2, "validation"), (4, "validation"), (4, "validation"), (4, "test")]
-RTOL = 1e-6  # fp32 sums in another order; measured <= 1.5e-7 (TP2, PP2, DP2 ZeRO-1)
+RTOL = 1e-6  # fp32 sums in another order; measured <= 1.1e-7 (TP2, PP2, DP2 ZeRO-1)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def eval_dir(tmp_path_factory):
 
 
 def eval_flags(tmp: Path, name: str, *extra: str) -> list[str]:
-    flags = model_flags("gpt2") + train_flags(str(tmp / "corpus"), iters=4)
+    flags = model_flags("gpt2", vocab_divisible_by=None) + train_flags(str(tmp / "corpus"), iters=4)
     flags += ["--split", "80,10,10", "--eval-interval", "2", "--eval-iters", "2"]
     return flags + ["--metrics-file", str(tmp / f"{name}.jsonl"), *extra]
 

@@ -59,7 +59,8 @@ def files(tmp_path_factory) -> dict[str, str]:
     tok.mkdir()
     from tokenizers import Tokenizer, models
 
-    Tokenizer(models.WordLevel({"a": 0, "</s>": 1}, unk_token="</s>")).save(str(tok / "a.json"))
+    vocab = {f"t{i}": i for i in range(100)} | {"</s>": 100}  # covers the corpus' ids
+    Tokenizer(models.WordLevel(vocab, unk_token="</s>")).save(str(tok / "a.json"))
     shutil.copyfile(tok / "a.json", tok / "b.json")
     (tmp / "args.txt").write_text(other)
     (tmp / "splits.json").write_text(json.dumps({"train": other, "valid": other, "test": other}))
@@ -158,6 +159,7 @@ def changes(f) -> dict:
         "--test-data-path": (d, ITERS + ["--train-data-path", f["corpus"], "--test-data-path", f["other"]], None),
         "--per-split-data-args-path": (d, ITERS + ["--per-split-data-args-path", f["splits"]], None),
         "--split": ["80,10,10"], "--data-cache-path": [f["dir"]],
+        "--blend-weights-unit": ["tokens"], "--allow-tokenizer-mismatch": [],
         "--mid-level-dataset-surplus": ["0.01"], "--num-dataset-builder-threads": ["2"],
         "--eod-mask-loss": [], "--reset-position-ids": [], "--reset-attention-mask": [],
         "--no-create-attention-mask-in-dataloader": [], "--allow-ambiguous-pad-tokens": [],
@@ -168,6 +170,7 @@ def changes(f) -> dict:
         "--merge-file": (gpt2, gpt2 + ["--merge-file", f["merges2"]], None),
         "--tokenizer-model": (hf, hf + ["--tokenizer-model", f["hf_b"]], None),
         "--vocab-size": ["200"],
+        "--tokenizer-engine": (gpt2, gpt2 + ["--tokenizer-engine", "hf"], None),
         "--tokenizer-hf-no-include-special-tokens": (hf, hf + ["--tokenizer-hf-no-include-special-tokens"], None),
         "--tiktoken-pattern": (tiktoken, tiktoken + ["--tiktoken-pattern", "v2"], None),
     }  # fmt: skip

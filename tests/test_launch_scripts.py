@@ -19,8 +19,8 @@ What changes besides paths, and why (the same on every machine without a GPU):
 - `--fp16` becomes `--bf16` (and the JSON's fp16 section a bf16 one): DeepSpeed has no fp16 on
   CPU. `test_fp16_scripts_parse_on_a_gpu_machine` parses them unchanged where CUDA exists.
 - `--distributed-backend nccl` gets `--distributed-backend gloo` appended (nccl needs GPUs).
-- The Llama-2 script's `--tokenizer-type GPTSentencePieceTokenizer` (a Llama tokenizer.model)
-  becomes `HuggingFaceTokenizer` with a tokenizer.json: SentencePiece models are not read here.
+The Llama-2 script keeps its `GPTSentencePieceTokenizer`, with a small SentencePiece model
+trained here in place of Llama's tokenizer.model.
 """
 
 import json
@@ -38,6 +38,7 @@ from training_fixtures import multirun_cmd, read_metrics, run
 from pretrain.cli import parse_args
 from pretrain.data.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
 from pretrain.errors import UserError
+from pretrain.tokenizer import TokenizerConfig, build_tokenizer
 
 FIXTURES = Path(__file__).parent / "fixtures" / "launch_scripts"
 MEGATRON_GPT = "megatron_lm_pretrain_gpt_distributed"
@@ -66,17 +67,22 @@ def launcher_env(world_size: int) -> dict:
     }
 
 
-def _tiny_tokenizer_json(folder: Path) -> str:
-    """A 101-entry word-level tokenizer.json ("t0".."t99", "</s>") in place of Llama's model."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def _sentencepiece_model(prefix: Path) -> str:
+    """A small BPE SentencePiece model in place of Llama's tokenizer.model."""
+    import sentencepiece as spm
 
-    vocab = {f"t{i}": i for i in range(100)} | {"</s>": 100}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    folder.mkdir()
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
-    return str(folder / "tokenizer.json")
+    rng = np.random.default_rng(0)
+    words = ["the", "king", "queen", "crown", "sword", "night", "day", "love", "war", "thou"]
+    lines = [" ".join(rng.choice(words, size=12)) for _ in range(400)]
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines),
+        model_prefix=str(prefix),
+        vocab_size=200,
+        hard_vocab_limit=False,
+        model_type="bpe",
+        minloglevel=2,
+    )
+    return f"{prefix}.model"
 
 
 def _corpus(prefix: Path, vocab: int, eod: int, dtype) -> str:
@@ -94,10 +100,14 @@ def _corpus(prefix: Path, vocab: int, eod: int, dtype) -> str:
 def paths(tmp_path_factory) -> dict:
     """The user-supplied paths of the scripts, filled in for this machine."""
     tmp = tmp_path_factory.mktemp("scripts")
+    model = _sentencepiece_model(tmp / "llama_tokenizer")
+    llama = build_tokenizer(
+        TokenizerConfig(tokenizer_type="GPTSentencePieceTokenizer", tokenizer_model=model)
+    )
     return {
         "gpt2_data": _corpus(tmp / "gpt2_text_document", GPT2_EOD, GPT2_EOD, np.uint16),
-        "llama_data": _corpus(tmp / "llama_text_document", 100, 100, np.uint16),
-        "tokenizer_json": _tiny_tokenizer_json(tmp / "llama_tokenizer"),
+        "llama_data": _corpus(tmp / "llama_text_document", llama.vocab_size, llama.eod, np.uint16),
+        "tokenizer_model": model,
         "tmp": tmp,
     }
 
@@ -124,15 +134,13 @@ def script_argv(name: str, paths: dict, *, cpu: bool, label: str, **ds_sizes: in
         "DATA_PATH": paths["llama_data"] if llama else paths["gpt2_data"],
         "VOCAB_FILE": VOCAB,
         "MERGE_FILE": MERGES,
-        "TOKENIZER_MODEL": paths["tokenizer_json"],
+        "TOKENIZER_MODEL": paths["tokenizer_model"],
         "CHECKPOINT_PATH": str(folder / "checkpoints"),
         "TENSORBOARD_DIR": str(folder / "tensorboard"),
     }
     if (FIXTURES / f"{name}.ds_config.json").exists():
         values["DS_CONFIG"] = _ds_config(name, folder / "ds.json", cpu=cpu, **ds_sizes)
     argv = [Template(flag).substitute(values) for flag in flags]
-    if llama:  # SentencePiece models are not read here: the same tokenizer as tokenizer.json
-        argv[argv.index("GPTSentencePieceTokenizer")] = "HuggingFaceTokenizer"
     if cpu:
         argv = ["--bf16" if flag == "--fp16" else flag for flag in argv]
         argv += ["--distributed-backend", "gloo"]
