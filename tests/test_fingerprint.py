@@ -22,8 +22,8 @@ from pretrain.errors import UserError
 from pretrain.tokenizer import TokenizerConfig, build_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GPT2 = TokenizerConfig("GPT2BPETokenizer", VOCAB, MERGES)
-TIKTOKEN = TokenizerConfig("TikTokenizer", tokenizer_model=CL100K)
+GPT2 = TokenizerConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=VOCAB, merge_file=MERGES)
+TIKTOKEN = TokenizerConfig(tokenizer_type="TikTokenizer", tokenizer_model=CL100K)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
@@ -140,7 +140,7 @@ def test_megatron_data_without_sidecar_is_scanned_once(tmp_path):
     largest = max(int(d.max()) for d in docs)
     cache = tmp_path / "cache"
     cfg = DataConfig(seq_length=8, blend=([prefix], None), split="1", data_cache_path=str(cache))
-    null = TokenizerConfig("NullTokenizer", vocab_size=1000)
+    null = TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=1000)
     check_data(cfg, null, build_tokenizer(null), 1000)
     stats = [f for f in os.listdir(cache) if f.endswith("-TokenStats.json")]
     assert len(stats) == 1 and json.load(open(cache / stats[0]))["max_token_id"] == largest
