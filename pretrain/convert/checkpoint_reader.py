@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pretrain.checkpoint import safe_load
 from pretrain.checkpoint.format import (
     LATEST_FILE,
     META_FILE,
@@ -99,12 +100,8 @@ def find_checkpoint(load_dir: str, iteration: int | None = None) -> tuple[str, d
 
 
 def _load(path: str) -> dict:
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as err:  # noqa: BLE001 - any unpickling failure means a damaged file
-        raise UserError(
-            f"{path}: cannot be read ({type(err).__name__}: {err}); the checkpoint is damaged"
-        ) from None
+    """A DeepSpeed/pipeline-layer file, read without running code from it (safe_load)."""
+    return safe_load.load(path, deepspeed=True)
 
 
 def _require(paths: list[str], step_dir: str, what: str) -> None:
@@ -149,6 +146,10 @@ def _read_zero3(step_dir: str, tp: int, dp: int) -> list[dict]:
             "ZeRO-3 optimizer-state (at ZeRO-3 they hold the weights; copy "
             "every rank's files into the checkpoint folder)",
         )
+        for path in model_files + optim_files:
+            # zero_to_fp32 unpickles with weights_only=False: let it read only files that the
+            # restricted unpickler has accepted (they then name no other callable)
+            _load(path)
         with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 prints progress lines
             states = zero_to_fp32.parse_model_states(model_files)
             stage, world, flat_groups, _ = zero_to_fp32.parse_optim_states(optim_files, step_dir)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import transformers
 
+from pretrain.checkpoint import safe_load
 from pretrain.convert.hf_adapter import (
     from_hf_config,
     from_hf_state_dict,
@@ -131,10 +132,10 @@ def _read_weights(folder: str) -> dict[str, torch.Tensor]:
     for path in paths:
         try:
             weights.update(
-                load_file(path)
-                if path.endswith(".safetensors")
-                else torch.load(path, map_location="cpu", weights_only=True)
+                load_file(path) if path.endswith(".safetensors") else safe_load.load(path)
             )
+        except UserError:
+            raise
         except Exception as err:  # noqa: BLE001 - a damaged file
             raise UserError(f"{path}: cannot be read ({type(err).__name__}: {err})") from None
     return weights

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from pretrain.atomic import atomic_write_bytes
+from pretrain.checkpoint import safe_load
 from pretrain.checkpoint.format import (
     LATEST_FILE,
     MEGATRON_LATEST_FILE,
@@ -281,7 +282,7 @@ def load_checkpoint(config: CheckpointConfig, engine: Engine) -> tuple[TrainStat
     rng = None
     if not config.no_load_rng:
         if os.path.isfile(rng_path):
-            rng = torch.load(rng_path, weights_only=False)
+            rng = safe_load.load(rng_path)  # numpy/torch RNG states only; no pickled code runs
         else:
             logger.warning(
                 f"WARNING: {rng_path} missing (different world size?); RNG states not restored"

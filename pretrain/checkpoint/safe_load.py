@@ -1,0 +1,162 @@
+"""Read `torch.save` files without running code from them.
+
+`torch.load(weights_only=False)` unpickles whatever the file names: a checkpoint someone sent you
+can import any module and call any function while it loads. Every checkpoint this project reads
+(ours, DeepSpeed's, Megatron-LM's, Hugging Face `.bin`) goes through `load` instead, which uses
+torch's restricted unpickler (`weights_only=True`: tensors, containers, numbers, strings, dtypes)
+plus a short allowlist of the types these files really hold:
+
+- RNG states (`rng_state_<rank>.pt`, Megatron's `rng_state`): numpy's `get_state()` tuple, i.e.
+  numpy arrays of uint32 (`numpy.ndarray`, `numpy.dtype`, the uint32 dtype, numpy's array rebuild).
+- DeepSpeed model/optimizer files (`deepspeed=True`): `ZeroStageEnum`, the fp16 loss scalers and
+  `fragment_address`, plain data classes whose loading sets attributes and calls nothing else.
+- Megatron-LM files (`megatron=True`): `argparse.Namespace` (the saved `args`), `io.BytesIO`
+  (Transformer Engine's `_extra_state` in older versions) and Megatron's own enums in `args`
+  (e.g. `AttnBackend.auto`). Those are *not* imported: each `megatron.*` global is replaced by an
+  inert `ForeignValue` that records its name and arguments, so no Megatron code runs, and
+  Megatron need not be installed.
+
+Anything else (e.g. `os.system`, `builtins.eval`, a custom class) is refused with a one-line
+`UserError` naming every such global in the file; the restricted unpickler stops at the first one,
+before anything from the file is called.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import pickletools
+import re
+import zipfile
+from typing import Any
+
+import numpy as np
+import torch
+
+from pretrain.errors import UserError
+
+_NUMPY_RECONSTRUCT = (
+    np._core.multiarray._reconstruct
+    if hasattr(np, "_core")
+    else np.core.multiarray._reconstruct  # numpy < 2
+)
+# numpy arrays as in np.random.get_state(): ("MT19937", uint32 array, pos, has_gauss, gauss)
+NUMPY_RNG_TYPES = [_NUMPY_RECONSTRUCT, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+MEGATRON_TYPES = [argparse.Namespace, io.BytesIO]
+MEGATRON_PREFIX = "megatron."
+_UNSUPPORTED = re.compile(r"GLOBAL ([\w.]+)")  # torch's message names the refused global
+
+
+class ForeignValue:
+    """Stands in for an object of a type this project does not import (e.g. a Megatron enum).
+
+    Unpickling calls it with the arguments the original type would have received (an enum's
+    value) and, for plain objects, sets their state: it stores both and does nothing else.
+    """
+
+    qualified_name = "?"
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        self.args, self.kwargs = args, kwargs
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __repr__(self) -> str:
+        return f"<{self.qualified_name}{self.args!r}>"
+
+
+def _stand_in(name: str) -> tuple[type, str]:
+    """(an inert ForeignValue subclass, `name`): the form torch's safe_globals takes for renames."""
+    return type(name.rsplit(".", 1)[-1], (ForeignValue,), {"qualified_name": name}), name
+
+
+def _deepspeed_types() -> list:
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+
+
+def pickled_globals(path: str) -> list[str]:
+    """Every `module.name` global that the pickle inside a torch.save zip file refers to."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            pickle_name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
+            data = archive.read(pickle_name)
+    except (zipfile.BadZipFile, StopIteration, OSError):
+        return []  # not the zip format: torch.load reports it
+    names, strings = [], []
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if op.name == "GLOBAL":
+                names.append(arg.replace(" ", "."))
+            elif op.name == "STACK_GLOBAL" and len(strings) >= 2:
+                names.append(f"{strings[-2]}.{strings[-1]}")
+            elif isinstance(arg, str):
+                strings.append(arg)
+    except ValueError:
+        pass  # a truncated pickle: torch.load reports it
+    return sorted(set(names))
+
+
+def _allowed(megatron: bool, deepspeed: bool, path: str) -> list:
+    allowed: list = list(NUMPY_RNG_TYPES)
+    if deepspeed:
+        allowed += _deepspeed_types()
+    if megatron:
+        allowed += MEGATRON_TYPES
+        allowed += [_stand_in(n) for n in pickled_globals(path) if n.startswith(MEGATRON_PREFIX)]
+    return allowed
+
+
+def _refusal(path: str, names: list[str]) -> UserError:
+    return UserError(
+        f"{path}: refused to load: it holds pickled global(s) {', '.join(names)}, which a checkpoint "
+        f"does not need and which could run code while loading (only tensors, plain containers "
+        f"and a short allowlist of types are read; docs/CHECKPOINTS.md). Re-save it with plain "
+        f"tensors, or do not use a file from a source you do not trust"
+    )
+
+
+def load(path: str, *, megatron: bool = False, deepspeed: bool = False) -> Any:
+    """`torch.load(path)` on CPU with the restricted unpickler and this module's allowlist.
+
+    UserError (one line) for a file that names a global outside the allowlist (all of them are
+    listed) and for a damaged or unreadable file.
+    """
+    if not os.path.isfile(path):
+        raise UserError(f"{path}: no such file (the checkpoint is incomplete)")
+    allowed = _allowed(megatron, deepspeed, path)
+    permitted = {getattr(t, "__module__", "") + "." + getattr(t, "__name__", "") for t in allowed}
+    permitted |= {t[1] for t in allowed if isinstance(t, tuple)}
+    try:
+        with torch.serialization.safe_globals(allowed):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - classified below, re-raised as one line
+        message = str(err)
+        refused = _UNSUPPORTED.search(message)
+        if refused:
+            foreign = [
+                n
+                for n in pickled_globals(path)
+                if n not in permitted and not _torch_allows(n) and n != refused.group(1)
+            ]
+            raise _refusal(path, [refused.group(1), *foreign]) from None
+        raise UserError(
+            f"{path}: cannot be read ({type(err).__name__}: {message.splitlines()[-1][:300]}); "
+            f"the file is damaged or not a torch checkpoint"
+        ) from None
+
+
+def _torch_allows(name: str) -> bool:
+    """Whether torch's restricted unpickler accepts `name` by itself (tensor rebuilds, dtypes...)."""
+    if name.startswith("torch."):  # tensor rebuilds, storages, dtypes
+        return True
+    try:
+        from torch._weights_only_unpickler import _get_allowed_globals
+    except ImportError:  # a private helper: without it the error lists only the first refusal
+        return True
+    return name in _get_allowed_globals()
