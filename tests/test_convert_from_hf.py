@@ -59,6 +59,34 @@ HF_MODELS = {
         rms_norm_eps=1e-6,
         rope_parameters={"rope_type": "default", "rope_theta": 1e6},
     ),
+    "gpt2-openai-gelu_new": transformers.GPT2Config(
+        **SPECIALS,
+        vocab_size=200,
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        activation_function="gelu_new",
+    ),
+    "llama3-rope-scaling": transformers.LlamaConfig(
+        **SPECIALS,
+        vocab_size=200,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 32.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+        tie_word_embeddings=False,
+    ),
     "llama-bias-tied": transformers.LlamaConfig(
         **SPECIALS,
         vocab_size=200,
@@ -91,6 +119,8 @@ def _weights(folder) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("name", list(HF_MODELS))
 def test_hf_to_ours_to_hf_is_identical(tmp_path, capsys, name):
+    """HF -> ours (TP 2, PP 2) -> HF (verified: logits equal ours) -> ours -> HF: the tensors
+    equal the original's and the two exports' safetensors files are byte-identical."""
     torch.manual_seed(0)
     original = transformers.AutoModelForCausalLM.from_config(HF_MODELS[name])
     with torch.no_grad():  # biases and norms start at 0/1: make every tensor distinct
@@ -126,6 +156,12 @@ def test_hf_to_ours_to_hf_is_identical(tmp_path, capsys, name):
         ]
     )
 
+    assert "verify: max abs logit difference" in capsys.readouterr().out
+    convert_from_hf.main(["--load", str(tmp_path / "back"), "--save", str(tmp_path / "ours2")])
+    convert_to_hf.main(["--load", str(tmp_path / "ours2"), "--output-dir", str(tmp_path / "back2")])
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "back" / name).read_bytes() == (tmp_path / "back2" / name).read_bytes()
+
     before, after = _weights(tmp_path / "hf"), _weights(tmp_path / "back")
     assert before.keys() == after.keys()
     for key, tensor in before.items():
@@ -137,6 +173,41 @@ def test_hf_to_ours_to_hf_is_identical(tmp_path, capsys, name):
     assert exported.config.to_diff_dict() | unset == original.config.to_diff_dict() | unset
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "back", local_files_only=True)
     assert tokenizer("w3 </s>")["input_ids"] == [3, 199] and tokenizer.eos_token == "</s>"
+
+
+@pytest.mark.parametrize(
+    "config, refusal",
+    [
+        (
+            transformers.LlamaConfig(
+                vocab_size=10,
+                hidden_size=8,
+                intermediate_size=16,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0},
+            ),
+            "rope_type='yarn' is not supported",
+        ),
+        (
+            transformers.GPT2Config(
+                vocab_size=10,
+                n_positions=8,
+                n_embd=8,
+                n_layer=1,
+                n_head=2,
+                activation_function="relu",
+            ),
+            "activation_function='relu'",
+        ),
+    ],
+    ids=["yarn", "relu"],
+)
+def test_inexpressible_models_are_refused(tmp_path, config, refusal):
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "hf")
+    with pytest.raises(UserError, match=refusal):
+        convert_from_hf.main(["--load", str(tmp_path / "hf"), "--save", str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists()
 
 
 def test_not_a_hf_folder(tmp_path):

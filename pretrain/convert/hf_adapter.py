@@ -10,8 +10,10 @@ Which Hugging Face class a model maps to follows from its architecture, never fr
   is [q_all | k_all | v_all] (ours: per head [q_h; k_h; v_h]).
 - Llama: RoPE (rotate-half, as ours), RMSNorm, SwiGLU; GQA; biases on every linear or on none.
   Our fused QKV is per query group [its q heads; k; v]; fc1 is [gate; up].
-Either may have a tied or an untied LM head. Anything else (e.g. RoPE with LayerNorm, learned
-positions with RMSNorm, biases on some linears only, a non-exact GELU, scaled RoPE) raises a
+Either may have a tied or an untied LM head. GPT-2's GELU is exact ("gelu") or OpenAI's tanh
+approximation ("gelu_new", our `openai_gelu`); Llama's RoPE is plain ("default") or Llama 3.x's
+scaled one ("llama3", our `use_rope_scaling`). Anything else (e.g. RoPE with LayerNorm, learned
+positions with RMSNorm, biases on some linears only, another activation or rope type) raises a
 UserError naming what does not fit, because a silently different model is worse than none.
 """
 
@@ -97,7 +99,7 @@ def to_hf_config(
             n_layer=config.num_layers,
             n_head=config.num_attention_heads,
             n_inner=None if config.ffn_size == 4 * config.hidden_size else config.ffn_size,
-            activation_function="gelu",
+            activation_function="gelu_new" if config.openai_gelu else "gelu",
             layer_norm_epsilon=config.norm_epsilon,
             resid_pdrop=config.hidden_dropout,
             embd_pdrop=config.hidden_dropout,
@@ -120,7 +122,7 @@ def to_hf_config(
         initializer_range=config.init_method_std,
         rms_norm_eps=config.norm_epsilon,
         tie_word_embeddings=tied,
-        rope_parameters={"rope_type": "default", "rope_theta": float(config.rotary_base)},
+        rope_parameters=_to_hf_rope(config),
         attention_bias=config.add_bias_linear,
         mlp_bias=config.add_bias_linear,
         attention_dropout=config.attention_dropout,
@@ -129,19 +131,55 @@ def to_hf_config(
     )
 
 
-def _rope_theta(hf) -> float:
-    params = getattr(hf, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
-    if rope_type != "default":
+def _to_hf_rope(config: ModelConfig) -> dict:
+    """transformers 5's `rope_parameters` (older versions' `rope_scaling` + `rope_theta`)."""
+    params = {"rope_type": "default", "rope_theta": float(config.rotary_base)}
+    if config.use_rope_scaling:
+        params |= {
+            "rope_type": "llama3",
+            "factor": float(config.rope_scaling_factor),
+            "low_freq_factor": float(config.rope_scaling_low_freq_factor),
+            "high_freq_factor": float(config.rope_scaling_high_freq_factor),
+            "original_max_position_embeddings": config.rope_scaling_original_max_position_embeddings,
+        }
+    return params
+
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _from_hf_rope(hf) -> dict:
+    """Our RoPE fields from `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta`."""
+    params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
         raise UserError(
-            f"rope_parameters.rope_type={rope_type!r}: scaled RoPE is not supported by our model "
-            f"(only the default RoPE is)"
+            f"config.json: rope_type={rope_type!r} is not supported by our model (supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)}; 'llama3' is Megatron's --use-rope-scaling)"
         )
-    theta = params.get("rope_theta", getattr(hf, "rope_theta", 10000.0))
-    return int(theta) if float(theta).is_integer() else float(theta)
+    theta = params.get("rope_theta", getattr(hf, "rope_theta", None) or 10000.0)
+    fields = {"rotary_base": int(theta) if float(theta).is_integer() else float(theta)}
+    if rope_type == "llama3":
+        missing = [k for k in _LLAMA3_KEYS if k not in params]
+        if missing:
+            raise UserError(
+                f"config.json: rope_type 'llama3' lacks {', '.join(missing)} (a Llama 3.x config "
+                f"sets all of {', '.join(_LLAMA3_KEYS)})"
+            )
+        fields |= {
+            "use_rope_scaling": True,
+            "rope_scaling_factor": float(params["factor"]),
+            "rope_scaling_low_freq_factor": float(params["low_freq_factor"]),
+            "rope_scaling_high_freq_factor": float(params["high_freq_factor"]),
+            "rope_scaling_original_max_position_embeddings": int(
+                params["original_max_position_embeddings"]
+            ),
+        }
+    return fields
 
 
-def _defaults_as_none(config: ModelConfig) -> ModelConfig:
+def default_sizes_as_none(config: ModelConfig) -> ModelConfig:
     """Sizes that equal Megatron's defaults become None, as when their flags are left out: the
     checkpoint then matches a run that does not pass --ffn-hidden-size / --kv-channels / GQA flags."""
     default = dataclasses.replace(
@@ -159,17 +197,17 @@ def _defaults_as_none(config: ModelConfig) -> ModelConfig:
 
 def from_hf_config(hf: transformers.PretrainedConfig, seq_length: int | None = None) -> ModelConfig:
     """Our ModelConfig for a transformers GPT-2 or Llama config; UserError for anything we cannot run."""
-    return _defaults_as_none(_from_hf_config(hf, seq_length))
+    return default_sizes_as_none(_from_hf_config(hf, seq_length))
 
 
 def _from_hf_config(hf: transformers.PretrainedConfig, seq_length: int | None) -> ModelConfig:
     model_type = getattr(hf, "model_type", None)
     if model_type == GPT2:
         problems = []
-        if hf.activation_function != "gelu":
+        if hf.activation_function not in ("gelu", "gelu_new"):
             problems.append(
-                f"activation_function={hf.activation_function!r} (our GPT-2 flavour uses the exact "
-                f"GELU, 'gelu'; OpenAI's GPT-2 uses the tanh approximation 'gelu_new')"
+                f"activation_function={hf.activation_function!r} (supported: 'gelu', the exact "
+                f"GELU, and 'gelu_new', OpenAI's tanh approximation = --openai-gelu)"
             )
         if getattr(hf, "scale_attn_by_inverse_layer_idx", False):
             problems.append("scale_attn_by_inverse_layer_idx=True")
@@ -187,6 +225,7 @@ def _from_hf_config(hf: transformers.PretrainedConfig, seq_length: int | None) -
             seq_length=seq_length or hf.n_positions,
             max_position_embeddings=hf.n_positions,
             ffn_hidden_size=hf.n_inner or 4 * hf.n_embd,
+            openai_gelu=hf.activation_function == "gelu_new",
             norm_epsilon=hf.layer_norm_epsilon,
             untie_embeddings_and_output_weights=not hf.tie_word_embeddings,
             hidden_dropout=hf.resid_pdrop,
@@ -217,7 +256,7 @@ def _from_hf_config(hf: transformers.PretrainedConfig, seq_length: int | None) -
             ffn_hidden_size=hf.intermediate_size,
             kv_channels=head_dim,
             position_embedding_type="rope",
-            rotary_base=_rope_theta(hf),
+            **_from_hf_rope(hf),
             normalization="RMSNorm",
             norm_epsilon=hf.rms_norm_eps,
             swiglu=True,

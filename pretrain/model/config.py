@@ -58,12 +58,30 @@ class ModelConfig:
     """"learned_absolute" or "rope"."""
     rotary_base: int = field(default=10000, metadata=_flag("--rotary-base"))
     """RoPE base (theta)."""
+    use_rope_scaling: bool = field(default=False, metadata=_flag("--use-rope-scaling"))
+    """Llama 3.x frequency scaling of RoPE (HF rope_type "llama3")."""
+    rope_scaling_factor: float = field(default=8.0, metadata=_flag("--rope-scaling-factor"))
+    """Llama 3.x: low frequencies are divided by this (Megatron's default 8)."""
+    rope_scaling_low_freq_factor: float = field(
+        default=1.0, metadata=_flag("--rope-scaling-low-freq-factor")
+    )
+    """Llama 3.x: wavelengths above original_max / this are scaled (Megatron fixes 1; our flag)."""
+    rope_scaling_high_freq_factor: float = field(
+        default=4.0, metadata=_flag("--rope-scaling-high-freq-factor")
+    )
+    """Llama 3.x: wavelengths below original_max / this are kept (Megatron fixes 4; our flag)."""
+    rope_scaling_original_max_position_embeddings: int = field(
+        default=8192, metadata=_flag("--rope-scaling-original-max-position-embeddings")
+    )
+    """Llama 3.x: the pretraining context the scaling refers to (Megatron fixes 8192; our flag)."""
     normalization: str = field(default="LayerNorm", metadata=_flag("--normalization"))
     """"LayerNorm" or "RMSNorm"."""
     norm_epsilon: float = field(default=1e-5, metadata=_flag("--norm-epsilon"))
     """Epsilon of every norm."""
     swiglu: bool = field(default=False, metadata=_flag("--swiglu"))
     """Gated SiLU MLP (Llama)."""
+    openai_gelu: bool = field(default=False, metadata=_flag("--openai-gelu"))
+    """Tanh-approximate GELU (OpenAI GPT-2, HF "gelu_new") instead of the exact erf GELU."""
     add_bias_linear: bool = field(default=True, metadata=_flag("--disable-bias-linear"))
     """Biases in the linear layers (the flag turns them off)."""
     untie_embeddings_and_output_weights: bool = field(
@@ -179,6 +197,18 @@ class ModelConfig:
             problems.append(
                 f"rope needs an even head dimension, got {self.head_dim} (change --kv-channels "
                 f"or --hidden-size / --num-attention-heads)"
+            )
+        if self.use_rope_scaling and self.position_embedding_type != "rope":
+            problems.append("--use-rope-scaling needs --position-embedding-type rope")
+        if self.use_rope_scaling and not (
+            self.rope_scaling_factor > 0
+            and 0 < self.rope_scaling_low_freq_factor < self.rope_scaling_high_freq_factor
+            and self.rope_scaling_original_max_position_embeddings > 0
+        ):
+            problems.append(
+                "RoPE scaling needs factor > 0 and 0 < low_freq_factor < high_freq_factor (got "
+                f"{self.rope_scaling_factor}, {self.rope_scaling_low_freq_factor}, "
+                f"{self.rope_scaling_high_freq_factor})"
             )
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             problems.append(

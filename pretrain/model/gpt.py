@@ -37,8 +37,10 @@ Layouts (the conversion contract):
 - Padded vocabulary rows (padded_vocab_size(tp)) are part of the embedding and of the TP-local
   logits, but never of a softmax: they are initialised to zeros and their logits are -inf (so
   their gradient is zero). The model is the same function at every padded size, i.e. every TP.
-- GELU is the exact erf GELU (Megatron's default; HF GPT-2 calls it activation_function="gelu").
-- RoPE is HF's rotate-half convention, applied at `position_ids` (so reset position ids restart it).
+- GELU is the exact erf GELU (Megatron's default; HF GPT-2 calls it activation_function="gelu"),
+  or with `openai_gelu` the tanh approximation (Megatron's --openai-gelu, HF's "gelu_new").
+- RoPE is HF's rotate-half convention, applied at `position_ids` (so reset position ids restart it);
+  `use_rope_scaling` applies Llama 3.x's frequency scaling (HF rope_type "llama3").
 """
 
 from __future__ import annotations
@@ -77,13 +79,34 @@ def default_position_ids(tokens: torch.Tensor) -> torch.Tensor:
     return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
 
 
+def llama3_scaled_frequencies(inv_freq: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """Llama 3.x RoPE scaling: wavelengths beyond original_max / low_freq_factor are stretched by
+    `factor`, those below original_max / high_freq_factor kept, and the band between interpolated
+    linearly in original_max / wavelength."""
+    factor, original = (
+        config.rope_scaling_factor,
+        config.rope_scaling_original_max_position_embeddings,
+    )
+    low, high = config.rope_scaling_low_freq_factor, config.rope_scaling_high_freq_factor
+    wavelength = 2 * math.pi / inv_freq
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelength > original / low, inv_freq / factor, inv_freq)
+    in_band = (wavelength >= original / high) & (wavelength <= original / low)
+    return torch.where(in_band, blended, scaled)
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables for HF-style rotate-half RoPE at given positions."""
 
-    def __init__(self, head_dim: int, base: int):
+    def __init__(self, config: ModelConfig):
         super().__init__()
+        head_dim = config.head_dim
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-        self.register_buffer("inv_freq", 1.0 / (base**exponents), persistent=False)
+        inv_freq = 1.0 / (config.rotary_base**exponents)
+        if config.use_rope_scaling:
+            inv_freq = llama3_scaled_frequencies(inv_freq, config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(
         self, position_ids: torch.Tensor, dtype: torch.dtype
@@ -157,6 +180,7 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.swiglu = config.swiglu
+        self.gelu_approximate = "tanh" if config.openai_gelu else "none"
         fc1_out = 2 * config.ffn_size if config.swiglu else config.ffn_size
         self.fc1 = ColumnParallelLinear(
             config.hidden_size,
@@ -178,7 +202,7 @@ class MLP(nn.Module):
             gate, up = y.chunk(2, dim=-1)
             y = F.silu(gate) * up
         else:
-            y = F.gelu(y)
+            y = F.gelu(y, approximate=self.gelu_approximate)
         return self.fc2(y)
 
 
@@ -240,11 +264,7 @@ class TransformerLayer(nn.Module):
         self.attention = Attention(config)
         self.post_attention_norm = build_norm(config)
         self.mlp = MLP(config)
-        self.rotary = (
-            RotaryEmbedding(config.head_dim, config.rotary_base)
-            if config.position_embedding_type == "rope"
-            else None
-        )
+        self.rotary = RotaryEmbedding(config) if config.position_embedding_type == "rope" else None
         prefix, std = f"layers.{layer_number}", config.init_method_std
         # Megatron's scaled init for output projections
         output_std = std / math.sqrt(2.0 * config.num_layers)
