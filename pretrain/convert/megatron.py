@@ -1,0 +1,277 @@
+"""Megatron-LM checkpoints of megatron-core GPT models -> one full, unpadded TP = 1 state dict.
+
+What Megatron-LM's `--ckpt-format torch` writes (megatron/training/checkpointing.py):
+
+    <load>/latest_checkpointed_iteration.txt               "<N>" or "release"
+    <load>/iter_<N:07d>/ (or release/)
+        PP = 1:  mp_rank_<tp:02d>/model_optim_rng.pt
+        PP > 1:  mp_rank_<tp:02d>_<pp:03d>/model_optim_rng.pt
+                 {"args": argparse.Namespace, "checkpoint_version": 3.0, "iteration": N,
+                  "model": state dict (or "model0", "model1", ... per virtual pipeline chunk),
+                  "optimizer", "opt_param_scheduler", "rng_state", ...}
+
+`--ckpt-format torch_dist` (a torch.distributed.checkpoint folder: `.metadata`, `*.distcp`,
+`common.pt`) is recognised and refused with the way out: Megatron-LM converts it to the torch
+format itself (`--ckpt-convert-format torch --ckpt-convert-save DIR`).
+
+Each file is read with the safe loader (no pickled code runs; Megatron's enums in `args` become
+inert stand-ins). Names are megatron-core's GPTModel names; a pipeline stage numbers its layers
+from 0, so stage p (virtual chunk v) holds global layers from its offset on. Layer norms are
+either modules of their own (`input_layernorm`, `pre_mlp_layernorm`: the local spec) or fused
+into the following linear (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_norm_weight`:
+Transformer Engine). The fused QKV (per query group: its query heads, then key, then value) and
+SwiGLU's fc1 (per TP rank [gate_r; up_r]) have exactly our layouts, so TP shards merge with our
+own partition rules. Optimizer state is not read (weights only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+
+from pretrain.checkpoint import safe_load
+from pretrain.convert.megatron_args import model_config_from_args
+from pretrain.convert.state_dict import merge_tp, parameter_partitions, trim_vocab
+from pretrain.errors import UserError
+from pretrain.model.config import ModelConfig
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+MODEL_FILE = "model_optim_rng.pt"
+MIN_CHECKPOINT_VERSION = 2.0  # before 2.0, Megatron ordered the fused QKV rows differently
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?$")
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LAYER_NAMES = {
+    "input_layernorm.": "input_norm.",
+    "self_attention.linear_qkv.layer_norm_": "input_norm.",
+    "self_attention.linear_qkv.": "attention.qkv.",
+    "self_attention.linear_proj.": "attention.proj.",
+    "pre_mlp_layernorm.": "post_attention_norm.",
+    "mlp.linear_fc1.layer_norm_": "post_attention_norm.",
+    "mlp.linear_fc1.": "mlp.fc1.",
+    "mlp.linear_fc2.": "mlp.fc2.",
+}
+_OTHER_NAMES = {
+    "embedding.word_embeddings.weight": "embedding.word_embeddings.weight",
+    "embedding.position_embeddings.weight": "embedding.position_embeddings.weight",
+    "decoder.final_layernorm.weight": "head.final_norm.weight",
+    "decoder.final_layernorm.bias": "head.final_norm.bias",
+    "output_layer.weight": "head.output_layer.weight",
+}
+
+
+@dataclass(frozen=True)
+class MegatronCheckpoint:
+    """A Megatron-LM checkpoint read into our terms."""
+
+    path: str  # the iter_<N> (or release) directory
+    iteration: int
+    args: argparse.Namespace  # Megatron's saved args (its own enums as inert stand-ins)
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]  # full (TP = 1), our names, vocabulary padding removed
+    layout: tuple[int, int]  # (TP, PP) it was saved at
+    checkpoint_format: str  # "torch" (the only one read so far)
+
+
+def find_iteration_dir(load_dir: str, iteration: int | None = None) -> str:
+    """The iter_<N> / release directory of a Megatron --save directory (or that directory)."""
+    if not os.path.isdir(load_dir):
+        raise UserError(f"--load {load_dir}: no such directory (point it at Megatron-LM's --save)")
+    if iteration is not None:
+        step = os.path.join(load_dir, f"iter_{iteration:07d}")
+    elif os.path.basename(os.path.normpath(load_dir)).startswith(("iter_", "release")):
+        return load_dir
+    elif os.path.isfile(os.path.join(load_dir, TRACKER_FILE)):
+        with open(os.path.join(load_dir, TRACKER_FILE)) as f:
+            text = f.read().strip()
+        if text != "release" and not text.isdigit():
+            raise UserError(
+                f"{os.path.join(load_dir, TRACKER_FILE)}: {text!r} is neither an iteration nor "
+                f"'release' (the file is damaged; pick one with --iteration)"
+            )
+        step = os.path.join(load_dir, "release" if text == "release" else f"iter_{int(text):07d}")
+    else:
+        raise UserError(
+            f"--load {load_dir}: no {TRACKER_FILE} and not an iter_<N> directory (point --load at "
+            f"Megatron-LM's --save directory, or pass --iteration)"
+        )
+    if not os.path.isdir(step):
+        found = sorted(d for d in os.listdir(load_dir) if d.startswith(("iter_", "release")))
+        raise UserError(
+            f"--load {load_dir}: there is no {os.path.basename(step)} (available: "
+            f"{', '.join(found) or 'none'})"
+        )
+    return step
+
+
+def _rank_files(step_dir: str) -> dict[tuple[int, int], str]:
+    """(tp rank, pp rank) -> model_optim_rng.pt, from the mp_rank_* directory names."""
+    files = {}
+    for name in sorted(os.listdir(step_dir)):
+        match = _RANK_DIR.match(name)
+        if not match or not os.path.isdir(os.path.join(step_dir, name)):
+            continue
+        if match.group(3):
+            raise UserError(
+                f"{step_dir}/{name}: expert-parallel shards (MoE) are not supported by our model"
+            )
+        files[int(match.group(1)), int(match.group(2) or 0)] = os.path.join(
+            step_dir, name, MODEL_FILE
+        )
+    return files
+
+
+def _check_layout(step_dir: str, files: dict, tp: int, pp: int) -> None:
+    expected = {(t, p) for t in range(tp) for p in range(pp)}
+    missing = sorted(expected - {k for k, path in files.items() if os.path.isfile(path)})
+    extra = sorted(files.keys() - expected)
+    if missing or extra:
+        names = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") for t, p in missing]
+        raise UserError(
+            f"{step_dir}: args say TP={tp}, PP={pp}, but "
+            + (f"{MODEL_FILE} is missing in {', '.join(names)}" if missing else "")
+            + (" and " if missing and extra else "")
+            + (f"there are extra rank folders {extra}" if extra else "")
+            + " (copy every rank's folder of this iteration)"
+        )
+
+
+def _chunks(checkpoint: dict, path: str) -> list[dict]:
+    """The model state dicts in one file: [model] or [model0, model1, ...] (virtual pipeline)."""
+    if "model" in checkpoint:
+        return [checkpoint["model"]]
+    chunks = []
+    while f"model{len(chunks)}" in checkpoint:
+        chunks.append(checkpoint[f"model{len(chunks)}"])
+    if not chunks:
+        raise UserError(f"{path}: holds no 'model' entry (saved with --no-save-model weights?)")
+    return chunks
+
+
+def _rename(name: str, offset: int) -> str | None:
+    """A megatron-core GPTModel name (local layer numbering) -> ours; None for non-weights."""
+    if name.endswith("._extra_state"):  # Transformer Engine's FP8 metadata, not a weight
+        return None
+    match = _LAYER.match(name)
+    if match:
+        layer, rest = int(match.group(1)) + offset, match.group(2)
+        for theirs, ours in _LAYER_NAMES.items():
+            if rest.startswith(theirs):
+                return f"layers.{layer}.{ours}{rest[len(theirs) :]}"
+        return f"?{name}"  # unknown: reported with the others
+    return _OTHER_NAMES.get(name, f"?{name}")
+
+
+def _layers_per_chunk(config: ModelConfig, pp: int, chunks: int) -> int:
+    if config.num_layers % (pp * chunks):
+        raise UserError(
+            f"{config.num_layers} layers do not split evenly over {pp} pipeline stages x {chunks} "
+            f"virtual chunks (uneven splits are not supported)"
+        )
+    return config.num_layers // (pp * chunks)
+
+
+def _tp_shards(files: dict, checkpoints: dict, config: ModelConfig, tp: int, pp: int) -> list:
+    """Per TP rank: the whole model (all stages and chunks) under our names."""
+    shards: list[dict] = [{} for _ in range(tp)]
+    unknown: set[str] = set()
+    for (t, p), path in files.items():
+        chunks = _chunks(checkpoints[t, p], path)
+        per_chunk = _layers_per_chunk(config, pp, len(chunks))
+        for v, chunk in enumerate(chunks):
+            offset = (v * pp + p) * per_chunk  # Megatron's interleaved virtual-stage order
+            for name, tensor in chunk.items():
+                ours = _rename(name, offset)
+                if ours is None:
+                    continue
+                if ours.startswith("?"):
+                    unknown.add(ours[1:])
+                    continue
+                if ours == "head.output_layer.weight" and not (
+                    config.untie_embeddings_and_output_weights
+                ):
+                    continue  # the last stage's copy of the tied embedding (PP > 1)
+                shards[t][ours] = tensor
+    if unknown:
+        raise UserError(
+            f"{os.path.dirname(os.path.dirname(next(iter(files.values()))))}: tensors our model "
+            f"does not have: {', '.join(sorted(unknown)[:6])}{' ...' if len(unknown) > 6 else ''} "
+            f"(a megatron-core GPT with other modules cannot be converted)"
+        )
+    return shards
+
+
+def _merge(shards: list[dict], config: ModelConfig, step_dir: str) -> dict[str, torch.Tensor]:
+    partitions = parameter_partitions(config)
+    missing = sorted(partitions.keys() - shards[0].keys())
+    if missing:
+        raise UserError(
+            f"{step_dir}: the weights lack {', '.join(missing[:6])}"
+            f"{' ...' if len(missing) > 6 else ''}, which the model in args has (incomplete "
+            f"checkpoint, or args that do not belong to these weights)"
+        )
+    return trim_vocab(merge_tp(shards, partitions), config.vocab_size)
+
+
+def _load(path: str) -> dict:
+    checkpoint = safe_load.load(path, megatron=True)
+    if not isinstance(checkpoint, dict) or "args" not in checkpoint:
+        raise UserError(f"{path}: not a Megatron-LM checkpoint (no 'args' entry)")
+    version = checkpoint.get("checkpoint_version", 0)
+    if version < MIN_CHECKPOINT_VERSION:
+        raise UserError(
+            f"{path}: checkpoint_version {version} (< {MIN_CHECKPOINT_VERSION}, a different QKV "
+            f"layout): load and re-save it with a current Megatron-LM first"
+        )
+    return checkpoint
+
+
+def read_megatron_checkpoint(
+    load_dir: str, iteration: int | None = None, vocab_size: int | None = None
+) -> MegatronCheckpoint:
+    """Read a Megatron-LM checkpoint (torch format) into our full state dict."""
+    step_dir = find_iteration_dir(load_dir, iteration)
+    if os.path.isfile(os.path.join(step_dir, ".metadata")):
+        raise UserError(
+            f"{step_dir}: a torch_dist checkpoint, which this converter does not read yet; let "
+            f"Megatron-LM re-save it in the torch format (run it with --load {load_dir} "
+            f"--ckpt-convert-format torch --ckpt-convert-save NEW_DIR) and convert NEW_DIR"
+        )
+    files = _rank_files(step_dir)
+    if (0, 0) not in files or not os.path.isfile(files[0, 0]):
+        raise UserError(
+            f"{step_dir}: no mp_rank_00[_000]/{MODEL_FILE} and no .metadata (not a Megatron-LM "
+            f"checkpoint in the torch or torch_dist format)"
+        )
+    first = _load(files[0, 0])
+    args = first["args"]
+    config = model_config_from_args(args, files[0, 0], vocab_size)
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    _check_layout(step_dir, files, tp, pp)
+    checkpoints = {key: (first if key == (0, 0) else _load(path)) for key, path in files.items()}
+    state_dict = _merge(_tp_shards(files, checkpoints, config, tp, pp), config, step_dir)
+    return MegatronCheckpoint(
+        path=step_dir,
+        iteration=int(first.get("iteration", 0)),
+        args=args,
+        config=config,
+        state_dict=state_dict,
+        layout=(tp, pp),
+        checkpoint_format="torch",
+    )
+
+
+def with_vocab_size(ck: MegatronCheckpoint, vocab_size: int) -> MegatronCheckpoint:
+    """`ck` with the padded vocabulary rows beyond the tokenizer's `vocab_size` dropped."""
+    padded = ck.args.padded_vocab_size
+    if vocab_size > padded:
+        raise UserError(
+            f"vocabulary size {vocab_size} is larger than the checkpoint's padded vocabulary "
+            f"({padded}); give the tokenizer's size with --vocab-size"
+        )
+    config = dataclasses.replace(ck.config, vocab_size=vocab_size)
+    return dataclasses.replace(ck, config=config, state_dict=trim_vocab(ck.state_dict, vocab_size))
