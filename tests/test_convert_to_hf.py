@@ -274,12 +274,12 @@ def test_overwrite_replaces_an_existing_export_only_when_complete(tmp_path):
             transformers.LlamaConfig(attention_bias=True, mlp_bias=False),
             "attention_bias=True but mlp_bias=False",
         ),
-        (transformers.GPT2Config(activation_function="gelu_new"), "activation_function='gelu_new'"),
+        (transformers.GPT2Config(activation_function="relu"), "activation_function='relu'"),
         (
             transformers.LlamaConfig(
                 rope_parameters={"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}
             ),
-            "scaled RoPE",
+            "rope_type='linear' is not supported",
         ),
         (transformers.MistralConfig(), "model_type='mistral' is not supported"),
     ],
