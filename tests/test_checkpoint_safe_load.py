@@ -104,8 +104,11 @@ def test_rng_states_and_megatron_args_load(tmp_path):
         num_layers=2, params_dtype=torch.bfloat16, attention_backend=AttnBackend.auto
     )
     torch.save({"args": args, "checkpoint_version": 3.0}, tmp_path / "megatron.pt")
+    # only where Megatron's types are expected, although importing megatron.core (above) has
+    # added argparse.Namespace to torch's process-wide allowlist
+    assert argparse.Namespace in torch.serialization.get_safe_globals()
     with pytest.raises(UserError, match="argparse.Namespace"):
-        safe_load.load(str(tmp_path / "megatron.pt"))  # only where Megatron's types are expected
+        safe_load.load(str(tmp_path / "megatron.pt"))
     loaded = safe_load.load(str(tmp_path / "megatron.pt"), megatron=True)["args"]
     assert loaded.num_layers == 2 and loaded.params_dtype == torch.bfloat16
     # Megatron's enum is not imported: an inert stand-in records its name and value

@@ -95,9 +95,10 @@ def _write_hf(out_dir: str, ck, tok_config, tokenizer, max_shard_size: str) -> N
 def main(argv=None) -> None:
     """Read the Megatron-LM checkpoint, then write the requested outputs."""
     args = parse_args(argv)
-    from pretrain.convert.checkpoint_writer import finetune_flags, write_checkpoint
+    from pretrain.convert.checkpoint_writer import write_checkpoint
     from pretrain.convert.hf_adapter import hf_flavour
     from pretrain.convert.megatron import read_megatron_checkpoint, with_vocab_size
+    from pretrain.model.config import model_flags
 
     ck = read_megatron_checkpoint(args.load, args.iteration, args.vocab_size)
     tok_config, tokenizer = _tokenizer(ck.args)
@@ -130,7 +131,7 @@ def main(argv=None) -> None:
             ttp,
             "--pipeline-model-parallel-size",
             tpp,
-            " ".join(finetune_flags(ck.config)),
+            " ".join(model_flags(ck.config)),
         )
     if args.output_dir:
         _write_hf(args.output_dir, ck, tok_config, tokenizer, args.max_shard_size)

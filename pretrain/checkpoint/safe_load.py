@@ -24,6 +24,7 @@ before anything from the file is called.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import io
 import os
 import pickletools
@@ -121,6 +122,20 @@ def _refusal(path: str, names: list[str]) -> UserError:
     )
 
 
+@contextlib.contextmanager
+def _only(allowed: list):
+    """Exactly `allowed` on top of torch's own safe types while loading: libraries may widen
+    torch's process-wide allowlist at import (megatron.core adds argparse.Namespace and more)."""
+    previous = torch.serialization.get_safe_globals()
+    torch.serialization.clear_safe_globals()
+    torch.serialization.add_safe_globals(allowed)
+    try:
+        yield
+    finally:
+        torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(previous)
+
+
 def load(path: str, *, megatron: bool = False, deepspeed: bool = False) -> Any:
     """`torch.load(path)` on CPU with the restricted unpickler and this module's allowlist.
 
@@ -133,7 +148,7 @@ def load(path: str, *, megatron: bool = False, deepspeed: bool = False) -> Any:
     permitted = {getattr(t, "__module__", "") + "." + getattr(t, "__name__", "") for t in allowed}
     permitted |= {t[1] for t in allowed if isinstance(t, tuple)}
     try:
-        with torch.serialization.safe_globals(allowed):
+        with _only(allowed):
             return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - classified below, re-raised as one line
         message = str(err)
