@@ -93,7 +93,7 @@ def test_logits_equal_megatron_core(megatron, tmp_path, capsys, layout):
         plain = dataclasses.replace(ours.config, openai_gelu=False, use_rope_scaling=False)
         with torch.no_grad():
             other = our_model(ours.state_dict, plain)(tokens)
-        assert (other - logits).abs().max() > 1e-4
+        assert (other - logits)[..., :TOKENS].abs().max() > 1e-4
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", local_files_only=True)
     with torch.no_grad():

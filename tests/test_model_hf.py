@@ -102,4 +102,5 @@ def test_the_variants_change_the_model():
         ):
             a, b = GPTModel(plain).eval(), GPTModel(variant).eval()
             length = 100 if variant.use_rope_scaling else plain.seq_length
-            assert (a(tokens[:, :length]) - b(tokens[:, :length])).abs().max() > 1e-4
+            diff = a(tokens[:, :length]) - b(tokens[:, :length])
+            assert diff[..., :100].abs().max() > 1e-4  # the padded columns are -inf in both
