@@ -121,6 +121,10 @@ def changes(f) -> dict:
         "--swiglu": [], "--untie-embeddings-and-output-weights": [], "--disable-bias-linear": [],
         "--attention-dropout": ["0"], "--hidden-dropout": ["0"], "--init-method-std": ["0.01"],
         "--make-vocab-size-divisible-by": ["64"], "--recompute-activations": [],
+        "--openai-gelu": [],
+        "--use-rope-scaling": (d + ["--position-embedding-type", "rope"], d + ["--position-embedding-type", "rope", "--use-rope-scaling"], None),
+        "--rope-scaling-factor": ["16"], "--rope-scaling-low-freq-factor": ["2"],
+        "--rope-scaling-high-freq-factor": ["8"], "--rope-scaling-original-max-position-embeddings": ["4096"],
         # parallelism
         "--tensor-model-parallel-size": (d, d + ["--tensor-model-parallel-size", "2"], TWO_RANKS),
         "--pipeline-model-parallel-size": (d, d + ["--pipeline-model-parallel-size", "2"], TWO_RANKS),
