@@ -403,3 +403,16 @@ def test_fp16_loss_scale_flags_and_deepspeed_json_must_agree():
     assert "fp16.loss_scale_window=1000 but --loss-scale-window is 500" in str(err.value)
     agree = {"fp16": {"enabled": True, "loss_scale_window": 500, "initial_scale_power": 32}}
     assert check_user_config(agree, "ds.json", precision=fp16, zero_stage_flag=None, **sizes) == 0
+
+
+@pytest.mark.parametrize("flavour", ["gpt2", "llama"])
+def test_model_flags_rebuild_the_same_model_through_the_cli(corpus, flavour):
+    """One field<->flag mapping: the flags model_flags() prints for a config parse back to it."""
+    from pretrain.model.config import model_flags as flags_of
+
+    cfg = parse_args(_args(corpus, flavour=flavour), env=ONE_RANK)
+    rebuilt = parse_args(flags_of(cfg.model) + train_flags(corpus), env=ONE_RANK).model
+    assert rebuilt == cfg.model
+    scaled = dataclasses.replace(cfg.model, position_embedding_type="rope", use_rope_scaling=True)
+    scaled = dataclasses.replace(scaled, rope_scaling_factor=16.0, openai_gelu=True)
+    assert parse_args(flags_of(scaled) + train_flags(corpus), env=ONE_RANK).model == scaled

@@ -16,10 +16,17 @@ import torch
 from pretrain.errors import UserError
 
 
-def _flag(flag: str | None, *, named: str | None = None, after: tuple[str, ...] = ()) -> dict:
+def _flag(
+    flag: str | None,
+    *,
+    named: str | None = None,
+    after: tuple[str, ...] = (),
+    only_with: str | None = None,
+) -> dict:
     """Field metadata: the pretrain_gpt.py `flag` that sets the field (None: no model flag sets it,
-    `named` says what does), and flags that must come before it (`after`)."""
-    return {"flag": flag, "named": named or flag, "after": after}
+    `named` says what does), flags that must come before it (`after`), and the switch without
+    which the field has no effect (`only_with`: `model_flags` then leaves it out)."""
+    return {"flag": flag, "named": named or flag, "after": after, "only_with": only_with}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,18 +67,23 @@ class ModelConfig:
     """RoPE base (theta)."""
     use_rope_scaling: bool = field(default=False, metadata=_flag("--use-rope-scaling"))
     """Llama 3.x frequency scaling of RoPE (HF rope_type "llama3")."""
-    rope_scaling_factor: float = field(default=8.0, metadata=_flag("--rope-scaling-factor"))
+    rope_scaling_factor: float = field(
+        default=8.0, metadata=_flag("--rope-scaling-factor", only_with="use_rope_scaling")
+    )
     """Llama 3.x: low frequencies are divided by this (Megatron's default 8)."""
     rope_scaling_low_freq_factor: float = field(
-        default=1.0, metadata=_flag("--rope-scaling-low-freq-factor")
+        default=1.0, metadata=_flag("--rope-scaling-low-freq-factor", only_with="use_rope_scaling")
     )
     """Llama 3.x: wavelengths above original_max / this are scaled (Megatron fixes 1; our flag)."""
     rope_scaling_high_freq_factor: float = field(
-        default=4.0, metadata=_flag("--rope-scaling-high-freq-factor")
+        default=4.0, metadata=_flag("--rope-scaling-high-freq-factor", only_with="use_rope_scaling")
     )
     """Llama 3.x: wavelengths below original_max / this are kept (Megatron fixes 4; our flag)."""
     rope_scaling_original_max_position_embeddings: int = field(
-        default=8192, metadata=_flag("--rope-scaling-original-max-position-embeddings")
+        default=8192,
+        metadata=_flag(
+            "--rope-scaling-original-max-position-embeddings", only_with="use_rope_scaling"
+        ),
     )
     """Llama 3.x: the pretraining context the scaling refers to (Megatron fixes 8192; our flag)."""
     normalization: str = field(default="LayerNorm", metadata=_flag("--normalization"))
@@ -267,7 +279,8 @@ def model_flags(config: ModelConfig) -> list[str]:
     flags: list[str] = []
     for f in fields(config):
         flag, value = f.metadata["flag"], getattr(config, f.name)
-        if flag is None or value is None:
+        switch = f.metadata["only_with"]
+        if flag is None or value is None or (switch and not getattr(config, switch)):
             continue
         if isinstance(value, bool):
             flags += [flag] if value != f.default else []
