@@ -289,7 +289,7 @@ def test_hf_models_we_cannot_express_are_refused(hf_config, words):
         from_hf_config(hf_config)
 
 
-def test_checkpoints_record_data_fingerprints_and_tokens_seen(checkpoints, corpus):
+def test_checkpoints_record_data_fingerprints_and_tokens_seen(checkpoints, corpus, tmp_path):
     """Each checkpoint says what it was trained on: the data's fingerprint and the tokens read
     from each prefix (2 iterations x global batch 8 x 16 tokens, one prefix)."""
     meta = read_checkpoint(str(checkpoints["gpt2", "221"])).meta
@@ -298,3 +298,10 @@ def test_checkpoints_record_data_fingerprints_and_tokens_seen(checkpoints, corpu
     tokens = np.fromfile(corpus + ".bin", dtype=np.uint16)  # make_corpus: 200 documents, uint16
     assert (fingerprint["documents"], fingerprint["sequences"]) == (200, 200)
     assert fingerprint["tokens"] == tokens.size and fingerprint["max_token_id"] == tokens.max()
+    # ... and the export's model card says it
+    out = tmp_path / "hf"
+    convert_to_hf.main(["--load", str(checkpoints["gpt2", "221"]), "--output-dir", str(out)])
+    card = (out / "README.md").read_text()
+    row = f"| `{corpus}` | 200 | {tokens.size:,} | (no sidecar) | {tokens.max()} | {2 * 8 * 16:,} |"
+    assert row in card.splitlines(), card
+    assert "--num-layers 2 --hidden-size 32" in card

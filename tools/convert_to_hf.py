@@ -145,6 +145,7 @@ def main(argv=None) -> None:
         save_hf_tokenizer,
         special_tokens,
     )
+    from pretrain.convert.model_card import model_card
 
     ck = read_checkpoint(args.load, args.iteration)
     flavour = hf_flavour(ck.config)  # before any writing: an inexpressible model fails here
@@ -179,6 +180,8 @@ def main(argv=None) -> None:
         if not has_tokenizer:
             what = ck.tokenizer.tokenizer_type or "the checkpoint records no tokenizer and"
             print(f"note: {what} has no Hugging Face tokenizer files; exported the model only")
+        with open(os.path.join(tmp, "README.md"), "w") as f:
+            f.write(model_card(ck.meta, ck.config, HF_CLASSES[flavour]))
         if args.verify:
             _verify(ck, tmp, tokenizer, has_tokenizer, args)
         _move_into_place(tmp, args.output_dir)
