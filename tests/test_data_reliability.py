@@ -156,6 +156,27 @@ def test_cache_of_a_reprocessed_prefix_is_rebuilt(tmp_path):
     ]
 
 
+def test_cache_without_fingerprint_is_used_only_if_newer_than_the_idx(tmp_path):
+    """A cache Megatron-LM wrote has no fingerprint: adopted when built after the .idx, rebuilt when
+    the .idx changed afterwards (re-preprocessed)."""
+    prefix, cache = str(tmp_path / "corpus"), str(tmp_path / "cache")
+    write_corpus(prefix, random_lengths(60, seed=8), seed=8)
+    _gpt(prefix, cache)
+    (fp,) = [os.path.join(cache, f) for f in os.listdir(cache) if f.endswith("fingerprint.txt")]
+    os.remove(fp)
+    (sample,) = [
+        os.path.join(cache, f) for f in os.listdir(cache) if f.endswith("sample_index.npy")
+    ]
+    built = os.stat(sample).st_mtime_ns
+    _gpt(prefix, cache)  # newer than the .idx: loaded as it is, fingerprint recorded
+    assert os.stat(sample).st_mtime_ns == built and os.path.exists(fp)
+    os.remove(fp)
+    write_corpus(prefix, random_lengths(60, seed=9), seed=9)  # the .idx changes afterwards
+    ds = _gpt(prefix, cache)
+    np.testing.assert_array_equal(ds.sample_index, _gpt(prefix, str(tmp_path / "ref")).sample_index)
+    assert os.stat(sample).st_mtime_ns != built
+
+
 def _garble(path, value):
     """Keep the `.npy` header, replace every value with `value` (a valid file, garbage content)."""
     arr = np.load(path, mmap_mode="r+")
@@ -244,7 +265,8 @@ def test_cache_building_under_a_file_size_limit(tmp_path):
     proc = tool("build_data_cache.py", args, limit_bytes=64 * 1024)
     line = one_error_line(proc)
     assert cache in line and "bytes needed" in line and "file too large" in line
-    assert [f for f in os.listdir(cache) if not f.endswith(".lock")] == []  # nothing, no temps
+    left = os.listdir(cache)  # no temporary, and no part of the index cache
+    assert not [f for f in left if f.startswith(".") or f.endswith((".npy", "description.txt"))]
     ok = tool("build_data_cache.py", args)  # without the limit the same command works
     assert ok.returncode == 0, ok.stderr
 
@@ -278,7 +300,9 @@ def test_empty_train_split_is_one_line_before_launch(tmp_path, make, split, mess
     prefix = make(str(tmp_path / "d"))
     line = one_error_line(_cache_tool(prefix, "--split", split))
     assert "the train split is empty" in line and message in line
-    assert not os.path.exists(os.path.join(prefix, "cache"))  # nothing was built
+    cache = os.path.join(prefix, "cache")
+    built = [f for _, _, files in os.walk(cache) for f in files if f.endswith(".npy")]
+    assert built == []  # no index was built
 
 
 def test_training_refuses_an_empty_train_split_before_launch(tmp_path):
@@ -287,7 +311,9 @@ def test_training_refuses_an_empty_train_split_before_launch(tmp_path):
     from pretrain.cli import parse_args
 
     prefix = write_corpus(str(tmp_path / "d"), [20] * 10)
-    argv = model_flags("gpt2") + train_flags(prefix) + ["--split", "0,0,100"]
+    argv = (
+        model_flags("gpt2") + train_flags(prefix) + ["--split", "0,0,100", "--vocab-size", "1001"]
+    )
     with pytest.raises(UserError, match="the train split is empty: --split 0,0,100"):
         parse_args(argv, env={})
 

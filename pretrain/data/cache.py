@@ -11,8 +11,9 @@ from Megatron, and why:
   of the `.idx` we read (Megatron's description names the prefix, not its content, so a prefix
   re-preprocessed from another corpus would reuse indices into the old one), its arrays have the
   expected dtypes and shapes, and their values pass the caller's bounds check (a `.npy` with a valid
-  header and garbage values). Anything else is rebuilt, not trusted; a cache without a fingerprint
-  file (written by Megatron) is rebuilt once.
+  header and garbage values). Anything else is rebuilt, not trusted. A cache without a fingerprint
+  file (written by Megatron-LM) is used only if it is newer than the `.idx`, and then adopted (its
+  fingerprint recorded).
 - There is no "rank 0 builds, the others wait at a barrier": every process that needs the dataset
   calls `load_or_build`. The first one to take the lock builds, the others wait for the lock and
   then load the finished files. On a cache directory that is not shared between nodes, the first
@@ -33,6 +34,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 from filelock import FileLock, Timeout
@@ -64,14 +66,46 @@ def _read_text(path: str) -> str | None:
         return None
 
 
+@dataclass(frozen=True, kw_only=True)
+class Source:
+    """What a cache is computed from: the `.idx` it indexes."""
+
+    fingerprint: str
+    """`IndexedDataset.fingerprint` of the `.idx`; stored beside the cache, compared on load."""
+    modified: float
+    """The `.idx`'s mtime: a cache without a fingerprint (Megatron's) must be newer."""
+
+
+def _source_problem(base: str, source: Source) -> tuple[str | None, bool]:
+    """(why the cache does not belong to `source` or None, whether to record its fingerprint)."""
+    stored = _read_text(f"{base}-{FINGERPRINT}")
+    if stored is not None:
+        ok = stored == source.fingerprint
+        return (None if ok else "the cache was built from another version of the .idx"), False
+    # No fingerprint: written by Megatron-LM (or before fingerprints). Usable only if it was
+    # built after the .idx last changed; then it is adopted (its fingerprint recorded).
+    try:
+        built = os.path.getmtime(f"{base}-description.txt")
+    except OSError:
+        return "no description", False
+    if built < source.modified:
+        return "the cache has no fingerprint and is older than the .idx", False
+    return None, True
+
+
 def _try_load(
-    base: str, description: str, expect: Expectation, source: str | None, check: ValueCheck | None
+    base: str,
+    description: str,
+    expect: Expectation,
+    source: Source | None,
+    check: ValueCheck | None,
 ) -> tuple[dict[str, np.ndarray] | None, str]:
     """(the cached arrays, "") if the cache is complete and matches, else (None, why not)."""
     if _read_text(f"{base}-description.txt") != description:
         return None, "no cache with this description"
-    if source is not None and _read_text(f"{base}-{FINGERPRINT}") != source:
-        return None, "the cache was built from another version of the .idx"
+    problem, adopt = _source_problem(base, source) if source is not None else (None, False)
+    if problem is not None:
+        return None, problem
     arrays = {}
     for name, (dtype, shape) in expect.items():
         try:
@@ -84,6 +118,11 @@ def _try_load(
     problem = check(arrays) if check is not None else None
     if problem is not None:
         return None, f"its values are damaged: {problem}"
+    if adopt:
+        try:
+            atomic_write_bytes(f"{base}-{FINGERPRINT}", source.fingerprint.encode("utf-8"))
+        except OSError:
+            pass  # a read-only cache directory: checked by mtime again next time
     return arrays, ""
 
 
@@ -124,7 +163,7 @@ def _write_npy(f, arr: np.ndarray) -> None:
     f.write(memoryview(np.ascontiguousarray(arr)).cast("B"))
 
 
-def _save(base: str, description: str, source: str | None, arrays, expect: Expectation) -> None:
+def _save(base: str, description: str, source: Source | None, arrays, expect: Expectation) -> None:
     """Write every array, the fingerprint, then the description (what makes the cache valid)."""
     needed = sum(arrays[name].nbytes + 128 for name in expect) + len(description) + 64
     path = base
@@ -139,7 +178,7 @@ def _save(base: str, description: str, source: str | None, arrays, expect: Expec
             atomic_write(path, lambda f, a=arr: _write_npy(f, a))
         if source is not None:
             path = f"{base}-{FINGERPRINT}"
-            atomic_write_bytes(path, source.encode("utf-8"))
+            atomic_write_bytes(path, source.fingerprint.encode("utf-8"))
         path = f"{base}-description.txt"
         atomic_write_bytes(path, description.encode("utf-8"))
     except OSError as err:
@@ -155,13 +194,13 @@ def load_or_build(
     description: str,
     expect: Expectation,
     build: Callable[[], dict[str, np.ndarray]],
-    source: str | None = None,
+    source: Source | None = None,
     check: ValueCheck | None = None,
 ) -> dict[str, np.ndarray]:
     """Load the cached arrays `expect` names, or build, save and return them.
 
-    `source`: a fingerprint of the input the arrays are computed from (stored beside the cache and
-    compared on load). `check`: a bounds check of the loaded values. `directory` None: build in
+    `source`: the `.idx` the arrays are computed from (its fingerprint is stored beside the cache
+    and compared on load). `check`: a bounds check of the loaded values. `directory` None: build in
     memory, cache nothing. A directory we cannot create or write is reported as a UserError naming
     --data-cache-path.
     """

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from pretrain.data import helpers
-from pretrain.data.cache import load_or_build
+from pretrain.data.cache import Source, load_or_build
 from pretrain.data.config import DataConfig
 from pretrain.errors import UserError
 
@@ -289,7 +289,7 @@ class GPTDataset(torch.utils.data.Dataset):
             lambda: build_indices(
                 lengths, indices, plan, cfg.seq_length, cfg.seed, extra_token, drop_last
             ),
-            source=indexed.fingerprint,
+            source=Source(fingerprint=indexed.fingerprint, modified=indexed.idx_modified),
             check=lambda a: index_problem(a, lengths, indices),
         )
         # plain ndarray views of the (possibly memory-mapped) arrays: indexing an np.memmap costs a

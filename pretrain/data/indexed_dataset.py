@@ -179,6 +179,7 @@ class IndexedDataset:
             np.frombuffer(self._idx_mmap, np.int8, n_seq, offset) if has_modes else None
         )
         self._fingerprint: str | None = None
+        self.idx_modified = os.path.getmtime(idx_path)  # index caches older than this are suspect
         self._validate(idx_path, bin_path)
         # numpy cannot memory-map an empty file; an empty dataset has an empty .bin
         self._bin = (
