@@ -180,7 +180,7 @@ def test_long_text_in_pieces_equals_the_whole(kind, hf_reference, monkeypatch):
     if kind == "gpt2":
         cfg, expected = GPT2, hf_reference(text).input_ids
     else:
-        cfg = TokenizerConfig("TikTokenizer", tokenizer_model=CL100K)
+        cfg = TokenizerConfig(tokenizer_type="TikTokenizer", tokenizer_model=CL100K)
         # tiktoken's own cl100k_base definition, with the ranks read from the offline file
         local = tiktoken.load.load_tiktoken_bpe(CL100K)
         monkeypatch.setattr(tiktoken_ext.openai_public, "load_tiktoken_bpe", lambda *a, **k: local)
