@@ -21,13 +21,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
-from pretrain.data.config import DataConfig, add_data_args, add_sample_count_args
+from pretrain.data.builder import check_splits_before_launch
+from pretrain.data.config import (
+    DataConfig,
+    add_data_args,
+    add_sample_count_args,
+    train_valid_test_num_samples,
+)
 from pretrain.data.fingerprint import check_data
 from pretrain.errors import UserError
 from pretrain.launch import detect_launch_env
@@ -383,6 +390,19 @@ def _check_data_files(data: DataConfig) -> None:
                 )
 
 
+def _check_data_splits(data: DataConfig, ns, train_iters: int, gbs: int, rank: int) -> None:
+    """An empty train split is refused here, before launch; a missing validation split while
+    --eval-iters > 0 is said once (by rank 0)."""
+    counts = train_valid_test_num_samples(
+        train_iters, ns.train_samples, ns.eval_interval, ns.eval_iters, gbs
+    )
+
+    def warn(msg: str) -> None:
+        print(f"warning: {msg}", file=sys.stderr, flush=True)
+
+    check_splits_before_launch(data, counts, ns.eval_iters, warn if rank == 0 else None)
+
+
 def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
     """Flags (and the launcher's environment) -> a validated `RunConfig`, or one UserError."""
     argv = list(argv)
@@ -489,6 +509,7 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
     _check_data_files(data)
     # data fingerprints: made by this tokenizer, largest token id inside its vocabulary
     check_data(data, tokenizer, built_tokenizer, built_tokenizer.vocab_size)
+    _check_data_splits(data, ns, train_iters, gbs, launch.rank)
 
     return RunConfig(
         model=model,

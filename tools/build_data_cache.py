@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import time
 
@@ -28,7 +29,11 @@ from plan_blend import add_plan_args, run_plan  # noqa: E402  (tools/, beside th
 from tqdm import tqdm  # noqa: E402
 
 from pretrain.cli import build_parser as training_parser  # noqa: E402
-from pretrain.data.builder import build_train_valid_test_datasets, count_builds  # noqa: E402
+from pretrain.data.builder import (  # noqa: E402
+    build_train_valid_test_datasets,
+    check_splits_before_launch,
+    count_builds,
+)
 from pretrain.data.config import (  # noqa: E402
     SPLIT_NAMES,
     DataConfig,
@@ -75,6 +80,9 @@ def _refuse_unknown(rest: list[str]) -> None:
 @exit_on_user_error
 def main(argv=None) -> int:
     """Build (or verify) every split's index caches; returns the exit status."""
+    # a file-size limit (ulimit -f) must fail a write with EFBIG, reported, not kill us silently
+    if hasattr(signal, "SIGXFSZ"):
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     ns, ignored = build_parser().parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = DataConfig.from_args(ns)
@@ -89,6 +97,9 @@ def main(argv=None) -> int:
         ns.train_iters, ns.train_samples, ns.eval_interval, ns.eval_iters, ns.global_batch_size
     )
     _refuse_unknown(ignored)
+    check_splits_before_launch(
+        cfg, counts, ns.eval_iters, lambda msg: print(f"warning: {msg}", file=sys.stderr)
+    )
     start = time.time()
     with tqdm(total=count_builds(cfg), desc="index caches", unit="dataset") as bar:
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -22,18 +23,22 @@ from pretrain.data.indexed_dataset import (  # noqa: E402
     IndexedDatasetBuilder,
     get_bin_path,
     get_idx_path,
+    lock_output,
+    remove_stray_temporaries,
 )
 from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
 
 
 def prefixes_in_dir(directory: str) -> list[str]:
-    """Every `.bin/.idx` pair in `directory`, sorted; any other file is an error (as in Megatron)."""
+    """Every `.bin/.idx` pair in `directory`, sorted; any other file (but a `.lock`) is an error."""
     if not os.path.isdir(directory):
         raise UserError(f"--input {directory}: not a directory (pass a folder of .bin/.idx pairs)")
     names = sorted(f for f in os.listdir(directory) if os.path.isfile(os.path.join(directory, f)))
     stems = {}
     for name in names:
         stem, ext = os.path.splitext(name)
+        if ext == ".lock":
+            continue  # the empty lock file preprocess_data.py leaves beside its outputs
         if ext == ".json" and os.path.isfile(os.path.join(directory, stem + ".idx")):
             continue  # a fingerprint sidecar (PREFIX.json), merged separately
         if ext not in (".bin", ".idx"):
@@ -53,20 +58,26 @@ def prefixes_in_dir(directory: str) -> list[str]:
 
 
 def merge(prefixes: list[str], output_prefix: str) -> IndexedDataset:
-    """Concatenate datasets into `output_prefix` (same dtype required), atomically."""
+    """Concatenate the datasets into `output_prefix` (validated first, written atomically)."""
     from tqdm import tqdm
 
-    first = IndexedDataset(prefixes[0])
+    datasets = [IndexedDataset(p) for p in prefixes]  # every input is validated before writing
     out_dir = os.path.dirname(os.path.abspath(output_prefix))
     os.makedirs(out_dir, exist_ok=True)
-    builder = IndexedDatasetBuilder(get_bin_path(output_prefix), first.dtype)
+    lock = lock_output(output_prefix)
     try:
-        for prefix in tqdm(prefixes, desc="merge", unit="dataset", file=sys.stderr, disable=None):
-            builder.add_index(prefix)
-        builder.finalize(get_idx_path(output_prefix))
-    except BaseException:
-        builder.abort()
-        raise
+        for path in (get_bin_path(output_prefix), get_idx_path(output_prefix)):
+            remove_stray_temporaries(path)
+        builder = IndexedDatasetBuilder(get_bin_path(output_prefix), datasets[0].dtype)
+        try:
+            for ds in tqdm(datasets, desc="merge", unit="dataset", file=sys.stderr, disable=None):
+                builder.add_index(ds)  # already validated: the exact bytes are copied
+            builder.finalize(get_idx_path(output_prefix))
+        except BaseException:
+            builder.abort()
+            raise
+    finally:
+        lock.release()
     return IndexedDataset(output_prefix)
 
 
@@ -94,7 +105,7 @@ def merged_sidecar(prefixes: list[str]) -> dict | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """This tool's flags."""
+    """The merge tool's flags (Megatron's --input, or --prefixes)."""
     p = argparse.ArgumentParser(description=__doc__)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument(
@@ -106,7 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> IndexedDataset:
-    """Merge the given prefixes (or every prefix in --input) into --output-prefix."""
+    """Merge the datasets the flags name; print a summary."""
+    if hasattr(signal, "SIGXFSZ"):  # a file-size limit fails the write (reported), not the process
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     args = build_parser().parse_args(argv)
     prefixes = prefixes_in_dir(args.input) if args.input else args.prefixes
     out_abs = os.path.abspath(args.output_prefix)

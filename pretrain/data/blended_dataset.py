@@ -79,6 +79,7 @@ class BlendedDataset(torch.utils.data.Dataset):
             self.unique_description,
             expect,
             self._build,
+            check=self._index_problem,
         )
         self.dataset_index = arrays["dataset_index"]
         self.dataset_sample_index = arrays["dataset_sample_index"]
@@ -91,6 +92,19 @@ class BlendedDataset(torch.utils.data.Dataset):
                 np.array(self.weights, dtype=np.int64)
             )
         return {"dataset_index": di, "dataset_sample_index": dsi}
+
+    def _index_problem(self, arrays: dict[str, np.ndarray]) -> str | None:
+        """Bounds of loaded blend indices (a damaged cache): dataset ids exist, and sample k of
+        dataset d is below the number of samples the blend draws from d."""
+        di, dsi = arrays["dataset_index"], arrays["dataset_sample_index"]
+        if len(di) == 0:
+            return None
+        if di.min() < 0 or di.max() >= len(self.datasets):
+            return f"dataset_index holds ids outside 0..{len(self.datasets) - 1}"
+        drawn = np.bincount(di, minlength=len(self.datasets))
+        if dsi.min() < 0 or np.any(dsi >= drawn[di]):
+            return "dataset_sample_index holds samples the blend never draws"
+        return None
 
     def samples_drawn(self) -> np.ndarray:
         """How many samples the blend takes from each dataset."""

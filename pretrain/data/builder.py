@@ -182,3 +182,81 @@ def count_builds(cfg: DataConfig) -> int:
             return splits
         return splits * (len(prefixes) + 1)
     return sum(1 if len(b[0]) == 1 else len(b[0]) + 1 for b in cfg.blend_per_split if b is not None)
+
+
+def _split_blend(cfg: DataConfig, split: int) -> tuple[list[str], list | None, str | None]:
+    """(prefixes, split matrix, why the split is empty by configuration) for one split."""
+    name = Split(split).name
+    if cfg.blend is not None:
+        matrix = cfg.split_matrix
+        if matrix[split] is None:
+            return [], None, f"--split {cfg.split} gives it 0% of the data"
+        return cfg.blend[0], matrix, None
+    blend = cfg.blend_per_split[split]
+    if blend is None:
+        return [], None, f"no --{name}-data-path (or {name} entry in --per-split-data-args-path)"
+    matrix = [None] * 3
+    matrix[split] = FULL_RANGE
+    return blend[0], matrix, None
+
+
+def _why_empty(prefix: str, indexed: IndexedDataset, in_split: int, tokens: int, cfg) -> str:
+    """Why one prefix gives a split no tokens: no documents, only empty ones, or the --split."""
+    if indexed.num_documents == 0:
+        return f"{prefix} holds 0 documents (its corpus was empty; check the preprocessing input)"
+    if len(indexed) == 0 or not indexed.sequence_lengths.any():
+        return (
+            f"{prefix} holds {indexed.num_documents} documents but 0 tokens (every document "
+            "is empty; check --json-keys when preprocessing)"
+        )
+    if in_split == 0:
+        return (
+            f"--split {cfg.split} gives it 0 of the {len(indexed)} sequences of {prefix} (use "
+            "more data or a larger share)"
+        )
+    return f"it gets {tokens} token(s) of {prefix}, too few for one sample"
+
+
+def check_splits_before_launch(
+    cfg: DataConfig,
+    num_samples: Sequence[int | None],
+    eval_iters: int = 0,
+    warn: Callable[[str], None] | None = None,
+) -> None:
+    """Refuse an empty train split with one line saying why; `warn` once if evaluation will find
+    no validation data. Reads only the `.idx` files (validated), so it runs before launch."""
+    cache: dict[str, IndexedDataset] = {}
+    for split in (0, 1):
+        if split == 1 and not (eval_iters > 0 and num_samples[1]):
+            continue
+        prefixes, matrix, why = _split_blend(cfg, split)
+        reasons = [why] if why else []
+        total = 0
+        for prefix in prefixes:
+            if prefix not in cache:
+                if not IndexedDataset.exists(prefix):
+                    raise UserError(
+                        f"{prefix}: no {prefix}.bin/{prefix}.idx pair (check the "
+                        "--data-path prefix; tools/preprocess_data.py writes "
+                        "PREFIX_text_document.bin/.idx)"
+                    )
+                cache[prefix] = IndexedDataset(prefix)
+            indexed = cache[prefix]
+            ids = split_ranges(len(indexed), matrix)[split]
+            tokens = (
+                int(indexed.sequence_lengths[ids[0] : ids[-1] + 1].sum(dtype="int64"))
+                if len(ids)
+                else 0
+            )
+            total += tokens
+            if tokens <= 1:
+                reasons.append(_why_empty(prefix, indexed, len(ids), tokens, cfg))
+        if total > 1:  # a sample needs seq_length + 1 tokens, cycled over epochs: 2 suffice
+            continue
+        if split == 0:
+            raise UserError(f"the train split is empty: {'; '.join(reasons)}")
+        if warn is not None:
+            warn(
+                f"no validation data ({'; '.join(reasons)}): evaluation is skipped although "
+                f"--eval-iters is {eval_iters} (pass --eval-iters 0 to say so)"
+            )

@@ -211,20 +211,42 @@ def parse_blend(values: list[str], source: str) -> Blend:
             raise UserError(
                 f"{source}: weight {w} is not a positive number (every blend weight must be > 0)"
             )
+    if not math.isfinite(sum(weights)):
+        raise UserError(
+            f"{source}: the weights {' '.join(values[0::2])} overflow when added "
+            "(only their ratios matter: use smaller numbers)"
+        )
     return list(values[1::2]), weights
 
 
+_SPLIT_PART = re.compile(r"\s*(?:\d+\.?\d*|\.\d+)\s*")  # a plain non-negative decimal
+
+
 def parse_split(split: str) -> list[float]:
-    """'949,50,1' -> normalized float64 proportions, padded to three."""
-    parts = [float(p) for p in re.findall(r"[.0-9]+", split)]
-    if len(parts) > 3 or not parts:
-        raise UserError(
-            f"--split {split!r}: give up to three proportions train,valid,test (e.g. 949,50,1)"
+    """'949,50,1' -> normalized float64 proportions, padded to three.
+
+    Megatron reads the numbers with the regex `[.0-9]+`, which turns "-1,2,0" into 1,2,0, "inf,1,0"
+    into 1,0 and "1.2.3,1,0" into a crash; here every comma- (or slash-) separated part must be a
+    plain non-negative decimal, so such strings are refused with the flag named.
+    """
+    parts = re.split(r"[,/]", split)
+    bad = [p for p in parts if not _SPLIT_PART.fullmatch(p)]
+    if bad or len(parts) > 3:
+        what = (
+            f"{bad[0].strip()!r} is not a non-negative number" if bad else "more than three parts"
         )
-    parts += [0.0] * (3 - len(parts))
-    if sum(parts) <= 0:
-        raise UserError(f"--split {split!r}: the proportions sum to zero")
-    w = np.array(parts, dtype=np.float64)
+        raise UserError(
+            f"--split {split!r}: {what} (give up to three proportions train,valid,test, e.g. 949,50,1)"
+        )
+    values = [float(p) for p in parts] + [0.0] * (3 - len(parts))
+    total = sum(values)
+    if total <= 0:
+        raise UserError(f"--split {split!r}: the proportions sum to zero (e.g. 949,50,1)")
+    if not math.isfinite(total):
+        raise UserError(
+            f"--split {split!r}: the proportions are too large to add up (use smaller numbers)"
+        )
+    w = np.array(values, dtype=np.float64)
     return (w / np.sum(w)).tolist()
 
 

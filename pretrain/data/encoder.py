@@ -5,7 +5,16 @@ is one text or a list of sentences; each sentence is tokenized; sentences withou
 dropped, one length per kept sentence; with `--append-eod` the EOD id goes after the last sentence
 (its length + 1) when the document has any token. All texts of a batch go to the tokenizer's batch
 API in one call. A record that is not valid (bad JSON or UTF-8, missing key, wrong type, lone
-surrogate, text the tokenizer rejects) is reported with its line number and not encoded.
+surrogate, JSON nested too deeply, an integer too long to convert, text the tokenizer rejects) is
+reported with its line number and not encoded.
+
+A very long text (a whole book on one line) is tokenized in pieces of about `LONG_TEXT` characters,
+cut only at a space between two letters, where every byte-level BPE pre-tokenizer (GPT-2's,
+cl100k's, o200k's regex) ends one pre-token and starts the next with that space: the ids equal those
+of the whole text, and the tokenizer never holds per-byte bookkeeping for megabytes at once. A
+tokenizer for which a probe shows that tokenizing two pieces differs from tokenizing their
+concatenation (one that adds BOS, or a SentencePiece-style normalizer that prepends a space marker)
+gets the whole text in one call, as before.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -60,6 +70,65 @@ class _BadRecord(Exception):
 
 _SKIP_HINT = "or pass --skip-bad-lines to skip such lines"
 
+LONG_TEXT = 1 << 18  # characters; longer texts are tokenized in pieces of about this size
+_CUT = re.compile(r"(?<=[^\W\d_]) (?=[^\W\d_])")  # a space between two word characters
+# (a, b) pairs: tokenizing a + b must equal tokenizing a, then b, for pieces to be exact
+_PROBES = (
+    ("Hello", " world"),
+    ("naïve", " café"),
+    ("Straße", " Ωμέγα"),
+    ("字", " 漢"),
+    ("x", " y"),
+)
+
+
+def _cuts(text: str, size: int) -> list[int]:
+    """Positions, about `size` apart, of a space between two letters (`str.isalpha`), or []."""
+    cuts, pos = [], size
+    while pos < len(text) - size // 2:
+        m = _CUT.search(text, pos)
+        while m is not None and not (text[m.start() - 1].isalpha() and text[m.end()].isalpha()):
+            m = _CUT.search(text, m.end())  # a digit-like word character, not a letter
+        if m is None:
+            break
+        cuts.append(m.start())
+        pos = m.start() + size
+    return cuts
+
+
+def _pieces_are_exact(tokenizer) -> bool:
+    """Whether this tokenizer gives the same ids for a text and for its pieces at `_cuts`."""
+    try:
+        whole = tokenizer.tokenize_batch([a + b for a, b in _PROBES])
+        parts = tokenizer.tokenize_batch([t for pair in _PROBES for t in pair])
+    except (ValueError, UserError):
+        return False
+    return all(w == parts[2 * i] + parts[2 * i + 1] for i, w in enumerate(whole))
+
+
+def _parse_json(raw: bytes):
+    """One JSON line -> the record; every way a line can fail becomes a `_BadRecord`."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise _BadRecord(
+            f"invalid UTF-8 at byte {err.start}", f"re-encode the file as UTF-8 {_SKIP_HINT}"
+        ) from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise _BadRecord(
+            f"invalid JSON: {err.msg} at column {err.colno}", f"fix the line {_SKIP_HINT}"
+        ) from None
+    except RecursionError:
+        raise _BadRecord(
+            "JSON nested too deeply to parse", f"flatten the line {_SKIP_HINT}"
+        ) from None
+    except ValueError as err:  # an integer with more digits than Python converts (4300)
+        raise _BadRecord(
+            f"invalid JSON value: {str(err).split(';')[0]}", f"fix the line {_SKIP_HINT}"
+        ) from None
+
 
 class Encoder:
     def __init__(self, opts: EncodeOptions):
@@ -71,6 +140,7 @@ class Encoder:
         self.splitter = (
             SentenceSplitter(opts.lang, opts.keep_newlines) if opts.split_sentences else None
         )
+        self.pieces_are_exact = _pieces_are_exact(self.tokenizer)
 
     def _texts(self, record) -> list[list[str]]:
         """The sentences of each key of one record (a dict), validated."""
@@ -117,40 +187,48 @@ class Encoder:
         items = batch.raw if batch.raw is not None else batch.rows
         for line, item in zip(batch.lines, items, strict=False):
             try:
-                if batch.raw is not None:
-                    try:
-                        text = item.decode("utf-8")
-                    except UnicodeDecodeError as err:
-                        raise _BadRecord(
-                            f"invalid UTF-8 at byte {err.start}",
-                            f"re-encode the file as UTF-8 {_SKIP_HINT}",
-                        ) from None
-                    try:
-                        record = json.loads(text)
-                    except json.JSONDecodeError as err:
-                        raise _BadRecord(
-                            f"invalid JSON: {err.msg} at column {err.colno}",
-                            f"fix the line {_SKIP_HINT}",
-                        ) from None
-                else:
-                    record = item
+                record = _parse_json(item) if batch.raw is not None else item
                 good.append((line, self._texts(record)))
             except _BadRecord as err:
                 bad.append((line, err.what, err.fix))
         return good, bad
 
+    def _tokenize_flat(self, flat: list[str]) -> list:
+        """Ids per text: short texts in one batch call, long ones piece by piece (a numpy array)."""
+        cuts = [
+            _cuts(t, LONG_TEXT) if self.pieces_are_exact and len(t) > LONG_TEXT else []
+            for t in flat
+        ]
+        short = [t for t, c in zip(flat, cuts, strict=True) if not c]
+        ids = iter(self.tokenizer.tokenize_batch(short))
+        out = []
+        for text, c in zip(flat, cuts, strict=True):
+            if not c:
+                out.append(next(ids))
+                continue
+            bounds = [0, *c, len(text)]
+            out.append(
+                np.concatenate(
+                    [
+                        np.asarray(
+                            self.tokenizer.tokenize_batch([text[lo:hi]])[0], dtype=self.dtype
+                        )
+                        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)
+                    ]
+                )
+            )
+        return out
+
     def _tokenize(self, good, bad) -> tuple[list, list]:
         """Token ids per sentence, one call for the whole batch; on a rejected text, find its record."""
         flat = [s for _, keys in good for sentences in keys for s in sentences]
         try:
-            ids = self.tokenizer.tokenize_batch(flat)
+            ids = self._tokenize_flat(flat)
         except (ValueError, UserError):
             kept, ids = [], []
             for line, keys in good:
                 try:
-                    ids.extend(
-                        self.tokenizer.tokenize_batch([s for sentences in keys for s in sentences])
-                    )
+                    ids.extend(self._tokenize_flat([s for sentences in keys for s in sentences]))
                     kept.append((line, keys))
                 except (ValueError, UserError) as err:
                     bad.append(
@@ -190,11 +268,29 @@ class Encoder:
         for k in range(n_keys):
             lens = np.asarray(lengths[k], dtype=np.int32)
             total = int(lens.sum(dtype=np.int64))
-            tokens = np.fromiter(
-                itertools.chain.from_iterable(pieces[k]), dtype=self.dtype, count=total
-            )
+            tokens = _flatten(pieces[k], self.dtype, total)
             out.append(EncodedKey(tokens, lens, per_doc[k]))
         return EncodedBatch(batch.source, len(good), batch.nbytes, out, bad)
+
+
+def _flatten(pieces: list, dtype, total: int) -> np.ndarray:
+    """Concatenate id lists and arrays (long texts) into one array of `total` ids."""
+    out = np.empty(total, dtype=dtype)
+    pos, run, run_len = 0, [], 0
+    for piece in [*pieces, None]:
+        if piece is None or isinstance(piece, np.ndarray):
+            if run:  # consecutive lists in one pass: much faster than one array per list
+                out[pos : pos + run_len] = np.fromiter(
+                    itertools.chain.from_iterable(run), dtype, run_len
+                )
+                pos, run, run_len = pos + run_len, [], 0
+            if piece is not None:
+                out[pos : pos + len(piece)] = piece
+                pos += len(piece)
+        else:
+            run.append(piece)
+            run_len += len(piece)
+    return out
 
 
 # --- process-pool plumbing: one Encoder per worker process ---------------------------------------
@@ -208,7 +304,7 @@ def share_with_forked_workers(encoder: Encoder | None) -> None:
 
 
 def init_worker(opts: EncodeOptions) -> None:
-    """Pool initializer: one tokenizer per worker process, single-threaded."""
+    """Pool initializer: one encoder per worker process (inherited when forked)."""
     global _WORKER_ENCODER
     # one core per worker: the pool provides the parallelism, not the tokenizer's thread pool
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -218,7 +314,7 @@ def init_worker(opts: EncodeOptions) -> None:
 
 
 def encode_in_worker(batch: RecordBatch) -> EncodedBatch:
-    """Tokenize one record batch with this worker's encoder."""
+    """Encode one batch with this worker's encoder."""
     return _WORKER_ENCODER.encode(batch)
 
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from pretrain.data import helpers
-from pretrain.data.cache import load_or_build
+from pretrain.data.cache import Source, load_or_build
 from pretrain.data.config import DataConfig
 from pretrain.errors import UserError
 
@@ -149,6 +149,25 @@ def expected_index_layout(
     }
 
 
+def index_problem(
+    arrays: dict[str, np.ndarray], sequence_lengths: np.ndarray, indices: np.ndarray
+) -> str | None:
+    """What is out of bounds in loaded index arrays (a damaged cache), or None; O(samples)."""
+    doc, sample, shuffle = arrays["document_index"], arrays["sample_index"], arrays["shuffle_index"]
+    if len(doc) and (doc.min() < indices[0] or doc.max() > indices[-1]):
+        return f"document_index holds sequences outside {indices[0]}..{indices[-1]}"
+    pos, offset = sample[:, 0], sample[:, 1]
+    if len(pos) and (pos.min() < 0 or pos.max() >= len(doc) or np.any(pos[1:] < pos[:-1])):
+        return "sample_index positions are out of range or decrease"
+    if len(pos) and (offset.min() < 0 or np.any(offset > sequence_lengths[doc[pos]])):
+        return "sample_index offsets fall outside their sequences"
+    if len(shuffle) and shuffle.max() >= len(shuffle):  # unsigned or checked int64 below
+        return f"shuffle_index holds values past {len(shuffle) - 1}"
+    if len(shuffle) and shuffle.min() < 0:
+        return "shuffle_index holds negative values"
+    return None
+
+
 def resolve_pad_id(tokenizer, allow_ambiguous: bool) -> int:
     """tokenizer.pad, unless missing or equal to EOD (then -1, never a real token), as Megatron."""
     pad = getattr(tokenizer, "pad", None)
@@ -270,6 +289,8 @@ class GPTDataset(torch.utils.data.Dataset):
             lambda: build_indices(
                 lengths, indices, plan, cfg.seq_length, cfg.seed, extra_token, drop_last
             ),
+            source=Source(fingerprint=indexed.fingerprint, modified=indexed.idx_modified),
+            check=lambda a: index_problem(a, lengths, indices),
         )
         # plain ndarray views of the (possibly memory-mapped) arrays: indexing an np.memmap costs a
         # subclass construction per access, which shows in __getitem__

@@ -6,21 +6,27 @@ Byte layout (all little-endian, no padding; docs/DATA_FORMAT.md §1):
     <Q document_indices length D | int32[S] lengths | int64[S] byte pointers | int64[D] doc indices
     [| int8[S] modes, multimodal only]
 
-The reader memory-maps both files and hands out zero-copy numpy views. The builder streams tokens
-to the `.bin` as they arrive and keeps the index in growing numpy arrays (about 12 bytes per
-sequence), writes everything under temporary names and renames them when complete, `.idx` last,
-so a crashed run never leaves a final-named `.idx` that does not match its `.bin`.
+The reader memory-maps both files, checks the whole index against the `.bin` when it opens them
+(vectorised, O(sequences)), and hands out zero-copy numpy views. The builder streams tokens to the
+`.bin` as they arrive and keeps the index in growing numpy arrays (about 12 bytes per sequence),
+writes everything under unique temporary names and renames them when complete, `.idx` last, so a
+crashed run never leaves a final-named `.idx` that does not match its `.bin`.
 """
 
 from __future__ import annotations
 
 import enum
+import errno
+import glob
 import os
-import shutil
+import socket
 import struct
+import uuid
 from collections.abc import Iterable
 
 import numpy as np
+import xxhash
+from filelock import FileLock, Timeout
 
 from pretrain.errors import UserError
 
@@ -29,6 +35,9 @@ _VERSION = 1
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count
 HEADER_SIZE = _HEADER.size  # 34
 TMP_SUFFIX = ".tmp"
+# errors that mean "the disk (or the file-size limit) cannot hold the output", not a bug
+_NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+_CHUNK = 1 << 22  # sequences per step of the O(S) passes, so no S-sized temporary is needed
 
 
 class DType(enum.IntEnum):
@@ -65,12 +74,12 @@ def optimal_dtype(vocab_size: int | None) -> np.dtype:
 
 
 def get_bin_path(prefix: str) -> str:
-    """`PREFIX.bin`: the token bytes."""
+    """`PREFIX.bin`, the tokens."""
     return prefix + ".bin"
 
 
 def get_idx_path(prefix: str) -> str:
-    """`PREFIX.idx`: the index (lengths, pointers, document boundaries)."""
+    """`PREFIX.idx`, the index."""
     return prefix + ".idx"
 
 
@@ -107,6 +116,49 @@ def _read_header(idx_path: str) -> tuple[np.dtype, int, int]:
     return dtype, n_seq, n_doc
 
 
+def _check_document_indices(idx_path: str, doc: np.ndarray, n_seq: int, fix: str) -> None:
+    if len(doc) == 0 or doc[0] != 0 or doc[-1] != n_seq:
+        first, last = (int(doc[0]), int(doc[-1])) if len(doc) else (None, None)
+        raise UserError(
+            f"{idx_path}: document indices must start at 0 and end at the sequence count "
+            f"{n_seq}, found first={first} last={last} ({fix})"
+        )
+    for i in range(0, len(doc) - 1, _CHUNK):
+        part = doc[i : i + _CHUNK + 1]
+        bad = np.flatnonzero(part[1:] < part[:-1])
+        if len(bad):
+            raise UserError(
+                f"{idx_path}: document indices decrease at position {i + int(bad[0]) + 1} ({fix})"
+            )
+
+
+def _check_lengths_and_pointers(
+    idx_path: str, lengths: np.ndarray, pointers: np.ndarray, itemsize: int, fix: str
+) -> int:
+    """Validate lengths and pointers chunk by chunk; return the bytes the `.bin` must hold."""
+    end = 0  # byte offset where the next sequence must start
+    for i in range(0, len(lengths), _CHUNK):
+        part = lengths[i : i + _CHUNK]
+        negative = np.flatnonzero(part < 0)
+        if len(negative):
+            k = i + int(negative[0])
+            raise UserError(
+                f"{idx_path}: sequence {k} has negative length {int(lengths[k])} ({fix})"
+            )
+        sizes = part.astype(np.int64) * itemsize
+        ends = np.cumsum(sizes) + end
+        wrong = np.flatnonzero(pointers[i : i + _CHUNK] != ends - sizes)
+        if len(wrong):
+            k = i + int(wrong[0])
+            raise UserError(
+                f"{idx_path}: sequence {k} points to byte {int(pointers[k])}, but the lengths before "
+                f"it put it at byte {int(ends[k - i] - sizes[k - i])} (a damaged length or pointer; "
+                f"{fix})"
+            )
+        end = int(ends[-1])
+    return end
+
+
 class IndexedDataset:
     """Read-only view of `PREFIX.bin` + `PREFIX.idx`; `ds[i]` is sequence i as a numpy array."""
 
@@ -126,38 +178,59 @@ class IndexedDataset:
         self.sequence_modes = (
             np.frombuffer(self._idx_mmap, np.int8, n_seq, offset) if has_modes else None
         )
+        self._fingerprint: str | None = None
+        self.idx_modified = os.path.getmtime(idx_path)  # index caches older than this are suspect
         self._validate(idx_path, bin_path)
-        bin_size = os.path.getsize(bin_path)
         # numpy cannot memory-map an empty file; an empty dataset has an empty .bin
         self._bin = (
-            np.memmap(bin_path, mode="r", dtype=self.dtype) if bin_size else np.empty(0, self.dtype)
+            np.memmap(bin_path, mode="r", dtype=self.dtype)
+            if self.bin_bytes
+            else np.empty(0, self.dtype)
         )
 
     def _validate(self, idx_path: str, bin_path: str) -> None:
+        """Check the whole index and the `.bin` size; a `UserError` names the file and the problem.
+
+        One vectorised pass over the index in chunks: lengths >= 0, pointers equal to the exclusive
+        cumulative sum of lengths x itemsize, document indices from 0 increasing to the sequence
+        count, and the `.bin` exactly as long as the index says (a longer `.bin` would make a merge
+        shift every later dataset).
+        """
         fix = "re-run tools/preprocess_data.py to rebuild the pair"
-        doc = self.document_indices
-        if len(doc) == 0 or doc[0] != 0 or doc[-1] != len(self.sequence_lengths):
-            first, last = (int(doc[0]), int(doc[-1])) if len(doc) else (None, None)
-            raise UserError(
-                f"{idx_path}: document indices must start at 0 and end at the sequence count "
-                f"{len(self.sequence_lengths)}, found first={first} last={last} ({fix})"
-            )
-        if len(doc) > 1 and np.any(doc[1:] < doc[:-1]):
-            k = int(np.argmax(doc[1:] < doc[:-1]))
-            raise UserError(f"{idx_path}: document indices decrease at position {k + 1} ({fix})")
+        _check_document_indices(idx_path, self.document_indices, len(self.sequence_lengths), fix)
+        needed = _check_lengths_and_pointers(
+            idx_path, self.sequence_lengths, self.sequence_pointers, self.dtype.itemsize, fix
+        )
         if not os.path.exists(bin_path):
             raise UserError(f"{bin_path}: missing; the .idx has no matching .bin ({fix})")
-        needed = 0
-        if len(self.sequence_lengths):
-            needed = (
-                int(self.sequence_pointers[-1])
-                + int(self.sequence_lengths[-1]) * self.dtype.itemsize
-            )
         actual = os.path.getsize(bin_path)
         if actual < needed:
             raise UserError(
                 f"{bin_path}: truncated, {actual} bytes but {idx_path} points to {needed} ({fix})"
             )
+        if actual > needed:
+            raise UserError(
+                f"{bin_path}: {actual} bytes but {idx_path} describes exactly {needed}; "
+                f"{actual - needed} bytes at the end belong to no sequence ({fix})"
+            )
+        self.bin_bytes = needed
+
+    @property
+    def fingerprint(self) -> str:
+        """A digest of what the index caches depend on: dtype, sequence lengths, document indices.
+
+        The pointers follow from the lengths (validated at open), so this binds a cache to the
+        content of the `.idx` it was built from. xxh3 hashes at memory speed (GB/s), once per
+        dataset and process.
+        """
+        if self._fingerprint is None:
+            h = xxhash.xxh3_128()
+            h.update(f"{self.dtype.name}:{len(self)}:{len(self.document_indices)}:".encode())
+            for arr in (self.sequence_lengths, self.document_indices):
+                for i in range(0, len(arr), _CHUNK):
+                    h.update(memoryview(np.ascontiguousarray(arr[i : i + _CHUNK])))
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
 
     @staticmethod
     def exists(prefix: str) -> bool:
@@ -218,19 +291,75 @@ class _GrowingArray:
         return self._data[: self._size]
 
 
+def temporary_name(path: str) -> str:
+    """A name beside `path` that no other run (process, node) uses: `PATH.HOST.PID.RANDOM.tmp`."""
+    return f"{path}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}"
+
+
+def remove_stray_temporaries(path: str) -> list[str]:
+    """Delete the temporaries a killed run left for `path` (call only while holding its lock)."""
+    removed = []
+    for stray in glob.glob(glob.escape(path) + ".*" + TMP_SUFFIX) + glob.glob(
+        glob.escape(path) + TMP_SUFFIX
+    ):
+        try:
+            os.remove(stray)
+            removed.append(stray)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def lock_output(prefix: str, flag: str = "--output-prefix") -> FileLock:
+    """Take `PREFIX.lock` without waiting; a `UserError` if another run holds it.
+
+    Two runs writing one prefix would replace each other's files; the lock makes the second refuse
+    (the first one's output stays complete). The empty `.lock` file stays (deleting a lock file that
+    another process may be opening would let two runs hold "the" lock at once).
+    """
+    path = prefix + ".lock"
+    lock = FileLock(path)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        raise UserError(
+            f"{flag} {prefix}: another run is writing this prefix (it holds {path}); wait for it "
+            "to finish or choose another prefix"
+        ) from None
+    except OSError as err:
+        raise UserError(f"{flag} {prefix}: cannot create {path} ({err.strerror})") from None
+    return lock
+
+
+def no_space_error(path: str, err: OSError, needed: int) -> UserError | None:
+    """A one-line `UserError` for a full disk or file-size limit while writing `path`, else None."""
+    if err.errno not in _NO_SPACE:
+        return None
+    return UserError(
+        f"{path}: cannot write, {err.strerror.lower()} ({needed:,} bytes needed; free disk space, "
+        "raise the file-size limit (ulimit -f) or write elsewhere)"
+    )
+
+
 class IndexedDatasetBuilder:
     """Streaming writer of a `.bin/.idx` pair, byte-for-byte Megatron's.
 
-    Tokens are written to `bin_path + ".tmp"` as they arrive; `finalize(idx_path)` writes the index to
-    `idx_path + ".tmp"`, removes any old `.idx`, renames the `.bin`, then the `.idx`. `abort()`
-    removes the temporary files.
+    Tokens are written to a unique temporary beside `bin_path` as they arrive; `prepare(idx_path)`
+    writes the index to its own temporary, `commit()` removes any old `.idx`, renames the `.bin`,
+    then the `.idx` (`finalize` does both). Several builders (one per JSON key) prepare first and
+    commit together, so a full disk while writing any index leaves every old output intact.
+    `abort()` removes the temporary files. A full disk or file-size limit is a one-line `UserError`
+    naming the path and the bytes needed.
     """
 
     def __init__(self, bin_path: str, dtype=np.int32):
         self.bin_path = bin_path
         self.dtype = np.dtype(dtype)
         DType.code_from_dtype(self.dtype)
-        self._tmp_bin = bin_path + TMP_SUFFIX
+        self._tmp_bin = temporary_name(bin_path)
+        self._tmp_idx: str | None = None
+        self._idx_path: str | None = None
+        self._bin_bytes = 0
         try:
             self._bin = open(self._tmp_bin, "wb", buffering=1 << 20)
         except OSError as err:
@@ -239,6 +368,18 @@ class IndexedDatasetBuilder:
             ) from None
         self._lengths = _GrowingArray(np.int32)
         self._doc_idx = _GrowingArray(np.int64, [0])
+
+    def _write_bin(self, data) -> None:
+        data = memoryview(data).cast("B")
+        try:
+            self._bin.write(data)
+        except OSError as err:
+            self._raise_write_error(err, self._bin_bytes + data.nbytes)
+        self._bin_bytes += data.nbytes
+
+    def _raise_write_error(self, err: OSError, needed: int) -> None:
+        self.abort()
+        raise no_space_error(self.bin_path, err, needed) or err
 
     def _as_tokens(self, tokens) -> np.ndarray:
         arr = np.asarray(tokens)
@@ -256,7 +397,7 @@ class IndexedDatasetBuilder:
     def add_item(self, tokens) -> None:
         """One sequence; does not close the document (call `end_document`)."""
         arr = self._as_tokens(tokens)
-        self._bin.write(memoryview(arr))
+        self._write_bin(arr)
         self._lengths.append(arr.size)
 
     def end_document(self) -> None:
@@ -265,21 +406,25 @@ class IndexedDatasetBuilder:
     def add_document(self, tokens, lengths) -> None:
         """All sequences of one document in a single write; `lengths` has one entry per sequence."""
         arr = self._as_tokens(tokens)
-        self._bin.write(memoryview(arr))
+        self._write_bin(arr)
         self._lengths.extend(lengths)
         self._doc_idx.append(len(self._lengths))
 
     def add_document_batch(self, tokens, lengths, sequences_per_document) -> None:
         """Many documents at once (one write): same bytes as `add_document` per document."""
         arr = self._as_tokens(tokens)
-        self._bin.write(memoryview(arr))
+        self._write_bin(arr)
         start = len(self._lengths)
         self._lengths.extend(lengths)
         self._doc_idx.extend(start + np.cumsum(sequences_per_document, dtype=np.int64))
 
-    def add_index(self, prefix: str) -> None:
-        """Append another dataset (Megatron's merge): its index shifted, its `.bin` copied verbatim."""
-        other = IndexedDataset(prefix)
+    def add_index(self, source: str | IndexedDataset) -> None:
+        """Append another dataset (Megatron's merge): its index shifted, its `.bin` copied verbatim.
+
+        `source` is a prefix or an already opened (so validated) `IndexedDataset`.
+        """
+        other = source if isinstance(source, IndexedDataset) else IndexedDataset(source)
+        prefix = other.prefix
         if other.dtype != self.dtype:
             raise UserError(
                 f"{get_idx_path(prefix)}: dtype {other.dtype.name} differs from the output's "
@@ -288,52 +433,63 @@ class IndexedDatasetBuilder:
         offset = len(self._lengths)
         self._lengths.extend(other.sequence_lengths)
         self._doc_idx.extend(offset + other.document_indices[1:])
-        with open(get_bin_path(prefix), "rb") as f:
-            shutil.copyfileobj(f, self._bin, 16 * 1024 * 1024)
+        # exactly the validated bytes, never "to the end of the file": a .bin that grew since it
+        # was opened must not shift the datasets after it
+        step = 16 * 1024 * 1024 // other.dtype.itemsize
+        tokens = other._bin
+        for i in range(0, len(tokens), step):
+            self._write_bin(np.ascontiguousarray(tokens[i : i + step]))
 
     @property
     def num_sequences(self) -> int:
         return len(self._lengths)
 
-    def finalize(self, idx_path: str) -> None:
-        self._bin.close()
-        lengths, doc_idx = self._lengths.view(), self._doc_idx.view()
-        tmp_idx = idx_path + TMP_SUFFIX
+    def prepare(self, idx_path: str) -> None:
+        """Close the `.bin` and write the index to a temporary beside `idx_path`."""
         try:
-            with open(tmp_idx, "wb") as f:
-                f.write(
-                    _HEADER.pack(
-                        _MAGIC,
-                        _VERSION,
-                        DType.code_from_dtype(self.dtype),
-                        len(lengths),
-                        len(doc_idx),
-                    )
-                )
+            self._bin.close()
+        except OSError as err:  # the buffered tail of the .bin did not fit
+            self._raise_write_error(err, self._bin_bytes)
+        lengths, doc_idx = self._lengths.view(), self._doc_idx.view()
+        self._idx_path, self._tmp_idx = idx_path, temporary_name(idx_path)
+        needed = HEADER_SIZE + 12 * len(lengths) + 8 * len(doc_idx)
+        try:
+            with open(self._tmp_idx, "wb") as f:
+                code = DType.code_from_dtype(self.dtype)
+                f.write(_HEADER.pack(_MAGIC, _VERSION, code, len(lengths), len(doc_idx)))
                 f.write(memoryview(lengths))
-                # pointers in int64 bytes, computed in chunks so finalize needs no S-sized temporary
+                # pointers in int64 bytes, computed in chunks so there is no S-sized temporary
                 start = 0
-                chunk = 1 << 22
-                for i in range(0, len(lengths), chunk):
-                    sizes = lengths[i : i + chunk].astype(np.int64) * self.dtype.itemsize
+                for i in range(0, len(lengths), _CHUNK):
+                    sizes = lengths[i : i + _CHUNK].astype(np.int64) * self.dtype.itemsize
                     ends = np.cumsum(sizes) + start
                     f.write(memoryview(ends - sizes))
                     start = int(ends[-1])
                 f.write(memoryview(doc_idx))
         except OSError as err:
             self.abort()
-            if os.path.exists(tmp_idx):
-                os.remove(tmp_idx)
-            raise UserError(
+            raise no_space_error(idx_path, err, needed) or UserError(
                 f"{idx_path}: cannot write output ({err.strerror}; check the output prefix)"
             ) from None
-        if os.path.exists(idx_path):
-            os.remove(idx_path)  # an old .idx must not pair with the new .bin, even for a moment
+
+    def commit(self) -> None:
+        """Rename the prepared files into place, `.idx` last."""
+        if os.path.exists(self._idx_path):
+            os.remove(self._idx_path)  # an old .idx must not pair with the new .bin, even briefly
         os.replace(self._tmp_bin, self.bin_path)
-        os.replace(tmp_idx, idx_path)
+        os.replace(self._tmp_idx, self._idx_path)
+
+    def finalize(self, idx_path: str) -> None:
+        """`prepare` then `commit`: the pair appears under its final names."""
+        self.prepare(idx_path)
+        self.commit()
 
     def abort(self) -> None:
         """Close and delete the temporary files; final names are untouched."""
-        self._bin.close()
-        if os.path.exists(self._tmp_bin):
-            os.remove(self._tmp_bin)
+        try:
+            self._bin.close()
+        except OSError:
+            pass  # flushing the buffered tail failed: the file is deleted anyway
+        for tmp in (self._tmp_bin, self._tmp_idx):
+            if tmp is not None and os.path.exists(tmp):
+                os.remove(tmp)

@@ -12,6 +12,7 @@ import argparse
 import collections
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -33,7 +34,13 @@ from pretrain.data.fingerprint import (
     tokenizer_fingerprint,
     write_sidecar,
 )
-from pretrain.data.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
+from pretrain.data.indexed_dataset import (
+    IndexedDatasetBuilder,
+    get_bin_path,
+    get_idx_path,
+    lock_output,
+    remove_stray_temporaries,
+)
 from pretrain.errors import UserError, data_error
 from pretrain.tokenizer import TokenizerConfig, add_tokenizer_args
 
@@ -54,6 +61,9 @@ class PreprocessConfig:
     log_interval: int = 1000
     skip_bad_lines: bool = False
     batch_bytes: int = 1 << 20
+    allow_empty: bool = (
+        False  # write (empty) outputs for a corpus without tokens instead of failing
+    )
 
     @classmethod
     def from_args(cls, ns: argparse.Namespace) -> PreprocessConfig:
@@ -77,6 +87,7 @@ class PreprocessConfig:
             workers=ns.workers,
             log_interval=ns.log_interval,
             skip_bad_lines=ns.skip_bad_lines,
+            allow_empty=ns.allow_empty,
         )
 
     @property
@@ -130,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("output")
     g.add_argument(
         "--output-prefix", required=True, help="writes {prefix}_{key}_{document|sentence}.bin/.idx"
+    )
+    g.add_argument(
+        "--allow-empty",
+        action="store_true",
+        help="write outputs even when the corpus holds no tokens (default: warn and exit "
+        "non-zero, so an empty dataset never reaches training)",
     )
     g.add_argument(
         "--append-eod",
@@ -244,7 +261,7 @@ def _report_bad(cfg: PreprocessConfig, summary: Summary, source: str, bad) -> No
         summary.skipped += 1
 
 
-def _open_builders(cfg: PreprocessConfig, dtype) -> list[IndexedDatasetBuilder]:
+def _make_output_dir(cfg: PreprocessConfig) -> None:
     out_dir = os.path.dirname(os.path.abspath(cfg.output_prefix))
     try:
         os.makedirs(out_dir, exist_ok=True)
@@ -256,7 +273,39 @@ def _open_builders(cfg: PreprocessConfig, dtype) -> list[IndexedDatasetBuilder]:
         raise UserError(
             f"--output-prefix {cfg.output_prefix}: directory {out_dir} is not writable (choose another prefix)"
         )
-    return [IndexedDatasetBuilder(get_bin_path(p), dtype) for p in cfg.output_prefixes()]
+
+
+def _open_builders(cfg: PreprocessConfig, dtype) -> list[IndexedDatasetBuilder]:
+    builders = []
+    try:
+        for prefix in cfg.output_prefixes():
+            builders.append(IndexedDatasetBuilder(get_bin_path(prefix), dtype))
+    except UserError:
+        for builder in builders:
+            builder.abort()
+        raise
+    return builders
+
+
+def _remove_strays(cfg: PreprocessConfig) -> None:
+    """Under the prefix lock, every temporary of our outputs was left by a killed run."""
+    for prefix in cfg.output_prefixes():
+        for path in (get_bin_path(prefix), get_idx_path(prefix)):
+            for stray in remove_stray_temporaries(path):
+                print(f"removed {stray} (left by an interrupted run)", file=sys.stderr)
+
+
+def _check_not_empty(cfg: PreprocessConfig, summary: Summary) -> None:
+    """An empty corpus is a warning with --allow-empty, else an error (nothing is written)."""
+    if summary.tokens:
+        return
+    what = f"{summary.documents:,} documents" + (", 0 tokens" if summary.documents else "")
+    print(f"warning: {what} in {' '.join(cfg.inputs)}", file=sys.stderr, flush=True)
+    if not cfg.allow_empty:
+        raise UserError(
+            f"--input {' '.join(cfg.inputs)}: {what}, nothing written (check --input and "
+            "--json-keys, or pass --allow-empty to write empty outputs)"
+        )
 
 
 def _write_sidecars(
@@ -281,31 +330,17 @@ def _write_sidecars(
         )
 
 
-def run(cfg: PreprocessConfig) -> Summary:
-    """Tokenize the inputs into the output prefix(es); returns what was written."""
-    sources = expand_inputs(cfg.inputs)
-    opts = EncodeOptions(
-        cfg.tokenizer,
-        cfg.json_keys,
-        cfg.append_eod,
-        cfg.split_sentences,
-        cfg.lang,
-        cfg.keep_newlines,
-    )
-    # Build here first: bad flags fail before the pool starts (a worker that fails to start is
-    # respawned forever), and forked workers inherit this encoder instead of rebuilding it.
-    encoder = Encoder(opts)
-    summary = Summary()
-    start = time.monotonic()
-    builders = _open_builders(cfg, encoder.dtype)
-    largest = [-1] * len(builders)  # largest token id per output, for the fingerprint sidecar
+def _tokenize_into(
+    cfg: PreprocessConfig, sources, opts: EncodeOptions, builders, summary: Summary
+) -> list[int]:
+    """Run the worker pool over `sources` and append every result to `builders`, in input order;
+    return the largest token id per output (for the fingerprint sidecar)."""
+    largest = [-1] * len(builders)
     progress = _Progress(total_input_bytes(sources), cfg.log_interval)
-    finished = False
     try:
         ctx = multiprocessing.get_context(
             "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
         )
-        share_with_forked_workers(encoder)
         # ProcessPoolExecutor, not multiprocessing.Pool: a worker that dies raises instead of hanging
         pool = ProcessPoolExecutor(
             cfg.workers, mp_context=ctx, initializer=init_worker, initargs=(opts,)
@@ -325,27 +360,65 @@ def run(cfg: PreprocessConfig) -> Summary:
                 progress.update(summary, encoded.nbytes)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
-        for builder, prefix in zip(builders, cfg.output_prefixes(), strict=True):
-            if os.path.exists(
-                sidecar_path(prefix)
-            ):  # an old fingerprint must never describe new data
-                os.remove(sidecar_path(prefix))
-            builder.finalize(get_idx_path(prefix))
-        _write_sidecars(cfg, encoder, sources, largest)
-        finished = True
     finally:
         progress.close()
-        share_with_forked_workers(None)
-        if not finished:
-            for builder in builders:
-                builder.abort()
+    return largest
+
+
+def run(cfg: PreprocessConfig) -> Summary:
+    """Tokenize the corpus into the outputs of `cfg`, holding the output prefix's lock throughout."""
+    sources = expand_inputs(cfg.inputs)  # a missing input fails before anything is created
+    opts = EncodeOptions(
+        cfg.tokenizer,
+        cfg.json_keys,
+        cfg.append_eod,
+        cfg.split_sentences,
+        cfg.lang,
+        cfg.keep_newlines,
+    )
+    # Build here first: bad flags fail before the pool starts (a worker that fails to start is
+    # respawned forever), and forked workers inherit this encoder instead of rebuilding it.
+    encoder = Encoder(opts)
+    summary = Summary()
+    start = time.monotonic()
+    _make_output_dir(cfg)
+    lock = lock_output(cfg.output_prefix)
+    try:
+        _remove_strays(cfg)
+        builders = _open_builders(cfg, encoder.dtype)
+        finished = False
+        try:
+            share_with_forked_workers(encoder)
+            largest = _tokenize_into(cfg, sources, opts, builders, summary)
+            _check_not_empty(cfg, summary)
+            for builder, prefix in zip(builders, cfg.output_prefixes(), strict=True):
+                builder.prepare(get_idx_path(prefix))
+            for builder, prefix in zip(builders, cfg.output_prefixes(), strict=True):
+                if os.path.exists(
+                    sidecar_path(prefix)
+                ):  # an old fingerprint never describes new data
+                    os.remove(sidecar_path(prefix))
+                builder.commit()  # every index is written: only renames remain
+            _write_sidecars(cfg, encoder, sources, largest)
+            finished = True
+        finally:
+            share_with_forked_workers(None)
+            if not finished:
+                for builder in builders:
+                    builder.abort()
+    finally:
+        lock.release()
     summary.seconds = time.monotonic() - start
     summary.outputs = cfg.output_prefixes()
     return summary
 
 
 def main(argv: list[str] | None = None) -> Summary:
-    """Command-line entry: parse, run, print the summary."""
+    """`tools/preprocess_data.py`: parse the flags, run, print the summary."""
+    # A file-size limit (ulimit -f) would kill us with SIGXFSZ and no message; ignored, the write
+    # fails with EFBIG and the run says which file did not fit.
+    if hasattr(signal, "SIGXFSZ"):
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     cfg = PreprocessConfig.from_args(build_parser().parse_args(argv))
     summary = run(cfg)
     print(f"done: {summary.line()}")
