@@ -345,4 +345,6 @@ def test_resume_mid_rampup_and_other_layouts_give_the_same_losses(runs):
         for i in ref:
             assert got[i]["global-batch-size"] == ref[i]["global-batch-size"]
             assert abs(got[i]["lm-loss"] - ref[i]["lm-loss"]) <= RTOL * ref[i]["lm-loss"], (name, i)
-    assert ref[12]["lm-loss"] < ref[1]["lm-loss"]
+    # every iteration took an optimizer step (random tokens: the loss itself need not fall)
+    assert all(r["grad-norm"] > 0 for r in ref.values())
+    assert len({r["lm-loss"] for r in ref.values()}) == len(ref)
