@@ -20,6 +20,7 @@ The data, sample-count and tokenizer flags are owned by `pretrain.data.config` a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Sequence
@@ -41,6 +42,7 @@ from pretrain.launch import detect_launch_env
 from pretrain.model.config import ModelConfig
 from pretrain.parallel.config import ParallelConfig
 from pretrain.tokenizer import TokenizerConfig, add_tokenizer_args, build_tokenizer
+from pretrain.training.batch_schedule import BatchSchedule, parse_step_schedule
 from pretrain.training.checkpointing import CheckpointConfig
 from pretrain.training.deepspeed_config import (
     PrecisionConfig,
@@ -50,7 +52,13 @@ from pretrain.training.deepspeed_config import (
 from pretrain.training.evaluator import EvalConfig
 from pretrain.training.logging import LoggingConfig
 from pretrain.training.loop import TrainingConfig
-from pretrain.training.lr_schedule import LRScheduleConfig, spans_in_samples
+from pretrain.training.lr_schedule import (
+    DECAY_STYLES,
+    WSD_DECAY_STYLES,
+    LRScheduleConfig,
+    check_wsd,
+    spans_in_samples,
+)
 from pretrain.training.optimizer import OptimizerConfig
 from pretrain.training.run import RunConfig
 
@@ -139,9 +147,12 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
     ("optimizer and schedule", (
         _flag("--lr", field="schedule.lr", type=float, help="peak learning rate (required)"),
         _flag("--min-lr", field="schedule.min_lr", type=float, default=0.0),
-        _flag("--lr-decay-style", field="schedule.decay_style", choices=["constant", "linear", "cosine"], default="linear"),
+        _flag("--lr-decay-style", field="schedule.decay_style", choices=list(DECAY_STYLES), default="linear"),
         _flag("--lr-decay-iters", type=int, help="[--train-iters]"),
         _flag("--lr-decay-samples", type=int, help="[--train-samples] (sample-based training)"),
+        _flag("--lr-wsd-decay-style", field="schedule.wsd_decay_style", choices=list(WSD_DECAY_STYLES), default="exponential", help="shape of the WSD anneal [exponential]"),
+        _flag("--lr-wsd-decay-iters", type=int, help="WSD: iterations of the final anneal (with --train-iters)"),
+        _flag("--lr-wsd-decay-samples", type=int, help="WSD: samples of the final anneal (with --train-samples)"),
         _flag("--lr-warmup-iters", type=int, default=0),
         _flag("--lr-warmup-samples", type=int, default=0),
         _flag("--lr-warmup-fraction", type=float, help="warmup as a fraction of the decay span"),
@@ -165,6 +176,10 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _flag("--hysteresis", field="precision.hysteresis", type=int, help="[2, or the --deepspeed_config fp16 value]"),
         _flag("--exit-interval", field="training.exit_interval", type=int, help="save (with --save) and exit after this iteration"),
         _flag("--exit-duration-in-mins", field="training.exit_duration_in_mins", type=float, help="save and exit after this many minutes"),
+    )),
+    ("batch-size schedule", (
+        _flag("--rampup-batch-size", nargs=3, type=int, metavar=("START", "INCREMENT", "SAMPLES"), help="grow the global batch from START by INCREMENT up to --global-batch-size over SAMPLES samples (needs --train-samples)"),
+        _flag("--step-batch-size-schedule", metavar="'THRESHOLD:BATCH ...'", help="Megatron-LM main's batch schedule, thresholds in tokens with K/M/B/T suffixes, e.g. '0:256 2B:512' (instead of --global-batch-size; needs --train-samples)"),
     )),
     ("checkpointing", (
         _flag("--save", field="checkpoint.save", help="checkpoint directory to write"),
@@ -323,7 +338,7 @@ def _model_config(ns: argparse.Namespace, vocab_size: int) -> ModelConfig:
 
 
 def _lr_schedule(ns: argparse.Namespace, gbs: int, train_samples: int) -> LRScheduleConfig:
-    decay, warmup = spans_in_samples(
+    spans = spans_in_samples(
         train_iters=ns.train_iters,
         train_samples=train_samples,
         global_batch_size=gbs,
@@ -332,7 +347,10 @@ def _lr_schedule(ns: argparse.Namespace, gbs: int, train_samples: int) -> LRSche
         warmup_iters=ns.lr_warmup_iters,
         warmup_samples=ns.lr_warmup_samples,
         warmup_fraction=ns.lr_warmup_fraction,
+        wsd_decay_iters=ns.lr_wsd_decay_iters,
+        wsd_decay_samples=ns.lr_wsd_decay_samples,
     )
+    decay, warmup = spans.decay, spans.warmup
     if ns.lr_decay_tokens is not None:  # Megatron-DeepSpeed: tokens override iterations/samples
         decay = _tokens_to_samples(ns.lr_decay_tokens, ns.seq_length)
     if ns.lr_warmup_tokens is not None:
@@ -347,7 +365,58 @@ def _lr_schedule(ns: argparse.Namespace, gbs: int, train_samples: int) -> LRSche
             f"warmup ({warmup} samples) is longer than the decay span ({decay} samples) "
             f"(shorten --lr-warmup-* or lengthen --lr-decay-*)"
         )
-    return LRScheduleConfig(**_section(ns, "schedule"), decay_samples=decay, warmup_samples=warmup)
+    spans = dataclasses.replace(spans, decay=decay, warmup=warmup)
+    check_wsd(ns.schedule__decay_style, spans)
+    return LRScheduleConfig(
+        **_section(ns, "schedule"),
+        decay_samples=spans.decay,
+        warmup_samples=spans.warmup,
+        wsd_decay_samples=spans.wsd if ns.schedule__decay_style == "WSD" else None,
+    )
+
+
+def _batch_schedule(ns: argparse.Namespace, dp: int, world_size: int) -> BatchSchedule:
+    """The batch-size schedule of --global-batch-size / --rampup-batch-size /
+    --step-batch-size-schedule, checked against the layout and the run length."""
+    mbs, tp, pp = (
+        ns.micro_batch_size,
+        ns.parallel__tensor_model_parallel_size,
+        ns.parallel__pipeline_model_parallel_size,
+    )
+    steps = None
+    if ns.step_batch_size_schedule is not None:
+        if ns.global_batch_size is not None:
+            raise UserError(
+                "--step-batch-size-schedule and --global-batch-size are exclusive (the schedule's "
+                "last entry is the final global batch; drop --global-batch-size)"
+            )
+        steps = parse_step_schedule(ns.step_batch_size_schedule, ns.seq_length)
+        gbs = steps[-1][1]
+    else:
+        gbs = ns.global_batch_size if ns.global_batch_size is not None else mbs * dp
+    if gbs % (mbs * dp):
+        raise UserError(
+            f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x "
+            f"data-parallel size {dp} = {mbs * dp} (with world {world_size} = TP {tp} x "
+            f"PP {pp} x DP {dp}; use a global batch that is a multiple of {mbs * dp})"
+        )
+    rampup = tuple(ns.rampup_batch_size) if ns.rampup_batch_size is not None else None
+    schedule = BatchSchedule(
+        micro_batch_size=mbs,
+        data_parallel_size=dp,
+        global_batch_size=gbs,
+        rampup=rampup,
+        steps=steps,
+    )
+    if schedule.varies and ns.train_samples is None:
+        flag = "--rampup-batch-size" if rampup else "--step-batch-size-schedule"
+        raise UserError(
+            f"{flag} needs sample-based training: use --train-samples (and --lr-*-samples) "
+            f"instead of --train-iters"
+        )
+    if schedule.varies and ns.checkpoint__load is None:
+        schedule.check_divisible(0, ns.train_samples)  # a resume checks from its own position
+    return schedule
 
 
 # Megatron's fp16 loss-scale defaults, and the DeepSpeed JSON keys that can set them instead.
@@ -430,13 +499,6 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
         )
 
     mbs = ns.micro_batch_size
-    gbs = ns.global_batch_size if ns.global_batch_size is not None else mbs * dp
-    if gbs % (mbs * dp):
-        raise UserError(
-            f"--global-batch-size {gbs} is not divisible by --micro-batch-size {mbs} x "
-            f"data-parallel size {dp} = {mbs * dp} (with world {launch.world_size} = TP {tp} x "
-            f"PP {pp} x DP {dp}; use a global batch that is a multiple of {mbs * dp})"
-        )
     if (ns.train_iters is None) == (ns.train_samples is None):
         raise UserError("give exactly one of --train-iters and --train-samples")
     if ns.rotary_percent != 1.0:
@@ -444,6 +506,8 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
             f"--rotary-percent {ns.rotary_percent}: only 1.0 is implemented (RoPE rotates every "
             f"dimension of a head; drop the flag)"
         )
+    batches = _batch_schedule(ns, dp, launch.world_size)
+    gbs = batches.global_batch_size
     ds_json = load_user_config(ns.deepspeed_config) if ns.deepspeed_config else None
     precision = _precision(ns, ds_json)
     if precision.bf16 and precision.fp16:
@@ -494,7 +558,9 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
     if checkpoint.finetune and checkpoint.load is None:
         raise UserError("--finetune needs --load (the checkpoint to start from)")
 
-    train_iters = ns.train_iters if ns.train_iters is not None else ns.train_samples // gbs
+    train_iters = (
+        ns.train_iters if ns.train_iters is not None else batches.train_iters(ns.train_samples)
+    )
     train_samples = ns.train_samples if ns.train_samples is not None else train_iters * gbs
     schedule = _lr_schedule(ns, gbs, train_samples)
 
@@ -519,6 +585,7 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
             micro_batch_size=mbs,
             global_batch_size=gbs,
             num_microbatches=gbs // (mbs * dp),
+            batch_schedule=batches if batches.varies else None,
             train_iters=train_iters,
             train_samples=ns.train_samples,
             seq_length=ns.seq_length,

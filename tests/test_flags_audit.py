@@ -136,6 +136,11 @@ def changes(f) -> dict:
         "--lr-decay-iters": ["2"], "--lr-decay-samples": (samples, samples + ["--lr-decay-samples", "16"], None),
         "--lr-warmup-iters": ["1"], "--lr-warmup-samples": (samples, samples + ["--lr-warmup-samples", "8"], None),
         "--lr-warmup-fraction": ["0.5"], "--lr-warmup-init": ["1e-4"],
+        "--lr-wsd-decay-style": (d + ["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "2"], d + ["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "2", "--lr-wsd-decay-style", "linear"], None),
+        "--lr-wsd-decay-iters": (d, d + ["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "2"], None),
+        "--lr-wsd-decay-samples": (samples, samples + ["--lr-decay-style", "WSD", "--lr-wsd-decay-samples", "16"], None),
+        "--rampup-batch-size": (samples, samples + ["--rampup-batch-size", "4", "4", "16"], None),
+        "--step-batch-size-schedule": (samples, samples + ["--step-batch-size-schedule", "0:4 128:8"], None),
         "--lr-decay-tokens": ["256"], "--lr-warmup-tokens": ["64"], "--train-tokens": ["64"],
         "--weight-decay": ["0.1"], "--clip-grad": ["0.5"], "--adam-beta1": ["0.8"],
         "--adam-beta2": ["0.95"], "--adam-eps": ["1e-6"], "--bf16": [], "--fp16": [],
@@ -156,7 +161,7 @@ def changes(f) -> dict:
         "--global-batch-size": ["16"], "--micro-batch-size": ["4"],
         "--eval-interval": ["5"], "--eval-iters": ["5"],
         # data
-        "--data-path": [f["other"]],
+        "--data-path": [f["other"]], "--mock-data": (d, ITERS + ["--mock-data"], None),
         "--data-args-path": (d, ITERS + ["--data-args-path", f["args"], "--split", "90,10,0"], None),
         "--train-data-path": (d, ITERS + ["--train-data-path", f["other"]], None),
         "--valid-data-path": (d, ITERS + ["--train-data-path", f["corpus"], "--valid-data-path", f["other"]], None),
@@ -196,7 +201,10 @@ def _aliases(flag: str) -> set[str]:
 
 def _config(f, extra, env=None):
     """The parsed run, without the recorded command line (which differs by construction)."""
-    cfg = parse_args(base(f) + extra, env=env or ONE_RANK)
+    argv = base(f)
+    if "--step-batch-size-schedule" in extra:  # it replaces --global-batch-size (both: refused)
+        del argv[argv.index("--global-batch-size") : argv.index("--global-batch-size") + 2]
+    cfg = parse_args(argv + extra, env=env or ONE_RANK)
     return dataclasses.replace(cfg, argv=())
 
 

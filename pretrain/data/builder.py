@@ -16,6 +16,7 @@ from pretrain.data.blended_dataset import BlendedDataset, normalize
 from pretrain.data.config import Blend, DataConfig, Split
 from pretrain.data.gpt_dataset import GPTDataset, split_ranges
 from pretrain.data.indexed_dataset import IndexedDataset
+from pretrain.data.mock import build_mock_datasets
 from pretrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -149,8 +150,10 @@ def build_train_valid_test_datasets(
     progress: Callable[[str], None] | None = None,
 ) -> list:
     """[train, valid, test] datasets (GPTDataset, BlendedDataset or None) for `num_samples` per split."""
-    b = _Builder(cfg, tokenizer, progress)
     sizes = list(num_samples)
+    if cfg.mock:
+        return build_mock_datasets(cfg, tokenizer, sizes, progress)
+    b = _Builder(cfg, tokenizer, progress)
     if cfg.blend is not None:
         prefixes, weights = cfg.blend
         if len(prefixes) == 1 and weights is None:
@@ -175,6 +178,8 @@ def build_train_valid_test_datasets(
 
 def count_builds(cfg: DataConfig) -> int:
     """How many datasets `build_train_valid_test_datasets` builds (for a progress bar)."""
+    if cfg.mock:
+        return sum(m is not None for m in cfg.split_matrix)
     if cfg.blend is not None:
         prefixes, weights = cfg.blend
         splits = sum(m is not None for m in cfg.split_matrix)

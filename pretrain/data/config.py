@@ -33,6 +33,7 @@ class Split(enum.IntEnum):
 
 SPLIT_NAMES = tuple(split.name for split in Split)
 LEGACY_DEFAULT_SPLIT = "969, 30, 1"
+MOCK_SPLIT = "1,1,1"  # megatron-core's split for mock data, whatever --split says
 
 
 def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -44,6 +45,11 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="one prefix (PATH for PATH.bin/PATH.idx), several prefixes (blended by size), "
         "or 'W1 PREFIX1 W2 PREFIX2 ...' (blended by weight)",
+    )
+    g.add_argument(
+        "--mock-data",
+        action="store_true",
+        help="Megatron's synthetic data: no files, no --data-path (for trials and benchmarks)",
     )
     g.add_argument(
         "--data-args-path",
@@ -299,6 +305,8 @@ class DataConfig:
     """What blend weights are shares of: "samples" (Megatron's) or "tokens" (--blend-weights-unit)."""
     allow_tokenizer_mismatch: bool = False
     """Accept data whose fingerprint names another tokenizer (--allow-tokenizer-mismatch)."""
+    mock: bool = False
+    """Megatron's synthetic sequences instead of files, split 1,1,1 (--mock-data)."""
 
     def __post_init__(self):
         if self.seq_length is None or self.seq_length <= 0:
@@ -308,7 +316,9 @@ class DataConfig:
                 "--data-path/--data-args-path cannot be combined with --train/valid/test-data-path "
                 "or --per-split-data-args-path; use one form"
             )
-        if self.blend is None and not (self.blend_per_split and any(self.blend_per_split)):
+        if self.mock:
+            self._use_mock_split()
+        elif self.blend is None and not (self.blend_per_split and any(self.blend_per_split)):
             raise UserError(
                 "no data given: pass --data-path PREFIX (or --train-data-path ... / "
                 "--data-args-path / --per-split-data-args-path)"
@@ -336,6 +346,21 @@ class DataConfig:
         if self.num_workers < 0:
             raise UserError("--num-workers must be >= 0")
 
+    def _use_mock_split(self) -> None:
+        """Mock data has no files and megatron-core always splits it 1,1,1."""
+        if self.blend is not None or self.blend_per_split is not None:
+            raise UserError(
+                "--mock-data cannot be combined with --data-path/--data-args-path or per-split "
+                "data paths (Megatron takes one data source; drop one)"
+            )
+        if self.split is not None and parse_split(self.split) != parse_split(MOCK_SPLIT):
+            warnings.warn(
+                f"--split {self.split} is ignored with --mock-data (Megatron splits mock data "
+                f"{MOCK_SPLIT})",
+                stacklevel=3,
+            )
+        object.__setattr__(self, "split", MOCK_SPLIT)  # frozen: set once, here
+
     @property
     def split_matrix(self) -> list[tuple[float, float] | None] | None:
         return None if self.split is None else split_matrix(self.split)
@@ -362,6 +387,7 @@ class DataConfig:
             data_sharding=ns.data_sharding,
             blend_weights_unit=getattr(ns, "blend_weights_unit", "samples"),
             allow_tokenizer_mismatch=getattr(ns, "allow_tokenizer_mismatch", False),
+            mock=getattr(ns, "mock_data", False),
         )
 
 

@@ -232,7 +232,7 @@ class GPTDataset(torch.utils.data.Dataset):
     def __init__(
         self,
         indexed,
-        dataset_path: str,
+        dataset_path: str | None,
         indices: np.ndarray,
         num_samples: int | None,
         index_split: str,
@@ -253,7 +253,7 @@ class GPTDataset(torch.utils.data.Dataset):
 
         self.unique_identifiers = OrderedDict(
             [
-                ("class", "GPTDataset"),
+                ("class", type(self).__name__),
                 ("dataset_path", dataset_path),
                 ("num_samples", num_samples),
                 ("index_split", index_split),
@@ -280,10 +280,14 @@ class GPTDataset(torch.utils.data.Dataset):
         expect = expected_index_layout(
             lengths, len(indices), plan, cfg.seq_length, extra_token, drop_last
         )
-        cache_dir = cfg.data_cache_path or os.path.join(dataset_path, "cache", "GPTDataset_indices")
+        # Megatron's default cache folder is beside the prefix; data without a prefix (mock data)
+        # is cached only under --data-cache-path, else built in memory, as Megatron does.
+        cache_dir = cfg.data_cache_path
+        if cache_dir is None and dataset_path is not None:
+            cache_dir = os.path.join(dataset_path, "cache", "GPTDataset_indices")
         arrays = load_or_build(
             cache_dir,
-            f"{self.unique_description_hash}-GPTDataset-{index_split}",
+            f"{self.unique_description_hash}-{type(self).__name__}-{index_split}",
             self.unique_description,
             expect,
             lambda: build_indices(

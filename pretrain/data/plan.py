@@ -220,6 +220,8 @@ def log_plan(
     max_epochs: float = DEFAULT_MAX_EPOCHS,
 ) -> list[PlanRow]:
     """Log the blend plan table and its warnings (once, at the start of training); return the rows."""
+    if cfg.mock:  # no prefixes to plan: pretrain.data.mock logs what it builds
+        return []
     rows = plan_blend(cfg, num_samples)
     text = "\n".join([format_plan(rows, cfg.seq_length), *plan_warnings(rows, max_epochs)])
     # info, warnings included: every rank calls this, and only rank 0 logs at info

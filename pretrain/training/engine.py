@@ -49,6 +49,13 @@ class Engine:
         """Optimizer steps skipped so far (fp16 overflow)."""
         return int(self.ds.skipped_steps)
 
+    def set_global_batch_size(self, global_batch_size: int) -> None:
+        """Use this global batch for the next iteration: DeepSpeed's gradient-accumulation count
+        (and the pipeline's micro-batch count) and the LR scheduler's sample increment."""
+        if global_batch_size != self.ds.train_batch_size():
+            self.ds.set_train_batch_size(global_batch_size)
+        self.scheduler.increment = global_batch_size
+
     def learning_rate(self) -> float:
         """The learning rate the next optimizer step uses."""
         return self.scheduler.get_lr()[0]

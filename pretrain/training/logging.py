@@ -247,6 +247,7 @@ class MetricsLogger:
 
     def _reset_interval(self) -> None:
         self._loss_sum, self._iterations, self._seconds, self._nan_iterations = 0.0, 0, 0.0, 0
+        self._batch_scale = 0.0  # sum over the interval of (iteration's batch / global batch)
 
     def record_iteration(
         self,
@@ -259,8 +260,15 @@ class MetricsLogger:
         grad_norm: float | None,
         loss_scale: float,
         skipped_steps: int,
+        global_batch_size: int | None = None,
     ) -> None:
-        """Account one finished iteration; print the interval's line when it is due."""
+        """Account one finished iteration; print the interval's line when it is due.
+
+        `global_batch_size` is the iteration's batch when a batch-size schedule varies it
+        (default: the run's global batch); throughput scales with it."""
+        batch = self.global_batch_size if global_batch_size is None else global_batch_size
+        scale = batch / self.global_batch_size
+        self._batch_scale += scale
         if math.isfinite(loss):
             self._loss_sum += loss
         else:
@@ -273,30 +281,33 @@ class MetricsLogger:
             "learning-rate": learning_rate,
             "loss-scale": loss_scale,
             "iteration-time": seconds,
-            "tokens-per-second": self.throughput.tokens_per_iteration / seconds,
-            "tflops-per-device": self.throughput.tflops_per_device(seconds),
+            "tokens-per-second": self.throughput.tokens_per_iteration * scale / seconds,
+            "tflops-per-device": self.throughput.tflops_per_device(seconds / scale),
             "consumed-samples": consumed_samples,
+            "global-batch-size": batch,
         }
         dashboards = iteration % self.config.tensorboard_log_interval == 0
         self.writer.write(iteration, scalars, dashboards=dashboards)
         if iteration % self.config.log_interval != 0:
             return
         per_iteration = self._seconds / self._iterations
+        # seconds per iteration of the run's global batch: throughput over batches that vary
+        per_full_batch = self._seconds / self._batch_scale
         stats = IterationStats(
             iteration=iteration,
             train_iters=self.train_iters,
             consumed_samples=consumed_samples,
             elapsed_ms=per_iteration * 1000,
             learning_rate=learning_rate,
-            global_batch_size=self.global_batch_size,
+            global_batch_size=batch,
             lm_loss=self._loss_sum / max(1, self._iterations - self._nan_iterations),
             loss_scale=loss_scale,
             grad_norm=grad_norm,
             skipped_iterations=skipped_steps - self._skipped_before,
             nan_iterations=self._nan_iterations,
-            tokens_per_second=self.throughput.tokens_per_iteration / per_iteration,
-            tflops_per_device=self.throughput.tflops_per_device(per_iteration),
-            mfu=self.throughput.mfu(per_iteration),
+            tokens_per_second=self.throughput.tokens_per_iteration / per_full_batch,
+            tflops_per_device=self.throughput.tflops_per_device(per_full_batch),
+            mfu=self.throughput.mfu(per_full_batch),
         )
         logger.info(format_iteration_line(stats))
         self._skipped_before = skipped_steps

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pretrain.training.batch_schedule import BatchSchedule
 from pretrain.training.checkpointing import Checkpointer
 from pretrain.training.distributed import collective_device
 from pretrain.training.evaluator import Evaluator
@@ -34,6 +35,8 @@ class TrainingConfig:
     """Samples per iteration over all data-parallel ranks (--global-batch-size)."""
     num_microbatches: int
     """Gradient-accumulation steps per data-parallel rank: global / (micro x DP)."""
+    batch_schedule: BatchSchedule | None = None
+    """--rampup-batch-size / --step-batch-size-schedule; None = always `global_batch_size`."""
     train_iters: int
     """Iterations to train (--train-iters, or --train-samples / global batch)."""
     train_samples: int | None = None
@@ -71,6 +74,17 @@ def _tokens_done(config: TrainingConfig, train_state: TrainState) -> bool:
     return config.train_tokens is not None and tokens >= config.train_tokens
 
 
+def _batch_at(config: TrainingConfig, consumed_samples: int) -> tuple[int, int]:
+    """(global batch, micro-batches per rank) of the iteration after `consumed_samples`."""
+    if config.batch_schedule is None:
+        return config.global_batch_size, config.num_microbatches
+    schedule = config.batch_schedule
+    return (
+        schedule.global_batch_size_at(consumed_samples),
+        schedule.num_microbatches_at(consumed_samples),
+    )
+
+
 def train(
     config: TrainingConfig,
     engine: Engine,
@@ -89,14 +103,18 @@ def train(
     final evaluation only in the first case)."""
     started = time.monotonic()
     while train_state.iteration < config.train_iters and not _tokens_done(config, train_state):
+        # Megatron's update_num_microbatches(consumed): the batch of this iteration
+        global_batch, num_microbatches = _batch_at(config, train_state.consumed_train_samples)
+        engine.set_global_batch_size(global_batch)
         step_start = time.perf_counter()
-        loss = train_step(engine, train_batches, config.num_microbatches, use_document_ids, device)
+        loss = train_step(engine, train_batches, num_microbatches, use_document_ids, device)
         seconds = time.perf_counter() - step_start
         train_state.iteration += 1
-        train_state.consumed_train_samples += config.global_batch_size
+        train_state.consumed_train_samples += global_batch
         metrics.record_iteration(
             iteration=train_state.iteration,
             consumed_samples=train_state.consumed_train_samples,
+            global_batch_size=global_batch,
             loss=loss,
             seconds=seconds,
             learning_rate=engine.learning_rate(),  # after the step, as Megatron logs it

@@ -141,6 +141,20 @@ def _data_iterators(
     )
 
 
+def _start_batch_schedule(t: TrainingConfig, consumed: int) -> None:
+    """Check the batches still to come against this run's DP size (a resume may change it) and
+    say where in the schedule the run starts."""
+    schedule = t.batch_schedule
+    samples = t.train_samples if t.train_samples is not None else consumed
+    schedule.check_divisible(consumed, samples)
+    kind = "ramp-up" if schedule.rampup is not None else "step schedule"
+    logger.info(
+        f"batch-size {kind}: global batch {schedule.global_batch_size_at(consumed)} at "
+        f"{consumed} consumed samples, {schedule.global_batch_size} at the end "
+        f"({t.train_iters} iterations for {t.train_samples} samples)"
+    )
+
+
 def pretrain(cfg: RunConfig) -> TrainState:
     """Run one training job as configured; returns where it stopped."""
     if cfg.checkpoint.load:
@@ -194,6 +208,8 @@ def pretrain(cfg: RunConfig) -> TrainState:
     )
     if rng is not None:  # last: creating the loaders above draws from the torch generator
         restore_rng_state(rng)
+    if t.batch_schedule is not None:
+        _start_batch_schedule(t, train_state.consumed_train_samples)
 
     flops = flops_per_iteration(cfg.model, t.global_batch_size, engine.padded_vocab_size)
     logger.info(

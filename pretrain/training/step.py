@@ -67,7 +67,10 @@ def train_step(
     if engine.pipeline:
         return float(engine.ds.train_batch(data_iter=batches))
     losses = []
-    for _ in range(num_microbatches):
+    for i in range(num_microbatches):
+        # Say where the iteration ends: DeepSpeed's own count (micro steps modulo the
+        # accumulation steps) is off once a batch-size schedule has changed the count.
+        engine.ds.set_gradient_accumulation_boundary(i == num_microbatches - 1)
         loss = _micro_batch_loss(engine, next(batches), use_document_ids, device)
         engine.ds.backward(loss)
         engine.ds.step()  # DeepSpeed steps the optimizer at the last micro-batch only
@@ -86,7 +89,10 @@ def evaluation_loss(
 ) -> float:
     """Mean loss over `eval_iters` global batches, without gradients or optimizer steps."""
     if engine.pipeline:
-        losses = [float(engine.ds.eval_batch(data_iter=batches)) for _ in range(eval_iters)]
+        losses = [
+            float(engine.ds.eval_batch(data_iter=batches, num_micro_batches=num_microbatches))
+            for _ in range(eval_iters)
+        ]
         return sum(losses) / len(losses)
     engine.ds.eval()
     try:
