@@ -50,6 +50,7 @@ from pretrain.training.deepspeed_config import (
     load_user_config,
 )
 from pretrain.training.evaluator import EvalConfig
+from pretrain.training.exit_signal import SIGNALS
 from pretrain.training.logging import LoggingConfig
 from pretrain.training.loop import TrainingConfig
 from pretrain.training.lr_schedule import (
@@ -176,6 +177,8 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _flag("--hysteresis", field="precision.hysteresis", type=int, help="[2, or the --deepspeed_config fp16 value]"),
         _flag("--exit-interval", field="training.exit_interval", type=int, help="save (with --save) and exit after this iteration"),
         _flag("--exit-duration-in-mins", field="training.exit_duration_in_mins", type=float, help="save and exit after this many minutes"),
+        _flag("--exit-signal-handler", field="training.exit_signal_handler", action="store_true", help="on --exit-signal every rank finishes its iteration, saves (with --save) and exits 0"),
+        _flag("--exit-signal", field="training.exit_signal", choices=list(SIGNALS), default="SIGTERM", help="the signal --exit-signal-handler waits for [SIGTERM]"),
     )),
     ("batch-size schedule", (
         _flag("--rampup-batch-size", nargs=3, type=int, metavar=("START", "INCREMENT", "SAMPLES"), help="grow the global batch from START by INCREMENT up to --global-batch-size over SAMPLES samples (needs --train-samples)"),
@@ -188,6 +191,7 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _flag("--no-save-rng", field="checkpoint.no_save_rng", action="store_true", help="do not save per-rank RNG states"),
         _flag("--no-load-optim", field="checkpoint.no_load_optim", action="store_true"),
         _flag("--no-load-rng", field="checkpoint.no_load_rng", action="store_true"),
+        _flag("--save-total-limit", "--save-keep-last", "--most-recent-k", field="checkpoint.save_total_limit", type=int, help="keep only the newest N complete checkpoints (older ones are deleted after a newer one is committed; never the one `latest` names)"),
         _flag("--finetune", field="checkpoint.finetune", action="store_true", help="load weights only: no optimizer, RNG or data position; iteration restarts at 0"),
     )),
     ("logging", (
@@ -555,6 +559,13 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
             raise UserError(
                 "--save needs --save-interval (or --exit-interval to save once at exit)"
             )
+    if checkpoint.save_total_limit is not None and (
+        checkpoint.save_total_limit < 1 or checkpoint.save is None
+    ):
+        raise UserError(
+            f"--save-total-limit {checkpoint.save_total_limit}: needs --save and a value >= 1 "
+            f"(the number of newest checkpoints to keep)"
+        )
     if checkpoint.finetune and checkpoint.load is None:
         raise UserError("--finetune needs --load (the checkpoint to start from)")
 

@@ -82,6 +82,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _check_not_checkpoint(out_dir: str, load: str) -> None:
+    """--overwrite replaces --output-dir: refuse when that would delete (part of) --load."""
+    out, ckpt = os.path.realpath(out_dir), os.path.realpath(load)
+    if out == ckpt or os.path.commonpath([out, ckpt]) in (out, ckpt):
+        raise UserError(
+            f"--overwrite --output-dir {out_dir}: it is, contains or is inside --load {load}; "
+            f"replacing it would delete the training checkpoint (choose another --output-dir; "
+            f"nothing was written)"
+        )
+
+
 def _check_output_dir(out_dir: str, overwrite: bool) -> None:
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(
@@ -136,6 +147,8 @@ def _verify(ck, tmp: str, tokenizer, has_tokenizer: bool, args) -> None:
 def main(argv=None) -> None:
     """Merge the checkpoint's shards, write the HF folder (atomically), optionally verify."""
     args = parse_args(argv)
+    if args.overwrite:
+        _check_not_checkpoint(args.output_dir, args.load)
     _check_output_dir(args.output_dir, args.overwrite)
     from pretrain.convert.checkpoint_reader import read_checkpoint
     from pretrain.convert.hf_adapter import HF_CLASSES, hf_flavour

@@ -6,7 +6,9 @@ Layout (details in docs/CHECKPOINTS.md):
     <save>/latest_checkpointed_iteration.txt        "<N>" (Megatron's name, same commit point)
     <save>/global_step<N>/                          DeepSpeed's files for every rank
     <save>/global_step<N>/rng_state_<rank>.pt       python/numpy/torch/CUDA/TP-dropout RNG per rank
-    <save>/global_step<N>/pretrain_meta.json        our metadata (`build_metadata`)
+    <save>/global_step<N>/pretrain_meta.json        our metadata (`build_metadata`), with the
+                                                    name and size of every file of the step
+    <save>/.global_step<N>.tmp-<id>/                a save in progress (renamed when complete)
 
 Training (`pretrain.training.checkpointing`) writes it; the converters (`pretrain.convert`) read
 and write it. Both use this module only, so neither imports the other.
@@ -29,12 +31,32 @@ FORMAT_VERSION = 1
 META_FILE = "pretrain_meta.json"
 LATEST_FILE = "latest"
 MEGATRON_LATEST_FILE = "latest_checkpointed_iteration.txt"
+FILES_KEY = "files"
 _TAG = re.compile(r"^global_step(\d+)$")
+_TEMPORARY = re.compile(r"^\.global_step\d+\.(tmp|old)-(.+)$")
 
 
 def tag_for(iteration: int) -> str:
     """The folder name of the checkpoint at `iteration` (DeepSpeed's convention)."""
     return f"global_step{iteration}"
+
+
+def iteration_of(tag: str) -> int | None:
+    """N for "global_step<N>", else None."""
+    match = _TAG.match(tag)
+    return int(match.group(1)) if match else None
+
+
+def temporary_name(tag: str, kind: str, unique: str) -> str:
+    """The hidden folder a save is written into (`kind` "tmp") or an old step is moved to before
+    it is deleted ("old"): `.global_step<N>.<kind>-<unique>`, never matched by `available_tags`."""
+    return f".{tag}.{kind}-{unique}"
+
+
+def temporary_owner(name: str) -> str | None:
+    """The `unique` part of a `temporary_name`, or None if `name` is not one."""
+    match = _TEMPORARY.match(name)
+    return match.group(2) if match else None
 
 
 def available_tags(load_dir: str) -> list[str]:
@@ -125,21 +147,62 @@ def refuse_foreign_checkpoint(load_dir: str) -> None:
         )
 
 
-def read_latest(load_dir: str) -> tuple[str, dict] | None:
-    """(tag, metadata) of the checkpoint `latest` names in `load_dir`, or None if there is none."""
+class OutsideLoadDir(UserError):
+    """`latest` names something other than a folder inside the checkpoint directory."""
+
+
+def read_latest_tag(load_dir: str) -> str | None:
+    """The tag `load_dir/latest` names, or None if there is no `latest` file.
+
+    Refused (one line naming the file): undecodable or empty text, and anything but a plain
+    folder name inside `load_dir` (`../x`, `/abs/path`, `a/b`): `--load` must never resume from
+    a folder outside the one it was given.
+    """
     path = os.path.join(load_dir, LATEST_FILE)
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        tag = f.read().strip()
-    meta_path = os.path.join(load_dir, tag, META_FILE)
-    if not os.path.isfile(meta_path):
-        raise UserError(
-            f"{path} names {tag}, but {meta_path} is missing (not a checkpoint written by "
-            f"pretrain_gpt.py; point --load at one that is)"
+    try:
+        with open(path, "rb") as f:
+            tag = f.read(4096).decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"{path}: unreadable ({err}); the file is damaged") from None
+    if not tag:
+        raise UserError(f"{path}: empty; the file is damaged")
+    if tag in (".", "..") or os.sep in tag or "/" in tag or "\0" in tag or "\n" in tag:
+        raise OutsideLoadDir(
+            f"{path}: names {tag!r}, which is not a checkpoint folder inside {load_dir}; refusing "
+            f"to load from outside --load (write a global_step<N> name into {path})"
         )
-    with open(meta_path) as f:
-        return tag, json.load(f)
+    return tag
+
+
+def read_meta(step_dir: str) -> dict:
+    """The parsed `pretrain_meta.json` of one step; `UserError` naming the file if it is
+    missing, unreadable, not JSON, or lacks the entries every reader relies on."""
+    path = os.path.join(step_dir, META_FILE)
+    if not os.path.isfile(path):
+        raise UserError(
+            f"{path} is missing (an incomplete save, or not a checkpoint written by pretrain_gpt.py)"
+        )
+    try:
+        with open(path, "rb") as f:
+            meta = json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError) as err:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise UserError(f"{path}: unreadable ({err}); the file is damaged") from None
+    missing = [
+        k for k in ("iteration", "model", "parallel") if not isinstance(meta, dict) or k not in meta
+    ]
+    if missing:
+        raise UserError(f"{path}: no {', '.join(missing)} entry; the file is damaged")
+    return meta
+
+
+def read_latest(load_dir: str) -> tuple[str, dict] | None:
+    """(tag, metadata) of the checkpoint `latest` names in `load_dir`, or None if there is none."""
+    tag = read_latest_tag(load_dir)
+    if tag is None:
+        return None
+    return tag, read_meta(os.path.join(load_dir, tag))
 
 
 def model_config_from_meta(model: dict) -> ModelConfig:

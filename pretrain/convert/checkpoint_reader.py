@@ -35,8 +35,10 @@ from pretrain.checkpoint.format import (
     META_FILE,
     available_tags,
     model_config_from_meta,
+    read_latest_tag,
     tag_for,
 )
+from pretrain.checkpoint.integrity import check_finite
 from pretrain.convert.state_dict import merge_tp, parameter_partitions, trim_vocab
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
@@ -65,8 +67,7 @@ def find_checkpoint(load_dir: str, iteration: int | None = None) -> tuple[str, d
         if iteration is not None:
             tag = tag_for(iteration)
         elif os.path.isfile(os.path.join(load_dir, LATEST_FILE)):
-            with open(os.path.join(load_dir, LATEST_FILE)) as f:
-                tag = f.read().strip()
+            tag = read_latest_tag(load_dir)
         else:
             tags = available_tags(load_dir)
             raise UserError(
@@ -214,4 +215,5 @@ def read_checkpoint(load_dir: str, iteration: int | None = None) -> LoadedCheckp
             f"{sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}"
         )
     full = trim_vocab(merge_tp(shards, partitions), config.vocab_size)
+    check_finite(full, step_dir)
     return LoadedCheckpoint(step_dir, int(meta.get("iteration", 0)), config, tokenizer, meta, full)

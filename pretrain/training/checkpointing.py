@@ -1,12 +1,16 @@
 """Saving and resuming training: DeepSpeed's files plus what DeepSpeed leaves out, committed last.
 
-The format (file names, tags, `latest`, metadata) is `pretrain.checkpoint.format`; this module
-adds the when (`Checkpointer.should_save`) and the how for a live DeepSpeed engine.
+The format (file names, tags, `latest`, metadata) is `pretrain.checkpoint.format`, the
+file-system steps of the commit `pretrain.checkpoint.commit`, what "complete" means and which
+step `--load` picks `pretrain.checkpoint.integrity`; this module adds the when
+(`Checkpointer.should_save`) and the how for a live DeepSpeed engine on every rank.
 
-Commit protocol: every rank writes its DeepSpeed files and RNG state, all ranks meet at a
-barrier, rank 0 writes `pretrain_meta.json` and then replaces `latest` (write to a temporary
-name, fsync, rename). A process killed at any point before the rename leaves `latest` naming the
-previous complete checkpoint, which is what `--load` reads.
+Save (docs/CHECKPOINTS.md, "Commit protocol"): every rank writes its DeepSpeed files and RNG
+state into a hidden temporary folder, each file fsynced; the ranks agree that all writes
+succeeded; rank 0 writes the metadata with every file's size, renames the folder into place and
+replaces `latest`; a final agreement. A failure on any rank (a full disk) is one line on every
+rank, the temporary folder is removed, and the previous checkpoint is untouched. A process
+killed at any point leaves `latest` naming a complete checkpoint.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import dataclasses
 import json
 import os
 import random
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -24,21 +29,40 @@ import torch
 
 from pretrain.atomic import atomic_write_bytes
 from pretrain.checkpoint import safe_load
+from pretrain.checkpoint.commit import (
+    StepInUse,
+    commit_latest,
+    directory_size,
+    install_step,
+    is_protected,
+    latest_tag_or_none,
+    new_unique,
+    prune_steps,
+    remove_stale_temporaries,
+    write_failure_message,
+)
 from pretrain.checkpoint.format import (
+    FILES_KEY,
     LATEST_FILE,
-    MEGATRON_LATEST_FILE,
     META_FILE,
     build_metadata,
     check_same_model,
-    read_latest,
     refuse_foreign_checkpoint,
     tag_for,
+    temporary_name,
+)
+from pretrain.checkpoint.integrity import (
+    Choice,
+    check_finite,
+    choose_checkpoint,
+    manifest,
 )
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
 from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.random import get_tensor_parallel_rng
-from pretrain.testing_hooks import SIGKILL_BEFORE_COMMIT, kill_here
+from pretrain.testing_hooks import SIGKILL_BEFORE_COMMIT, armed_save, kill_here, save_event
+from pretrain.training.checkpoint_writes import RankFiles, agree
 from pretrain.training.logging import logger
 from pretrain.training.state import TrainState
 
@@ -70,6 +94,9 @@ class CheckpointConfig:
     """Do not restore RNG states (--no-load-rng)."""
     finetune: bool = False
     """Load weights only; iteration and data restart at 0 (--finetune)."""
+    save_total_limit: int | None = None
+    """Keep the newest this many complete steps, deleting older ones after each commit
+    (--save-total-limit); the step `latest` names is never deleted."""
 
 
 def _rng_state() -> dict:
@@ -94,8 +121,17 @@ def restore_rng_state(rng: dict) -> None:
         torch.cuda.set_rng_state(rng["cuda"])
 
 
+def _bytes_needed(engine: Engine, save_dir: str) -> int:
+    """The size of the checkpoint `latest` names, else this rank's weights' bytes (a lower bound)."""
+    previous = latest_tag_or_none(save_dir)
+    size = directory_size(os.path.join(save_dir, previous)) if previous else 0
+    if size:
+        return size
+    return sum(p.numel() * p.element_size() for p in engine.ds.module.parameters())
+
+
 class Checkpointer:
-    """Decides when to save (`should_save`) and saves a live engine, committing `latest` last.
+    """Decides when to save (`should_save`) and saves a live engine by the commit protocol.
 
     `run_record` is stored in every checkpoint's metadata beside the model and layout (the
     tokenizer, data and training settings, data fingerprints, argv), so a checkpoint says how it
@@ -116,6 +152,7 @@ class Checkpointer:
         self.tokenizer, self.run_record = tokenizer, run_record
         self.tokens_seen = tokens_seen
         self.last_saved: int | None = None
+        self._cleaned = False
 
     def should_save(self, iteration: int) -> bool:
         """True at every --save-interval iteration (with --save)."""
@@ -127,49 +164,125 @@ class Checkpointer:
         if self.config.save and self.last_saved != train_state.iteration:
             self.save(engine, train_state)
 
-    def save(self, engine: Engine, train_state: TrainState) -> str:
-        """Write the checkpoint for `train_state.iteration` on every rank; returns its tag."""
-        save_dir, tag = self.config.save, tag_for(train_state.iteration)
-        rank = torch.distributed.get_rank()
-        engine.ds.save_checkpoint(
-            save_dir, tag=tag, client_state=dataclasses.asdict(train_state), save_latest=False
-        )
+    def save(self, engine: Engine, train_state: TrainState) -> str | None:
+        """Write the checkpoint for `train_state.iteration` on every rank and commit it; returns
+        its tag, or None when the step `latest` names already has that tag (it is kept)."""
+        iteration = train_state.iteration
+        with armed_save(iteration):
+            unique = self._begin(iteration)
+            self.last_saved = iteration
+            if unique is None:
+                return None
+            tmp_name = temporary_name(tag_for(iteration), "tmp", unique)
+            failure = agree(self._write_rank_files(engine, train_state, tmp_name))
+            if failure is None and torch.distributed.get_rank() == 0:
+                failure = self._commit(engine, train_state, tmp_name, unique)
+            failure = agree(failure)
+            if failure is not None:
+                if torch.distributed.get_rank() == 0:
+                    shutil.rmtree(os.path.join(self.config.save, tmp_name), ignore_errors=True)
+                raise UserError(failure)
+            logger.info(
+                f"saved checkpoint at iteration {iteration:8d} to "
+                f"{os.path.join(self.config.save, tag_for(iteration))}"
+            )
+            limit = self.config.save_total_limit
+            if limit and torch.distributed.get_rank() == 0:  # only after a newer step committed
+                for removed in prune_steps(self.config.save, limit):
+                    logger.info(
+                        f"removed {os.path.join(self.config.save, removed)} (--save-total-limit)"
+                    )
+        return tag_for(iteration)
+
+    def _begin(self, iteration: int) -> str | None:
+        """Rank 0 prepares the folder and names the save's temporary folder (None: skip);
+        every rank gets the same answer."""
+        save_dir, tag = self.config.save, tag_for(iteration)
+        decision: list[str | None] = [None]
+        if torch.distributed.get_rank() == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            if not self._cleaned:
+                self._cleaned = True
+                for name in remove_stale_temporaries(save_dir):
+                    logger.info(f"removed {os.path.join(save_dir, name)} (left by a killed save)")
+            if is_protected(save_dir, tag):
+                logger.warning(
+                    f"WARNING: not saving iteration {iteration}: {os.path.join(save_dir, tag)} is "
+                    f"the complete checkpoint `latest` names (from an earlier run) and is kept; "
+                    f"use another --save directory to keep this run's weights"
+                )
+            else:
+                decision = [new_unique()]
+        torch.distributed.broadcast_object_list(decision, src=0)
+        return decision[0]
+
+    def _write_rank_files(
+        self, engine: Engine, train_state: TrainState, tmp_name: str
+    ) -> str | None:
+        """This rank's DeepSpeed files and RNG state, each fsynced; a failure as one line."""
+        save_dir = self.config.save
+        files = RankFiles(engine.ds)
+        try:
+            engine.ds.save_checkpoint(
+                save_dir,
+                tag=tmp_name,
+                client_state=dataclasses.asdict(train_state),
+                save_latest=False,
+            )
+        except OSError as err:  # outside the file writes (DeepSpeed's copy of zero_to_fp32.py)
+            files.fail(err.filename or save_dir, err.strerror or str(err))
+            torch.distributed.barrier()  # stands in for DeepSpeed's closing barrier it skipped
+        finally:
+            files.close()
         if not self.config.no_save_rng:
-            torch.save(_rng_state(), os.path.join(save_dir, tag, f"rng_state_{rank}.pt"))
-        torch.distributed.barrier()
-        if rank == 0:
-            kill_here(SIGKILL_BEFORE_COMMIT, train_state.iteration)
-            meta = build_metadata(
-                iteration=train_state.iteration,
-                consumed_train_samples=train_state.consumed_train_samples,
-                consumed_valid_samples=train_state.consumed_valid_samples,
-                model=self.model,
-                parallel=self.parallel,
-                pipeline_engine=engine.pipeline,
-                tokenizer=self.tokenizer,
-                deepspeed_config=engine.ds_config,
-                tokens_seen=(
-                    None
-                    if self.tokens_seen is None
-                    else self.tokens_seen(train_state.consumed_train_samples)
-                ),
-                **self.run_record,
-            )
-            atomic_write_bytes(
-                os.path.join(save_dir, tag, META_FILE),
-                json.dumps(meta, indent=2, default=str).encode(),
-            )
-            atomic_write_bytes(os.path.join(save_dir, LATEST_FILE), tag.encode())
-            atomic_write_bytes(
-                os.path.join(save_dir, MEGATRON_LATEST_FILE), str(train_state.iteration).encode()
-            )
-        torch.distributed.barrier()
-        self.last_saved = train_state.iteration
-        logger.info(
-            f"saved checkpoint at iteration {train_state.iteration:8d} to "
-            f"{os.path.join(save_dir, tag)}"
+            rank = torch.distributed.get_rank()
+            files.write(_rng_state(), os.path.join(save_dir, tmp_name, f"rng_state_{rank}.pt"))
+        if files.failure is None:
+            return None
+        path, reason = files.failure
+        return write_failure_message(path, reason, save_dir, _bytes_needed(engine, save_dir))
+
+    def _commit(
+        self, engine: Engine, train_state: TrainState, tmp_name: str, unique: str
+    ) -> str | None:
+        """Rank 0: metadata with the file list, rename into place, commit `latest`, prune."""
+        save_dir, iteration = self.config.save, train_state.iteration
+        tag, tmp_dir = tag_for(iteration), os.path.join(save_dir, tmp_name)
+        kill_here(SIGKILL_BEFORE_COMMIT, iteration)
+        meta = build_metadata(
+            iteration=iteration,
+            consumed_train_samples=train_state.consumed_train_samples,
+            consumed_valid_samples=train_state.consumed_valid_samples,
+            model=self.model,
+            parallel=self.parallel,
+            pipeline_engine=engine.pipeline,
+            tokenizer=self.tokenizer,
+            deepspeed_config=engine.ds_config,
+            tokens_seen=(
+                None
+                if self.tokens_seen is None
+                else self.tokens_seen(train_state.consumed_train_samples)
+            ),
+            **self.run_record,
         )
-        return tag
+        meta[FILES_KEY] = manifest(tmp_dir)
+        try:
+            atomic_write_bytes(
+                os.path.join(tmp_dir, META_FILE), json.dumps(meta, indent=2, default=str).encode()
+            )
+            save_event("metadata written")
+            install_step(save_dir, tmp_name, tag, unique)
+            commit_latest(save_dir, tag)
+        except OSError as err:
+            return write_failure_message(
+                err.filename or save_dir,
+                err.strerror or str(err),
+                save_dir,
+                _bytes_needed(engine, save_dir),
+            )
+        except StepInUse as err:
+            return f"{err}: `latest` names it; not replaced (another run writes into --save?)"
+        return None
 
 
 def check_compatible(
@@ -230,22 +343,78 @@ def check_compatible(
 
 def check_before_launch(
     config: CheckpointConfig, model: ModelConfig, parallel: ParallelConfig
-) -> None:
-    """Refuse an incompatible `--load` before the process group exists (one line, no hang)."""
+) -> Choice | None:
+    """Pick the step `--load` resumes from and refuse an incompatible or damaged one, before the
+    process group exists (one line on every rank, no hang). None: nothing to load."""
     refuse_foreign_checkpoint(config.load)
-    found = read_latest(config.load)
-    if found is not None:
-        check_compatible(config, model, parallel, found[1], config.load)
+    choice = choose_checkpoint(config.load)
+    if choice is not None:
+        check_compatible(config, model, parallel, choice.meta, config.load)
+    return choice
 
 
-def load_checkpoint(config: CheckpointConfig, engine: Engine) -> tuple[TrainState, dict | None]:
-    """Resume from `--load` (its `latest`): (train state, this rank's RNG states or None).
+def _same_tag_everywhere(config: CheckpointConfig, choice: Choice) -> None:
+    """Every rank chose from its own view of the folder: refuse if the views differ."""
+    tags: list[str | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(tags, choice.tag)
+    if len(set(tags)) > 1:
+        raise UserError(
+            f"--load {config.load}: the ranks see different checkpoints ({', '.join(map(str, tags))} "
+            f"by rank); is the folder on a file system every node sees the same?"
+        )
+
+
+def _nonfinite_problem(engine: Engine, where: str, with_optimizer: bool) -> str | None:
+    """One line naming the first NaN/Inf weight or optimizer-state tensor on this rank, or None."""
+    named = dict(engine.ds.module.named_parameters())
+    trees = [({k: v.detach() for k, v in named.items()}, "weights")]
+    if with_optimizer:
+        names = {id(p): n for n, p in named.items()}
+        optimizer = engine.ds.optimizer
+        base = getattr(optimizer, "optimizer", optimizer)  # ZeRO wraps the torch optimizer
+        state = {
+            names.get(id(param), f"partition{i}"): value
+            for i, (param, value) in enumerate(getattr(base, "state", {}).items())
+        }
+        trees.append((state, "optimizer state"))
+        master = getattr(optimizer, "single_partition_of_fp32_groups", None)  # ZeRO-1/2
+        if master is not None:
+            trees.append(
+                ({f"fp32_partition{i}": t for i, t in enumerate(master)}, "fp32 master weights")
+            )
+    try:
+        for tree, what in trees:
+            check_finite(tree, where, what)
+    except UserError as err:
+        return str(err)
+    return None
+
+
+def _load_rng(config: CheckpointConfig, step_dir: str) -> tuple[dict | None, str | None]:
+    """(this rank's RNG states or None, a problem line or None)."""
+    path = os.path.join(step_dir, f"rng_state_{torch.distributed.get_rank()}.pt")
+    if config.no_load_rng:
+        return None, None
+    if not os.path.isfile(path):
+        logger.warning(f"WARNING: {path} missing (different world size?); RNG states not restored")
+        return None, None
+    try:
+        return safe_load.load(path), None  # numpy/torch RNG states only; no pickled code runs
+    except Exception as err:  # noqa: BLE001 - any unpickling failure means a damaged file
+        return None, f"{path}: cannot be read ({type(err).__name__}: {err}); the file is damaged"
+
+
+def load_checkpoint(
+    config: CheckpointConfig, engine: Engine, choice: Choice | None
+) -> tuple[TrainState, dict | None]:
+    """Resume from the step `check_before_launch` chose: (train state, this rank's RNG states or
+    None). A file that cannot be loaded, or NaN/Inf in the weights or optimizer state, is one
+    line on every rank.
 
     The caller restores the RNG states with `restore_rng_state` as the last step before training:
     building data loaders draws from the global torch generator.
     """
-    found = read_latest(config.load)
-    if found is None:
+    if choice is None:
         if config.finetune:
             raise UserError(
                 f"--finetune --load {config.load}: no `{LATEST_FILE}` file there (point --load at a "
@@ -256,39 +425,41 @@ def load_checkpoint(config: CheckpointConfig, engine: Engine) -> tuple[TrainStat
             f"scratch"
         )
         return TrainState(), None
-    tag, _ = found  # compatibility was checked before any process group work (check_before_launch)
-    load_path, client_state = engine.ds.load_checkpoint(
-        config.load,
-        tag=tag,
-        load_optimizer_states=not (config.finetune or config.no_load_optim),
-        load_lr_scheduler_states=not config.finetune,
-        load_module_only=config.finetune,
-    )
-    if load_path is None:
-        raise UserError(
-            f"--load {config.load}: DeepSpeed could not load {tag} (files missing; see the warnings "
-            f"above)"
+    _same_tag_everywhere(config, choice)
+    step_dir = os.path.join(config.load, choice.tag)
+    loads_optimizer = not (config.finetune or config.no_load_optim)
+    problem, client_state = None, None
+    try:
+        load_path, client_state = engine.ds.load_checkpoint(
+            config.load,
+            tag=choice.tag,
+            load_optimizer_states=loads_optimizer,
+            load_lr_scheduler_states=not config.finetune,
+            load_module_only=config.finetune,
         )
+        if load_path is None:
+            problem = (
+                f"{step_dir}: DeepSpeed could not load it (files missing; see the warnings above)"
+            )
+    except Exception as err:  # noqa: BLE001 - a damaged file must be one line, not a traceback
+        problem = (
+            f"{step_dir}: cannot be loaded ({type(err).__name__}: {err}); the checkpoint is damaged"
+        )
+    problem = problem or _nonfinite_problem(engine, step_dir, loads_optimizer)
+    rng = None
+    if problem is None and not config.finetune:
+        rng, problem = _load_rng(config, step_dir)
+    problem = agree(problem)
+    if problem is not None:
+        raise UserError(problem)
     if config.finetune:
-        logger.info(
-            f"loaded weights from {os.path.join(config.load, tag)} (--finetune: iteration and data "
-            f"restart at 0)"
-        )
+        logger.info(f"loaded weights from {step_dir} (--finetune: iteration and data restart at 0)")
         return TrainState(), None
     train_state = TrainState(
         **{f.name: int(client_state[f.name]) for f in dataclasses.fields(TrainState)}
     )
-    rng_path = os.path.join(config.load, tag, f"rng_state_{torch.distributed.get_rank()}.pt")
-    rng = None
-    if not config.no_load_rng:
-        if os.path.isfile(rng_path):
-            rng = safe_load.load(rng_path)  # numpy/torch RNG states only; no pickled code runs
-        else:
-            logger.warning(
-                f"WARNING: {rng_path} missing (different world size?); RNG states not restored"
-            )
     logger.info(
-        f"loaded checkpoint {os.path.join(config.load, tag)} at iteration {train_state.iteration} "
+        f"loaded checkpoint {step_dir} at iteration {train_state.iteration} "
         f"({train_state.consumed_train_samples} samples consumed)"
     )
     return train_state, rng

@@ -1,5 +1,8 @@
 """Bringing up torch.distributed for the launch environment `pretrain.launch` detected.
 
+`exit_with_launcher` makes every rank end when the launcher that started it dies (SIGTERM to the
+`deepspeed` command, a killed torchrun agent), instead of training on as an orphan.
+
 Two DeepSpeed habits on CPU machines are avoided here (facts in docs/TRAINING.md): the
 first `init_distributed` JIT-builds a shared-memory all-reduce op (~40 s) that training never
 uses, and under its own launcher each rank then leaves a 66 MiB `/dev/shm` buffer behind.
@@ -11,6 +14,9 @@ from __future__ import annotations
 import datetime
 import importlib
 import os
+import sys
+import threading
+import time
 from collections.abc import MutableMapping
 
 import torch
@@ -37,6 +43,70 @@ def disable_deepspeed_shm_allreduce() -> None:
     """
     module = importlib.import_module("deepspeed.comm.torch")
     module.build_shm_op = lambda: None
+
+
+LAUNCHER_POLL_SECONDS = 0.5
+EXIT_LAUNCHER_GONE = 1
+_launcher_watch: threading.Thread | None = None
+
+
+def _parent_of(pid: int) -> int | None:
+    """The parent PID of `pid` from /proc (Linux), or None if it is gone or unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])  # the name may contain spaces and ")"
+
+
+def _is_deepspeed_launch(pid: int) -> bool:
+    """Whether `pid` runs DeepSpeed's per-node `deepspeed.launcher.launch`, which the
+    `deepspeed` command starts and which does not die with it."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return b"deepspeed.launcher.launch" in f.read()
+    except OSError:
+        return False
+
+
+def _watch(rank: int, parent: int, grandparent: int | None) -> None:
+    while True:
+        time.sleep(LAUNCHER_POLL_SECONDS)
+        gone = None
+        if os.getppid() != parent:  # re-parented: the launcher died
+            gone = parent
+        elif grandparent is not None and _parent_of(parent) != grandparent:
+            gone = grandparent
+        if gone is not None:
+            sys.stderr.write(
+                f"error: rank {rank}: the launcher (pid {gone}) is gone; stopping this rank "
+                f"(committed checkpoints are intact)\n"
+            )
+            sys.stderr.flush()
+            os._exit(EXIT_LAUNCHER_GONE)
+
+
+def exit_with_launcher(rank: int) -> None:
+    """Watch this process's launcher and exit (status 1, one line) within a second of its death.
+
+    The launcher is the parent process (torchrun's agent, DeepSpeed's per-node launch.py,
+    slurmstepd, a shell); under the `deepspeed` command also the command itself, the parent of
+    launch.py, which a scheduler signals and which does not pass SIGTERM on. A daemon thread
+    polls, rather than PR_SET_PDEATHSIG, because that signal fires when the *thread* that
+    started us exits, which some launchers do long before the process. Idempotent.
+    """
+    global _launcher_watch
+    parent = os.getppid()
+    if _launcher_watch is not None or parent <= 1:
+        return  # already watching, or started by init / a container's PID 1: nothing to watch
+    grandparent = _parent_of(parent) if _is_deepspeed_launch(parent) else None
+    if grandparent is not None and grandparent <= 1:
+        grandparent = None
+    _launcher_watch = threading.Thread(
+        target=_watch, args=(rank, parent, grandparent), name="launcher-watch", daemon=True
+    )
+    _launcher_watch.start()
 
 
 def prepare_process_environment(

@@ -17,6 +17,7 @@ from pretrain.training.batch_schedule import BatchSchedule
 from pretrain.training.checkpointing import Checkpointer
 from pretrain.training.distributed import collective_device
 from pretrain.training.evaluator import Evaluator
+from pretrain.training.exit_signal import ExitSignal
 from pretrain.training.logging import MetricsLogger, logger
 from pretrain.training.state import TrainState
 from pretrain.training.step import train_step
@@ -52,6 +53,11 @@ class TrainingConfig:
     train_tokens: int | None = None
     """Also end training once consumed samples x seq_length reach this (--train-tokens,
     Megatron-DeepSpeed's second stopping rule; the run counts as completed)."""
+    exit_signal_handler: bool = False
+    """On --exit-signal, finish the iteration, save (with --save) and exit 0
+    (--exit-signal-handler)."""
+    exit_signal: str = "SIGTERM"
+    """The signal --exit-signal-handler waits for (--exit-signal)."""
 
 
 def _all_ranks_agree(flag: bool) -> bool:
@@ -96,12 +102,14 @@ def train(
     checkpointer: Checkpointer,
     use_document_ids: bool,
     device: torch.device,
+    exit_signal: ExitSignal | None = None,
 ) -> bool:
-    """Train from `train_state` to --train-iters (or an early exit); save at the end.
+    """Train from `train_state` to --train-iters (or an early exit); save at the end if any
+    iteration ran (a finished run launched again saves nothing).
 
     Returns True when --train-iters was reached, False after an early exit (Megatron runs its
     final evaluation only in the first case)."""
-    started = time.monotonic()
+    started, first_iteration = time.monotonic(), train_state.iteration
     while train_state.iteration < config.train_iters and not _tokens_done(config, train_state):
         # Megatron's update_num_microbatches(consumed): the batch of this iteration
         global_batch, num_microbatches = _batch_at(config, train_state.consumed_train_samples)
@@ -133,5 +141,13 @@ def train(
                 f"--exit-duration-in-mins)"
             )
             return False
-    checkpointer.save_if_unsaved(engine, train_state)
+        if exit_signal is not None and exit_signal.requested():
+            checkpointer.save_if_unsaved(engine, train_state)
+            logger.info(
+                f"exiting after iteration {train_state.iteration}: {exit_signal.name} received "
+                f"(--exit-signal-handler)"
+            )
+            return False
+    if train_state.iteration > first_iteration:
+        checkpointer.save_if_unsaved(engine, train_state)
     return True

@@ -6,6 +6,7 @@ sees all of them, and hands each component the part it needs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -34,10 +35,12 @@ from pretrain.training.checkpointing import (
 from pretrain.training.deepspeed_config import PrecisionConfig
 from pretrain.training.distributed import (
     choose_backend,
+    exit_with_launcher,
     init_distributed,
     prepare_process_environment,
 )
 from pretrain.training.evaluator import EvalConfig
+from pretrain.training.exit_signal import ExitSignal
 from pretrain.training.logging import LoggingConfig, banner, logger, setup_logging
 from pretrain.training.loop import TrainingConfig
 from pretrain.training.lr_schedule import LRScheduleConfig
@@ -157,10 +160,16 @@ def _start_batch_schedule(t: TrainingConfig, consumed: int) -> None:
 
 def pretrain(cfg: RunConfig) -> TrainState:
     """Run one training job as configured; returns where it stopped."""
-    if cfg.checkpoint.load:
+    choice = (
         check_before_launch(cfg.checkpoint, cfg.model, cfg.parallel)
+        if cfg.checkpoint.load
+        else None
+    )
+    exit_with_launcher(cfg.launch.rank)
     prepare_process_environment(cfg.launch)
     setup_logging(cfg.launch.rank)
+    if choice is not None and choice.note:
+        logger.warning(f"WARNING: --load {cfg.checkpoint.load}: {choice.note}")
     backend = choose_backend(cfg.parallel.distributed_backend)
     owns_process_group = not torch.distributed.is_initialized()
     device = init_distributed(cfg.launch, backend, cfg.parallel.distributed_timeout_minutes)
@@ -194,7 +203,9 @@ def pretrain(cfg: RunConfig) -> TrainState:
         user_json=cfg.deepspeed_json,
     )
     train_state, rng = (
-        load_checkpoint(cfg.checkpoint, engine) if cfg.checkpoint.load else (TrainState(), None)
+        load_checkpoint(cfg.checkpoint, engine, choice)
+        if cfg.checkpoint.load
+        else (TrainState(), None)
     )
     # Causal attention needs no input; document ids (O(S) per sample) only when documents are
     # kept apart (--reset-attention-mask).
@@ -237,7 +248,7 @@ def pretrain(cfg: RunConfig) -> TrainState:
     if train_state.iteration >= t.train_iters:
         logger.info(
             f"checkpoint is at iteration {train_state.iteration} >= --train-iters "
-            f"{t.train_iters}: nothing to do"
+            f"{t.train_iters}: nothing to do (and nothing saved)"
         )
     log = cfg.logging
     writer = ScalarWriter(
@@ -283,18 +294,21 @@ def pretrain(cfg: RunConfig) -> TrainState:
         run_record=_run_record(cfg),
         tokens_seen=_tokens_seen_counter(cfg, train_dataset),
     )
+    exit_signal = ExitSignal(t.exit_signal) if t.exit_signal_handler else None
     try:
-        completed = train(
-            t,
-            engine,
-            train_state,
-            train_batches,
-            metrics=metrics,
-            evaluator=evaluator,
-            checkpointer=checkpointer,
-            use_document_ids=use_document_ids,
-            device=device,
-        )
+        with exit_signal or contextlib.nullcontext():
+            completed = train(
+                t,
+                engine,
+                train_state,
+                train_batches,
+                metrics=metrics,
+                evaluator=evaluator,
+                checkpointer=checkpointer,
+                use_document_ids=use_document_ids,
+                device=device,
+                exit_signal=exit_signal,
+            )
         if completed:
             evaluator.evaluate_at_end(engine, train_state)
     finally:
