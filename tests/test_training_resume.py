@@ -115,7 +115,11 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
         env=clean_env(PRETRAIN_TEST_SIGKILL_BEFORE_COMMIT="4"),
     )
     assert crashed.returncode == -signal.SIGKILL, crashed.stdout[-4000:]
-    assert (ckpt / "global_step4").is_dir()  # the interrupted save had written files
+    # the interrupted save had written its files, into a temporary folder never renamed into place
+    assert [p.name.split(".tmp-")[0] for p in ckpt.iterdir() if ".tmp-" in p.name] == [
+        ".global_step4"
+    ]
+    assert not (ckpt / "global_step4").exists()
     assert (ckpt / "latest").read_text() == "global_step2"
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "2"
     assert not [p for p in ckpt.iterdir() if ".tmp." in p.name]

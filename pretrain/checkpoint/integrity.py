@@ -73,9 +73,9 @@ class Choice:
     """Why this is not the step `latest` names (a warning to print), or None."""
 
 
-def _newest_complete(load_dir: str, skip: str | None) -> tuple[str, dict, str | None] | None:
-    """(tag, meta, problem of the newest incomplete step skipped or None) of the newest complete
-    step other than `skip`."""
+def _newest_complete(load_dir: str, skip: str | None) -> tuple[str | None, dict | None, str | None]:
+    """(tag, meta, problem of the newest incomplete step passed over) for the newest complete
+    step other than `skip`; tag and meta are None when there is none."""
     first_problem = None
     for tag in reversed(available_tags(load_dir)):
         if tag == skip:
@@ -84,7 +84,7 @@ def _newest_complete(load_dir: str, skip: str | None) -> tuple[str, dict, str | 
         if problem is None:
             return tag, meta, first_problem
         first_problem = first_problem or problem
-    return None
+    return None, None, first_problem
 
 
 def choose_checkpoint(load_dir: str) -> Choice | None:
@@ -107,17 +107,17 @@ def choose_checkpoint(load_dir: str) -> Choice | None:
         if problem is None:
             return Choice(tag, meta, None)
         why = f"{latest} names {tag}, but {problem}"
-    fallback = _newest_complete(load_dir, skip=tag)
-    if fallback is None:
+    found, meta, skipped = _newest_complete(load_dir, skip=tag)
+    if found is None:
         tags = available_tags(load_dir)
         if tag is None and not tags and why == f"no {latest} file":
             return None  # an empty (or new) folder: a fresh start
         listed = ", ".join(tags) or "no global_step<N> folders"
+        also = f"; {skipped}" if skipped else ""
         raise UserError(
-            f"--load {load_dir}: no complete checkpoint ({why}; it holds {listed}); restore the "
-            f"damaged files or point --load at another checkpoint directory"
+            f"--load {load_dir}: no complete checkpoint ({why}{also}; it holds {listed}); "
+            f"restore the damaged files or point --load at another checkpoint directory"
         )
-    found, meta, skipped = fallback
     also = f"; newer {skipped}" if skipped else ""
     return Choice(found, meta, f"{why}{also}: resuming from {found}, the newest complete step")
 
