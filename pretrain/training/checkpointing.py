@@ -197,24 +197,35 @@ class Checkpointer:
     def _begin(self, iteration: int) -> str | None:
         """Rank 0 prepares the folder and names the save's temporary folder (None: skip);
         every rank gets the same answer."""
-        save_dir, tag = self.config.save, tag_for(iteration)
+        save_dir = self.config.save
         decision: list[str | None] = [None]
         if torch.distributed.get_rank() == 0:
-            os.makedirs(save_dir, exist_ok=True)
-            if not self._cleaned:
-                self._cleaned = True
-                for name in remove_stale_temporaries(save_dir):
-                    logger.info(f"removed {os.path.join(save_dir, name)} (left by a killed save)")
-            if is_protected(save_dir, tag):
-                logger.warning(
-                    f"WARNING: not saving iteration {iteration}: {os.path.join(save_dir, tag)} is "
-                    f"the complete checkpoint `latest` names (from an earlier run) and is kept; "
-                    f"use another --save directory to keep this run's weights"
-                )
+            try:
+                os.makedirs(save_dir, exist_ok=True)
+            except OSError as err:
+                decision = [f"!--save {save_dir}: cannot create it ({err.strerror or err})"]
             else:
-                decision = [new_unique()]
+                decision = self._decide(iteration)
         torch.distributed.broadcast_object_list(decision, src=0)
+        if decision[0] is not None and decision[0].startswith("!"):
+            raise UserError(decision[0][1:])
         return decision[0]
+
+    def _decide(self, iteration: int) -> list[str | None]:
+        """Rank 0: [the save's unique id], or [None] to keep the step `latest` names."""
+        save_dir, tag = self.config.save, tag_for(iteration)
+        if not self._cleaned:
+            self._cleaned = True
+            for name in remove_stale_temporaries(save_dir):
+                logger.info(f"removed {os.path.join(save_dir, name)} (left by a killed save)")
+        if is_protected(save_dir, tag):
+            logger.warning(
+                f"WARNING: not saving iteration {iteration}: {os.path.join(save_dir, tag)} is "
+                f"the complete checkpoint `latest` names (from an earlier run) and is kept; "
+                f"use another --save directory to keep this run's weights"
+            )
+            return [None]
+        return [new_unique()]
 
     def _write_rank_files(
         self, engine: Engine, train_state: TrainState, tmp_name: str
@@ -245,7 +256,8 @@ class Checkpointer:
     def _commit(
         self, engine: Engine, train_state: TrainState, tmp_name: str, unique: str
     ) -> str | None:
-        """Rank 0: metadata with the file list, rename into place, commit `latest`, prune."""
+        """Rank 0: metadata with the file list, rename into place, commit `latest`; a failure
+        as one line."""
         save_dir, iteration = self.config.save, train_state.iteration
         tag, tmp_dir = tag_for(iteration), os.path.join(save_dir, tmp_name)
         kill_here(SIGKILL_BEFORE_COMMIT, iteration)
