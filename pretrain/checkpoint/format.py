@@ -197,14 +197,6 @@ def read_meta(step_dir: str) -> dict:
     return meta
 
 
-def read_latest(load_dir: str) -> tuple[str, dict] | None:
-    """(tag, metadata) of the checkpoint `latest` names in `load_dir`, or None if there is none."""
-    tag = read_latest_tag(load_dir)
-    if tag is None:
-        return None
-    return tag, read_meta(os.path.join(load_dir, tag))
-
-
 def model_config_from_meta(model: dict) -> ModelConfig:
     """The ModelConfig saved in `pretrain_meta.json` (its "model" entry)."""
     values = {f.name: model[f.name] for f in dataclasses.fields(ModelConfig) if f.name in model}
