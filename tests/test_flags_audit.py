@@ -147,9 +147,11 @@ def changes(f) -> dict:
         "--loss-scale": ["8"], "--initial-loss-scale": ["1024"], "--min-loss-scale": ["2"],
         "--loss-scale-window": ["500"], "--hysteresis": ["3"],
         "--exit-interval": ["2"], "--exit-duration-in-mins": ["5"],
+        "--exit-signal-handler": [], "--exit-signal": ["SIGUSR1"],
         # checkpointing
         "--save": (d + ["--save-interval", "2"], d + ["--save-interval", "2", "--save", f["dir"]], None),
         "--save-interval": ["2"], "--load": [f["dir"]], "--no-save-rng": [], "--no-load-optim": [],
+        "--save-total-limit": (d + ["--save-interval", "2", "--save", f["dir"]], d + ["--save-interval", "2", "--save", f["dir"], "--save-total-limit", "2"], None),
         "--no-load-rng": [], "--finetune": (d + ["--load", f["dir"]], d + ["--load", f["dir"], "--finetune"], None),
         # logging
         "--log-interval": ["5"], "--tensorboard-dir": [f["dir"]], "--tensorboard-log-interval": ["5"],
