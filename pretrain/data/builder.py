@@ -229,10 +229,13 @@ def check_splits_before_launch(
     warn: Callable[[str], None] | None = None,
 ) -> None:
     """Refuse an empty train split with one line saying why; `warn` once if evaluation will find
-    no validation data. Reads only the `.idx` files (validated), so it runs before launch."""
+    no validation data. Reads only the `.idx` files (validated), so it runs before launch.
+    Mock data (no files) always has every split."""
+    if cfg.mock:
+        return
     cache: dict[str, IndexedDataset] = {}
-    for split in (0, 1):
-        if split == 1 and not (eval_iters > 0 and num_samples[1]):
+    for split in (Split.train, Split.valid):
+        if split == Split.valid and not (eval_iters > 0 and num_samples[1]):
             continue
         prefixes, matrix, why = _split_blend(cfg, split)
         reasons = [why] if why else []
