@@ -40,6 +40,17 @@ class MockSequences:
     def __len__(self) -> int:
         return self.size
 
+    @property
+    def fingerprint(self) -> str:
+        """What the index caches are bound to (an IndexedDataset hashes its .idx): the corpus is
+        a function of these numbers only."""
+        return (
+            f"mock:{self.seed}:{self.size}:{self.max_sequence_length}:{self.vocab_size}:{self.eod}"
+        )
+
+    idx_modified = 0.0
+    """No file: nothing can change under a cache built from it."""
+
     def get(self, idx: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens [offset, offset + length) of sequence idx (int64), clipped to the sequence."""
         total = int(self.sequence_lengths[idx])
