@@ -17,6 +17,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 import transformers
 from convert_fixtures import load_tool
 from distributed import run_on_ranks
@@ -130,12 +131,98 @@ def test_unsupported_and_missing_args_are_listed_in_one_error(megatron, tmp_path
     assert not (tmp_path / "o").exists()
 
 
-def test_torch_dist_is_refused_with_the_way_out(tmp_path):
+# torch_dist: (flavour, TP, PP) on one 2-rank world
+DIST_LAYOUTS = [("llama", 2, 1), ("gpt2", 1, 2)]
+
+
+def _save_dist(rank, world_size, root):
+    """megatron-core builds, runs and saves each layout with dist_checkpointing.save, the way
+    Megatron-LM's checkpointing does for --ckpt-format torch_dist: {'args', 'checkpoint_version',
+    'iteration', 'model' (or model0..): the model's sharded_state_dict} in iter_<N>/, then the
+    tracker file. Ranks are made non-daemonic (torchrun's are) because the torch_dist writer
+    forks its file writers; torch.cuda.synchronize (before copying tensors to host) is a no-op."""
+    import multiprocessing
+
+    import megatron_oracle as oracle
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    multiprocessing.current_process().daemon = False
+    oracle._cpu_shims()
+    torch.cuda.synchronize = lambda *a, **k: None
+    tokens = torch.randint(
+        0, oracle.VOCAB, (oracle.BATCH, oracle.SEQ), generator=torch.Generator().manual_seed(11)
+    )
+    logits = {}
+    for flavour, tp, pp in DIST_LAYOUTS:
+        name = f"dist-{flavour}-tp{tp}-pp{pp}"
+        ps.initialize_model_parallel(tp, pp)
+        stage = ps.get_pipeline_model_parallel_rank()
+        model = oracle._build(flavour, stage == 0, stage == pp - 1, None)
+        oracle._perturb(model, stage, tied_copy=model.post_process and not model.pre_process)
+        result = oracle._forward([model], tokens)
+        args = oracle.megatron_args(flavour, tp, pp, None)
+        args.ckpt_format = "torch_dist"
+        group = ps.get_data_parallel_group(with_context_parallel=True)
+        state = {
+            "args": args,
+            "checkpoint_version": 3.0,
+            "iteration": ITERATION,
+            "model": model.sharded_state_dict(metadata={"dp_cp_group": group}),
+        }
+        step = os.path.join(root, name, f"iter_{ITERATION:07d}")
+        if rank == 0:
+            os.makedirs(step)
+        dist.barrier()
+        dist_checkpointing.save(state, step)
+        if rank == 0:
+            with open(os.path.join(root, name, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write(str(ITERATION))
+        if result is not None and ps.get_data_parallel_rank() == 0:
+            logits[name] = result
+        dist.barrier()
+        ps.destroy_model_parallel()
+    return {"tokens": tokens, **logits}
+
+
+@pytest.fixture(scope="module")
+def megatron_dist(tmp_path_factory):
+    """{name: (torch_dist checkpoint directory, megatron-core's logits)} and the tokens."""
+    root = tmp_path_factory.mktemp("megatron_dist")
+    merged = {}
+    for result in run_on_ranks(_save_dist, world_size=2, args=(str(root),), timeout=600):
+        merged.update(result)
+    return {name: (root / name, merged[name]) for name in merged if name != "tokens"}, merged[
+        "tokens"
+    ]
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    "layout", DIST_LAYOUTS, ids=[f"{f}-tp{t}-pp{p}" for f, t, p in DIST_LAYOUTS]
+)
+def test_torch_dist_logits_equal_megatron_core(megatron_dist, tmp_path, capsys, layout):
+    flavour, tp, pp = layout
+    checkpoints, tokens = megatron_dist
+    source, expected = checkpoints[f"dist-{flavour}-tp{tp}-pp{pp}"]
+    assert (source / f"iter_{ITERATION:07d}" / ".metadata").is_file()
+    assert list((source / f"iter_{ITERATION:07d}").glob("__*.distcp"))
+    convert_from_megatron.main(["--load", str(source), "--save", str(tmp_path / "ours")])
+    out = capsys.readouterr().out
+    assert f"torch_dist format, TP={tp}, PP={pp}, iteration {ITERATION}" in out
+    ours = read_checkpoint(str(tmp_path / "ours"))
+    assert ours.config.vocab_size == TOKENS
+    with torch.no_grad():
+        logits = our_model(ours.state_dict, ours.config)(tokens)
+    torch.testing.assert_close(logits[..., :TOKENS], expected[..., :TOKENS], rtol=0, atol=1e-5)
+
+
+def test_torch_dist_without_common_pt_is_refused(tmp_path):
     step = tmp_path / "iter_0000010"
     step.mkdir()
     (step / ".metadata").write_bytes(b"")
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("10")
-    with pytest.raises(UserError, match="torch_dist .*--ckpt-convert-format torch"):
+    with pytest.raises(UserError, match="torch_dist checkpoint without common.pt"):
         convert_from_megatron.main(["--load", str(tmp_path), "--output-dir", str(tmp_path / "o")])
 
 

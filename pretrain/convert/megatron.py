@@ -11,8 +11,8 @@ What Megatron-LM's `--ckpt-format torch` writes (megatron/training/checkpointing
                   "optimizer", "opt_param_scheduler", "rng_state", ...}
 
 `--ckpt-format torch_dist` (a torch.distributed.checkpoint folder: `.metadata`, `*.distcp`,
-`common.pt`) is recognised and refused with the way out: Megatron-LM converts it to the torch
-format itself (`--ckpt-convert-format torch --ckpt-convert-save DIR`).
+`common.pt`) is read by pretrain/convert/megatron_dist.py into the same megatron-core names as
+full (TP = 1) tensors, then renamed here like the torch format's.
 
 Each file is read with the safe loader (no pickled code runs; Megatron's enums in `args` become
 inert stand-ins). Names are megatron-core's GPTModel names; a pipeline stage numbers its layers
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from pretrain.checkpoint import safe_load
+from pretrain.convert import megatron_dist
 from pretrain.convert.megatron_args import model_config_from_args
 from pretrain.convert.state_dict import merge_tp, parameter_partitions, trim_vocab
 from pretrain.errors import UserError
@@ -74,7 +75,7 @@ class MegatronCheckpoint:
     config: ModelConfig
     state_dict: dict[str, torch.Tensor]  # full (TP = 1), our names, vocabulary padding removed
     layout: tuple[int, int]  # (TP, PP) it was saved at
-    checkpoint_format: str  # "torch" (the only one read so far)
+    checkpoint_format: str  # "torch" or "torch_dist"
 
 
 def find_iteration_dir(load_dir: str, iteration: int | None = None) -> str:
@@ -221,26 +222,26 @@ def _load(path: str) -> dict:
     checkpoint = safe_load.load(path, megatron=True)
     if not isinstance(checkpoint, dict) or "args" not in checkpoint:
         raise UserError(f"{path}: not a Megatron-LM checkpoint (no 'args' entry)")
+    _check_version(checkpoint, path)
+    return checkpoint
+
+
+def _check_version(checkpoint: dict, path: str) -> None:
     version = checkpoint.get("checkpoint_version", 0)
     if version < MIN_CHECKPOINT_VERSION:
         raise UserError(
             f"{path}: checkpoint_version {version} (< {MIN_CHECKPOINT_VERSION}, a different QKV "
             f"layout): load and re-save it with a current Megatron-LM first"
         )
-    return checkpoint
 
 
 def read_megatron_checkpoint(
     load_dir: str, iteration: int | None = None, vocab_size: int | None = None
 ) -> MegatronCheckpoint:
-    """Read a Megatron-LM checkpoint (torch format) into our full state dict."""
+    """Read a Megatron-LM checkpoint (torch or torch_dist format) into our full state dict."""
     step_dir = find_iteration_dir(load_dir, iteration)
-    if os.path.isfile(os.path.join(step_dir, ".metadata")):
-        raise UserError(
-            f"{step_dir}: a torch_dist checkpoint, which this converter does not read yet; let "
-            f"Megatron-LM re-save it in the torch format (run it with --load {load_dir} "
-            f"--ckpt-convert-format torch --ckpt-convert-save NEW_DIR) and convert NEW_DIR"
-        )
+    if megatron_dist.is_torch_dist(step_dir):
+        return _read_torch_dist(step_dir, vocab_size)
     files = _rank_files(step_dir)
     if (0, 0) not in files or not os.path.isfile(files[0, 0]):
         raise UserError(
@@ -262,6 +263,25 @@ def read_megatron_checkpoint(
         state_dict=state_dict,
         layout=(tp, pp),
         checkpoint_format="torch",
+    )
+
+
+def _read_torch_dist(step_dir: str, vocab_size: int | None) -> MegatronCheckpoint:
+    """A torch_dist folder: tensors are already global, so only names and the vocabulary change."""
+    common = megatron_dist.read_common(step_dir)
+    _check_version(common, os.path.join(step_dir, megatron_dist.COMMON_FILE))
+    args = common["args"]
+    config = model_config_from_args(args, os.path.join(step_dir, "common.pt"), vocab_size)
+    tensors = megatron_dist.read_model_tensors(step_dir, config.num_layers)
+    shards = _tp_shards({(0, 0): step_dir + "/x"}, {(0, 0): {"model": tensors}}, config, 1, 1)
+    return MegatronCheckpoint(
+        path=step_dir,
+        iteration=int(common.get("iteration", 0)),
+        args=args,
+        config=config,
+        state_dict=_merge(shards, config, step_dir),
+        layout=(args.tensor_model_parallel_size, args.pipeline_model_parallel_size),
+        checkpoint_format="torch_dist",
     )
 
 

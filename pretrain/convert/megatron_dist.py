@@ -1,0 +1,106 @@
+"""Megatron-LM `--ckpt-format torch_dist` checkpoints -> megatron-core names, full tensors.
+
+What megatron.core.dist_checkpointing writes with the torch_dist strategy (megatron-core 0.16):
+
+    <load>/iter_<N:07d>/ .metadata          torch.distributed.checkpoint's index of all shards
+                         __<rank>_<i>.distcp the shards' bytes
+                         common.pt          the non-sharded entries: args, checkpoint_version,
+                                            iteration, ...
+                         metadata.json      {"sharded_backend": "torch_dist", ...}
+
+Every tensor is stored once as its *global* (TP = 1, all pipeline stages) tensor, whatever the
+TP/PP it was saved at. Transformer layers are stacked: `decoder.layers.<rest>` has a leading
+layer axis over all global layers (virtual pipeline chunks included). The local spec saves its
+norms under Transformer Engine's names (`linear_qkv.layer_norm_weight`, ...). `_extra_state`
+entries are bytes (TE's FP8 metadata), not weights, and are not read.
+
+The tensors are read with torch's own reader (`torch.distributed.checkpoint.load` into global
+tensors allocated from `.metadata`, `no_dist=True`: no process group);
+`common.pt` with the project's safe loader (no pickled code runs).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from pretrain.checkpoint import safe_load
+from pretrain.errors import UserError
+
+METADATA_FILE = ".metadata"
+COMMON_FILE = "common.pt"
+_STACKED = "decoder.layers."
+
+
+def is_torch_dist(step_dir: str) -> bool:
+    """Whether `step_dir` is a torch.distributed.checkpoint folder (Megatron's torch_dist)."""
+    return os.path.isfile(os.path.join(step_dir, METADATA_FILE))
+
+
+def read_common(step_dir: str) -> dict:
+    """common.pt (args, checkpoint_version, iteration), read with the safe loader."""
+    path = os.path.join(step_dir, COMMON_FILE)
+    if not os.path.isfile(path):
+        raise UserError(
+            f"{step_dir}: a torch_dist checkpoint without {COMMON_FILE} (it holds Megatron's "
+            f"args; copy the whole iteration folder)"
+        )
+    common = safe_load.load(path, megatron=True)
+    if not isinstance(common, dict) or "args" not in common:
+        raise UserError(f"{path}: holds no 'args' (not written by Megatron-LM's checkpointing)")
+    return common
+
+
+def _tensor_entries(step_dir: str) -> dict[str, TensorStorageMetadata]:
+    try:
+        metadata = FileSystemReader(step_dir).read_metadata()
+    except Exception as err:  # noqa: BLE001 - any unreadable index is the same user problem
+        raise UserError(f"{step_dir}/{METADATA_FILE}: unreadable ({err}); copy it again") from err
+    return {
+        key: entry
+        for key, entry in metadata.state_dict_metadata.items()
+        if isinstance(entry, TensorStorageMetadata) and not key.endswith("._extra_state")
+    }
+
+
+def _unstack(tensors: dict[str, torch.Tensor], num_layers: int, step_dir: str) -> dict:
+    """`decoder.layers.<rest>` [L, ...] -> `decoder.layers.<i>.<rest>` (global numbering)."""
+    out = {}
+    for key, tensor in tensors.items():
+        rest = key[len(_STACKED) :] if key.startswith(_STACKED) else None
+        if rest is None or rest.split(".", 1)[0].isdigit():  # not stacked (or per-layer keys)
+            out[key] = tensor
+            continue
+        if tensor.shape[0] != num_layers:
+            raise UserError(
+                f"{step_dir}: {key} stacks {tensor.shape[0]} layers but args say {num_layers} "
+                f"(args that do not belong to these weights)"
+            )
+        for layer in range(num_layers):
+            out[f"{_STACKED}{layer}.{rest}"] = tensor[layer].clone()
+    return out
+
+
+def read_model_tensors(step_dir: str, num_layers: int) -> dict[str, torch.Tensor]:
+    """All model weights of a torch_dist folder: megatron-core names, global layer numbers, full
+    (TP = 1) tensors; optimizer state (`optimizer.*`) is skipped."""
+    entries = _tensor_entries(step_dir)
+    # Preallocated global tensors, filled by torch's planner from every rank's shards (the
+    # key-only loader needs planner data that megatron-core's planner does not write).
+    tensors = {
+        key: torch.empty(entry.size, dtype=entry.properties.dtype)
+        for key, entry in entries.items()
+        if not key.startswith("optimizer.")
+    }
+    try:
+        dcp.load(tensors, storage_reader=FileSystemReader(step_dir), no_dist=True)
+    except Exception as err:  # noqa: BLE001 - e.g. a missing or truncated .distcp file
+        raise UserError(
+            f"{step_dir}: the .distcp shards cannot be read ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else ''}); copy every __*.distcp file"
+        ) from err
+    return _unstack(tensors, num_layers, step_dir)
