@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import pickle
 
 import pytest
 import torch
@@ -224,6 +225,29 @@ def test_torch_dist_without_common_pt_is_refused(tmp_path):
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("10")
     with pytest.raises(UserError, match="torch_dist checkpoint without common.pt"):
         convert_from_megatron.main(["--load", str(tmp_path), "--output-dir", str(tmp_path / "o")])
+
+
+class _RunsACommand:
+    """What a doctored .metadata could carry: unpickling it runs a shell command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_torch_dist_metadata_carrying_code_is_refused(tmp_path):
+    """torch's own reader would pickle.load .metadata; ours refuses the global and runs nothing."""
+    from pretrain.convert import megatron_dist
+
+    step = tmp_path / "iter_0000010"
+    step.mkdir()
+    marker = tmp_path / "pwned"
+    (step / ".metadata").write_bytes(pickle.dumps(_RunsACommand(marker)))
+    with pytest.raises(UserError, match=r"\.metadata: refused: it names posix\.system"):
+        megatron_dist.read_model_tensors(str(step), num_layers=2)
+    assert not marker.exists()
 
 
 def test_missing_rank_file_and_unknown_tensors(megatron, tmp_path):

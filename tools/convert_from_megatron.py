@@ -6,8 +6,8 @@
     python tools/convert_from_megatron.py --load megatron_ckpt --output-dir hf_export/from_megatron
 
 Reads Megatron-LM's `torch` format (iter_<N>/mp_rank_XX[_YYY]/model_optim_rng.pt, the iteration
-named by latest_checkpointed_iteration.txt unless --iteration); a `torch_dist` checkpoint is
-refused with the Megatron-LM command that re-saves it in the torch format. The
+named by latest_checkpointed_iteration.txt unless --iteration) and its `torch_dist` format
+(.metadata + __*.distcp + common.pt, read with torch's distributed-checkpoint reader). The
 model is described by the checkpoint's saved `args`; weights only (no optimizer state). With
 --save the result is a weights-only checkpoint for `pretrain_gpt.py --load DIR --finetune` at
 the target TP/PP (the flags to pass are printed); with --output-dir a Hugging Face folder. No

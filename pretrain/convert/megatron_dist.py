@@ -15,13 +15,15 @@ norms under Transformer Engine's names (`linear_qkv.layer_norm_weight`, ...). `_
 entries are bytes (TE's FP8 metadata), not weights, and are not read.
 
 The tensors are read with torch's own reader (`torch.distributed.checkpoint.load` into global
-tensors allocated from `.metadata`, `no_dist=True`: no process group);
-`common.pt` with the project's safe loader (no pickled code runs).
+tensors allocated from `.metadata`, `no_dist=True`: no process group; shards with
+`weights_only=True`), `.metadata` with a restricted unpickler, `common.pt` with the project's
+safe loader: no pickled code runs.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -34,6 +36,52 @@ from pretrain.errors import UserError
 METADATA_FILE = ".metadata"
 COMMON_FILE = "common.pt"
 _STACKED = "decoder.layers."
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles `.metadata` allowing only what torch's checkpoint index is made of: the
+    classes of torch.distributed.checkpoint, torch.Size, dtypes, layouts and memory formats.
+    Anything else (a function to call, a foreign class) is refused by name: torch's own reader
+    uses plain `pickle.load`, which would run whatever a doctored `.metadata` names."""
+
+    def find_class(self, module: str, name: str):  # noqa: D102 (pickle API)
+        found = super().find_class(module, name)
+        torch_value = module == "torch" and isinstance(
+            found, torch.dtype | torch.layout | torch.memory_format
+        )
+        checkpoint_class = module.startswith("torch.distributed.checkpoint.") and isinstance(
+            found, type
+        )
+        plain = (module, name) in {
+            ("torch", "Size"),
+            ("collections", "OrderedDict"),
+            ("torch.serialization", "_get_layout"),  # "torch.strided" -> the layout, nothing else
+        }
+        if torch_value or checkpoint_class or plain:
+            return found
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+class _SafeReader(FileSystemReader):
+    """torch's FileSystemReader with the restricted `.metadata` unpickler (the tensor shards are
+    read by torch with `weights_only=True` already)."""
+
+    def read_metadata(self, *args, **kwargs):  # noqa: D102 (torch API)
+        path = os.path.join(self.path, METADATA_FILE)
+        with open(path, "rb") as f:
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except pickle.UnpicklingError as err:
+                raise UserError(
+                    f"{path}: refused: it names {err}, which a checkpoint index never holds "
+                    f"(a doctored or foreign file; nothing was run)"
+                ) from None
+        if getattr(metadata, "storage_meta", None) is None:
+            from torch.distributed.checkpoint.metadata import StorageMeta
+
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def is_torch_dist(step_dir: str) -> bool:
@@ -57,7 +105,9 @@ def read_common(step_dir: str) -> dict:
 
 def _tensor_entries(step_dir: str) -> dict[str, TensorStorageMetadata]:
     try:
-        metadata = FileSystemReader(step_dir).read_metadata()
+        metadata = _SafeReader(step_dir).read_metadata()
+    except UserError:
+        raise
     except Exception as err:  # noqa: BLE001 - any unreadable index is the same user problem
         raise UserError(f"{step_dir}/{METADATA_FILE}: unreadable ({err}); copy it again") from err
     return {
@@ -97,7 +147,7 @@ def read_model_tensors(step_dir: str, num_layers: int) -> dict[str, torch.Tensor
         if not key.startswith("optimizer.")
     }
     try:
-        dcp.load(tensors, storage_reader=FileSystemReader(step_dir), no_dist=True)
+        dcp.load(tensors, storage_reader=_SafeReader(step_dir), no_dist=True)
     except Exception as err:  # noqa: BLE001 - e.g. a missing or truncated .distcp file
         raise UserError(
             f"{step_dir}: the .distcp shards cannot be read ({type(err).__name__}: "
