@@ -61,8 +61,12 @@ def build_deepspeed_config(
     parallel: ParallelConfig,
     precision: PrecisionConfig,
     user_json: dict | None = None,
+    sequence_parallel: bool = False,
 ) -> dict:
-    """DeepSpeed's config for this run: the user's JSON (if any) with the flags' values set."""
+    """DeepSpeed's config for this run: the user's JSON (if any) with the flags' values set.
+
+    `sequence_parallel`: each TP rank's activations differ (its sequence chunk), so the pipeline
+    engine must send them whole instead of 1/TP of them, all-gathered on arrival."""
     ds = copy.deepcopy(user_json) if user_json is not None else {}
     ds["train_batch_size"] = global_batch_size
     ds["train_micro_batch_size_per_gpu"] = micro_batch_size
@@ -70,6 +74,8 @@ def build_deepspeed_config(
     ds["gradient_clipping"] = 0.0 if we_clip_gradients(parallel, precision) else clip_grad
     ds.setdefault("steps_per_print", 2**31 - 1)  # our log line replaces DeepSpeed's
     ds.setdefault("wall_clock_breakdown", False)
+    if sequence_parallel:
+        ds.setdefault("pipeline", {}).update(pipe_partitioned=False, grad_partitioned=False)
 
     zero = ds.setdefault("zero_optimization", {})
     zero["stage"] = parallel.zero_stage

@@ -125,6 +125,7 @@ def build_engine(
         parallel=parallel,
         precision=precision,
         user_json=user_json,
+        sequence_parallel=model_config.sequence_parallel and tp > 1,
     )
     ds_engine, _, _, _ = deepspeed.initialize(
         model=model,
