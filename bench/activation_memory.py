@@ -1,10 +1,14 @@
 """Activation memory of one training forward pass: recompute settings and sequence parallelism.
 
 What is measured: the bytes a forward pass (tokens -> per-token loss -> mean, in training mode)
-leaves allocated for its backward pass, i.e. the activations autograd keeps. On CPU there is no
-allocator counter, so the forward runs under `torch.profiler` with `profile_memory=True` and the
-self allocations minus frees of every recorded op are summed (each allocation counted once, at
-the op that made it). The model's weights exist before the profile starts and are not counted.
+leaves allocated for its backward pass, i.e. the activations kept for backward. On CPU there is
+no allocator counter, so:
+- recompute rows: the forward runs under `torch.profiler` with `profile_memory=True` and the self
+  allocations minus frees of every recorded op are summed (each allocation counted once, at the
+  op that made it); this also sees the inputs a recompute checkpoint holds;
+- sequence-parallel rows: the tensors autograd saves (`saved_tensors_hooks`, each storage once),
+  since gloo frees its collective buffers after the op returns and the profiler would count them.
+The model's weights exist before the forward and are not counted.
 
 Rows, all in one run, same model and batch (Megatron's default dropout 0.1 unless changed):
 - TP 1: no recompute (the baseline), `--recompute-granularity selective`, full uniform 1, full
@@ -44,6 +48,27 @@ def forward_activation_bytes(model: torch.nn.Module, tokens, labels) -> int:
     alive = sum(event.self_cpu_memory_usage for event in prof.events())
     del loss
     return int(alive)
+
+
+def saved_activation_bytes(model: torch.nn.Module, tokens, labels) -> int:
+    """Bytes of the tensors autograd saves for backward in one training forward (each storage
+    once, parameters excluded). Used with collectives, where gloo releases its buffers after the
+    op returns and the profiler's net count would include them; blind to what a recompute
+    checkpoint keeps outside autograd, so not used for the recompute rows."""
+    model.train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(tokens, labels=labels).mean()
+    del loss
+    return sum(storages.values())
 
 
 def parse_args(argv=None):
@@ -120,7 +145,7 @@ def _rank(rank: int, tp: int, port: int, args, results) -> None:
     out = {}
     for sp in (False, True):
         model = GPTModel(dataclasses.replace(model_config(args), sequence_parallel=sp))
-        out[sp] = forward_activation_bytes(model, tokens, labels)
+        out[sp] = saved_activation_bytes(model, tokens, labels)
     if rank == 0:
         results.put(out)
     dist.barrier()

@@ -32,9 +32,10 @@ from torch import nn
 from pretrain.parallel import state
 from pretrain.parallel.mappings import (
     copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
+    gather_sequence,
     reduce_from_tensor_model_parallel_region,
+    reduce_scatter_sequence,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
@@ -59,9 +60,31 @@ def column_parallel_linear(
 ) -> torch.Tensor:
     """x (replicated over TP; with `sequence_parallel`, this rank's [b, s/t, h] chunk, gathered
     first) @ weight-shard^T: this rank's slice of the output features for the whole sequence."""
-    if sequence_parallel:
-        return F.linear(gather_from_sequence_parallel_region(x), weight, bias)
+    if sequence_parallel and state.get_tensor_model_parallel_world_size() > 1:
+        return _SequenceParallelColumnLinear.apply(x, weight, bias)
     return F.linear(copy_to_tensor_model_parallel_region(x), weight, bias)
+
+
+class _SequenceParallelColumnLinear(torch.autograd.Function):
+    """F.linear on the all-gathered sequence that keeps only this rank's [b, s/t, h] chunk for
+    backward and gathers it again there (Megatron's choice): the memory sequence parallelism
+    saves includes these inputs, which a plain gather-then-linear would keep whole."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(gather_sequence(x), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        whole = gather_sequence(x).flatten(0, -2)
+        grad_rows = grad.flatten(0, -2)
+        grad_x = reduce_scatter_sequence(grad.matmul(weight))
+        grad_weight = grad_rows.t().matmul(whole)
+        grad_bias = grad_rows.sum(0) if ctx.has_bias else None
+        return grad_x, grad_weight, grad_bias
 
 
 def sum_grad_over_tensor_parallel(param: torch.Tensor) -> torch.Tensor:

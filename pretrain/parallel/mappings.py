@@ -242,3 +242,13 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
     if state.get_tensor_model_parallel_world_size() == 1:
         return x
     return _ReduceScatterToSequenceParallelRegion.apply(x)
+
+
+def gather_sequence(x: torch.Tensor) -> torch.Tensor:
+    """All-gather the sequence (dim 1) over TP; a plain collective, outside autograd."""
+    return _gather_sequence(x)
+
+
+def reduce_scatter_sequence(x: torch.Tensor) -> torch.Tensor:
+    """Sum over TP and keep this rank's sequence chunk; a plain collective, outside autograd."""
+    return _reduce_scatter_sequence(x)
