@@ -144,8 +144,15 @@ def test_recompute_flags(tmp_path):
     for flags, message in refused.items():
         with pytest.raises(UserError, match=message):
             model(*flags)
-    with pytest.raises(UserError, match="use --recompute-activations"):
-        model("--checkpoint-activations")
+    # Megatron-DeepSpeed's spelling: full recompute, uniform, one layer per chunk
+    mds = model("--checkpoint-activations")
+    assert (mds.recompute_granularity, mds.recompute_method, mds.recompute_num_layers) == (
+        "full",
+        "uniform",
+        1,
+    )
+    with pytest.raises(UserError, match="contradicts"):
+        model("--checkpoint-activations", "--recompute-activations")
 
 
 E2E = {
