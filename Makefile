@@ -19,7 +19,7 @@ TOKENIZER ?= GPT2BPETokenizer
 WORKERS ?= 2
 TOKENIZER_ARGS ?= --tokenizer-type $(TOKENIZER) --vocab-file data/gpt2/vocab.json --merge-file data/gpt2/merges.txt
 
-.PHONY: install test lint data preprocess cache train convert-hf demo bench clean help
+.PHONY: install test lint data preprocess cache train convert-hf demo bench clean help gpu-check
 
 help:
 	@echo "make demo        install, build the Shakespeare corpus, preprocess, train (TP=2, PP=2, CPU), export to HF, sample"
@@ -30,6 +30,7 @@ help:
 	@echo "make preprocess  CORPUS=path [OUTPUT=prefix] [TOKENIZER=type] [WORKERS=n]"
 	@echo "make train       a small GPT on the corpus (demo BPE tokenizer), deepspeed launcher, TP=2 PP=2 on CPU"
 	@echo "make convert-hf  [CKPT=dir] [OUT=dir] [ITERATION=n]: export a checkpoint to Hugging Face format"
+	@echo "make gpu-check   [DRY_RUN=1]: tests, bf16 training (124M, 1.3B), plain-PyTorch ratio, HF export on one GPU"
 
 install: $(STAMP)
 
@@ -107,6 +108,14 @@ cache: install
 
 clean:
 	rm -rf runs checkpoints hf_export bench/results
+
+# the GPU check (docs/PERFORMANCE.md, "GPU check"): on one GPU, <= 8 minutes, one JSON line; it
+# fails (exit 1, the broken step on stderr) rather than skip. Needs a CUDA torch in .venv (see
+# README "Installing"). `make gpu-check DRY_RUN=1` runs its CPU-safe parts anywhere (CI does).
+DRY_RUN ?=
+GPU_CHECK_ARGS ?=
+gpu-check: install
+	DS_ACCELERATOR=$(if $(DRY_RUN),cpu,cuda) $(PY) bench/gpu_check.py $(if $(DRY_RUN),--dry-run) $(GPU_CHECK_ARGS)
 
 # the default corpus, preprocessed once with GPT-2's tokenizer (`make preprocess`'s default)
 data/shakespeare_text_document.idx: | data/shakespeare.jsonl

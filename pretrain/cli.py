@@ -131,11 +131,16 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _model("hidden_dropout", type=float, default=0.1),
         _model("init_method_std", type=float, default=0.02),
         _model("make_vocab_size_divisible_by", type=int, default=128, help="pad the vocabulary to a multiple of this times TP [128]"),
-        _model("recompute_activations", "--checkpoint-activations", action="store_true", help="recompute each block's activations in backward (saves memory); --checkpoint-activations is Megatron-DeepSpeed's spelling"),
+        _flag("--recompute-activations", action="store_true", help="= --recompute-granularity selective (Megatron's spelling)"),
+        _flag("--checkpoint-activations", action="store_true", help="Megatron-DeepSpeed's spelling of --recompute-granularity full --recompute-method uniform [--recompute-num-layers 1]"),
+        _model("recompute_granularity", choices=["full", "selective"], help="recompute in backward: selective = the attention core of every layer; full = whole layers (needs --recompute-method, --recompute-num-layers)"),
+        _model("recompute_method", choices=["uniform", "block"], help="full recompute: uniform = every chunk of N layers; block = the first N layers of each pipeline stage"),
+        _model("recompute_num_layers", type=int, help="N of --recompute-method"),
     )),
     ("parallelism", (
         _flag("--tensor-model-parallel-size", field="parallel.tensor_model_parallel_size", type=int, default=1),
         _flag("--pipeline-model-parallel-size", field="parallel.pipeline_model_parallel_size", type=int, default=1),
+        _model("sequence_parallel", action="store_true", help="norms and dropout on sequence chunks over TP ranks (all-gather/reduce-scatter around the TP linears); no-op at TP 1"),
         _flag("--no-pipeline-parallel", action="store_true", help="accepted (Megatron-DeepSpeed): PP=1 always runs without the pipeline engine; refused with PP > 1"),
         _flag("--zero-stage", type=int, choices=[0, 1, 2, 3], help="ZeRO stage over data-parallel ranks [0, or the stage in --deepspeed_config]"),
         _flag("--cpu-offload", field="parallel.cpu_offload", action="store_true", help="keep optimizer state in CPU memory (ZeRO >= 1)"),
@@ -327,11 +332,38 @@ def _tokens_to_samples(tokens: int, seq_length: int) -> float:
     return int(samples) if samples.is_integer() else samples
 
 
+def _recompute(ns: argparse.Namespace) -> dict:
+    """The recompute fields: the flags, or Megatron's aliases: --recompute-activations =
+    selective; Megatron-DeepSpeed's --checkpoint-activations = full, uniform [, 1 layer]."""
+    granularity = ns.model__recompute_granularity
+    method, layers = ns.model__recompute_method, ns.model__recompute_num_layers
+    for alias, implies in (
+        ("--recompute-activations", "selective"),
+        ("--checkpoint-activations", "full"),
+    ):
+        if not getattr(ns, alias.lstrip("-").replace("-", "_")):
+            continue
+        if granularity not in (None, implies):
+            raise UserError(
+                f"{alias} (= --recompute-granularity {implies}) contradicts "
+                f"--recompute-granularity {granularity} (drop one)"
+            )
+        granularity = implies
+        if implies == "full":
+            method = method or "uniform"
+            layers = 1 if layers is None else layers
+    return {
+        "recompute_granularity": granularity,
+        "recompute_method": method,
+        "recompute_num_layers": layers,
+    }
+
+
 def _model_config(ns: argparse.Namespace, vocab_size: int) -> ModelConfig:
     dtype = torch.bfloat16 if ns.precision__bf16 else None
     dtype = torch.float16 if ns.precision__fp16 else dtype
     return ModelConfig(
-        **_section(ns, "model"),
+        **{**_section(ns, "model"), **_recompute(ns)},
         num_query_groups=_query_groups(ns),
         position_embedding_type=_position_embedding_type(ns),
         vocab_size=vocab_size,

@@ -89,6 +89,12 @@ def base(f) -> list[str]:
     ]  # fmt: skip
 
 
+FULL_UNIFORM_1 = ["--recompute-granularity", "full", "--recompute-method", "uniform"] + [
+    "--recompute-num-layers",
+    "1",
+]
+
+
 def default_context(f) -> list[str]:
     """What the tiny command line gets unless an entry says otherwise."""
     return ITERS + ["--data-path", f["corpus"], "--split", "90,10,0"]
@@ -121,6 +127,10 @@ def changes(f) -> dict:
         "--swiglu": [], "--untie-embeddings-and-output-weights": [], "--disable-bias-linear": [],
         "--attention-dropout": ["0"], "--hidden-dropout": ["0"], "--init-method-std": ["0.01"],
         "--make-vocab-size-divisible-by": ["64"], "--recompute-activations": [],
+        "--checkpoint-activations": [], "--recompute-granularity": ["selective"],
+        "--recompute-method": (d + FULL_UNIFORM_1, d + FULL_UNIFORM_1 + ["--recompute-method", "block"], None),
+        "--recompute-num-layers": (d + FULL_UNIFORM_1, d + FULL_UNIFORM_1 + ["--recompute-num-layers", "2"], None),
+        "--sequence-parallel": (d + ["--tensor-model-parallel-size", "2"], d + ["--tensor-model-parallel-size", "2", "--sequence-parallel"], TWO_RANKS),
         "--openai-gelu": [],
         "--use-rope-scaling": (d + ["--position-embedding-type", "rope"], d + ["--position-embedding-type", "rope", "--use-rope-scaling"], None),
         "--rope-scaling-factor": ["16"], "--rope-scaling-low-freq-factor": ["2"],

@@ -202,7 +202,12 @@ def test_megatron_deepspeed_gpt_125m_parses_at_full_size(paths):
     assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size) == (2, 2)
     assert p.data_parallel_size == 2 and p.zero_stage == 1
     assert (m.num_layers, m.hidden_size, m.init_method_std) == (12, 768, 0.02)
-    assert m.recompute_activations  # --checkpoint-activations
+    # --checkpoint-activations: Megatron-DeepSpeed's full recompute, one layer per chunk
+    assert (m.recompute_granularity, m.recompute_method, m.recompute_num_layers) == (
+        "full",
+        "uniform",
+        1,
+    )
     # --train-samples sizes the run, --train-tokens stops it; the schedule is in tokens
     assert t.train_samples == 292_968_750 and t.train_iters == 292_968_750 // 256
     assert t.train_tokens == 300_000_000_000

@@ -147,6 +147,13 @@ def check_tp_equivalence(rank: int, config: ModelConfig, tp: int, with_mask: boo
     state.destroy_model_parallel()
 
 
+RECOMPUTE_SETTINGS = (  # none, the attention core, whole layers
+    {},
+    {"recompute_granularity": "selective"},
+    {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+)
+
+
 def check_recompute_and_dropout(rank: int) -> None:
     """TP=2 with dropout: recomputed activations replay the same masks (both RNG streams), and
     replicated parameters get identical grads on both TP ranks (TP peers drop the same elements)."""
@@ -154,15 +161,16 @@ def check_recompute_and_dropout(rank: int) -> None:
     state.initialize_model_parallel(2, 1)
     tokens, labels = batch()
     results = []
-    for recompute in (False, True):
-        model = GPTModel(dataclasses.replace(config, recompute_activations=recompute)).train()
+    for recompute in RECOMPUTE_SETTINGS:
+        model = GPTModel(dataclasses.replace(config, **recompute)).train()
         seed_everything(99)
         model(tokens, labels=labels).mean().backward()
         results.append({n: p.grad for n, p in model.named_parameters()})
-    for name, grad in results[0].items():
-        torch.testing.assert_close(
-            results[1][name], grad, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}"
-        )
+    for recomputed in results[1:]:
+        for name, grad in results[0].items():
+            torch.testing.assert_close(
+                recomputed[name], grad, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}"
+            )
     norm_grad = results[0]["layers.0.input_norm.weight"]
     peers = [torch.empty_like(norm_grad) for _ in range(2)]
     dist.all_gather(peers, norm_grad, group=state.get_tensor_model_parallel_group())

@@ -106,8 +106,16 @@ class ModelConfig:
     """Dropout on attention probabilities."""
     init_method_std: float = field(default=0.02, metadata=_flag("--init-method-std"))
     """Standard deviation of the normal weight init."""
-    recompute_activations: bool = field(default=False, metadata=_flag("--recompute-activations"))
-    """Recompute each block's activations in backward."""
+    sequence_parallel: bool = field(default=False, metadata=_flag("--sequence-parallel"))
+    """Norms, dropout and residuals on [b, s/tp, h] sequence chunks (Megatron's; a no-op at TP 1)."""
+    recompute_granularity: str | None = field(
+        default=None, metadata=_flag("--recompute-granularity")
+    )
+    """None, "selective" (the attention core) or "full" (whole layers, per recompute_method)."""
+    recompute_method: str | None = field(default=None, metadata=_flag("--recompute-method"))
+    """With "full": "uniform" (chunks of recompute_num_layers) or "block" (the first N per stage)."""
+    recompute_num_layers: int | None = field(default=None, metadata=_flag("--recompute-num-layers"))
+    """With "full": layers per recomputed chunk (uniform) or recomputed layers per stage (block)."""
     seed: int = field(default=1234, metadata=_flag(None, named="--seed"))
     """Seed of the layout-independent weight init."""
     params_dtype: torch.dtype = field(
@@ -232,8 +240,49 @@ class ModelConfig:
         ):
             if not 0.0 <= p < 1.0:
                 problems.append(f"{name} {p} must be in [0, 1)")
+        if self.sequence_parallel and tp > 1 and self.seq_length % tp != 0:
+            problems.append(
+                f"--sequence-parallel splits --seq-length {self.seq_length} over "
+                f"--tensor-model-parallel-size {tp}, which does not divide it (use a sequence "
+                f"length that is a multiple of {tp})"
+            )
+        problems += self._recompute_problems(pp)
         if problems:
             raise UserError("invalid model configuration: " + "; ".join(problems))
+
+    def _recompute_problems(self, pp: int) -> list[str]:
+        """Megatron's rules for the recompute flags."""
+        granularity, method, n = (
+            self.recompute_granularity,
+            self.recompute_method,
+            self.recompute_num_layers,
+        )
+        per_stage = self.num_layers // pp
+        if granularity not in (None, "full", "selective"):
+            return [f"--recompute-granularity {granularity!r} is not full or selective"]
+        if method not in (None, "uniform", "block"):
+            return [f"--recompute-method {method!r} is not uniform or block"]
+        if granularity is None:
+            if method is not None or n is not None:
+                return [
+                    "--recompute-method/--recompute-num-layers need --recompute-granularity full"
+                ]
+            return []
+        if granularity == "selective":
+            if method is not None or n is not None:
+                return [
+                    "--recompute-granularity selective recomputes the attention core of every "
+                    "layer: drop --recompute-method/--recompute-num-layers (they are for full)"
+                ]
+            return []
+        if method is None:
+            return ["--recompute-granularity full needs --recompute-method uniform or block"]
+        if n is None or not 1 <= n <= per_stage:
+            return [
+                f"--recompute-granularity full needs --recompute-num-layers between 1 and the "
+                f"layers per pipeline stage ({per_stage}), got {n}"
+            ]
+        return []
 
 
 # The settings that decide parameter shapes, compared as resolved sizes (an explicit

@@ -41,11 +41,28 @@ Layouts (the conversion contract):
   or with `openai_gelu` the tanh approximation (Megatron's --openai-gelu, HF's "gelu_new").
 - RoPE is HF's rotate-half convention, applied at `position_ids` (so reset position ids restart it);
   `use_rope_scaling` applies Llama 3.x's frequency scaling (HF rope_type "llama3").
+
+Sequence parallelism (`sequence_parallel`, TP > 1; Megatron's): between the TP linears the
+activations are [b, s/tp, h], this TP rank's chunk of the sequence: the embedding ends with a
+scatter (learned positions) or a reduce-scatter (RoPE) to the chunk, the norms, dropout and
+residual adds run on it, each column-parallel linear (QKV, fc1, the LM head) all-gathers the
+sequence and each row-parallel one (proj, fc2) reduce-scatters back to the chunk. Attention and the
+MLP nonlinearity see the whole sequence, for this rank's heads / FFN slice. Norm weights and
+row-parallel biases are replicated but see s/tp tokens: their gradients are summed over TP in
+backward (`sum_grad_over_tensor_parallel`). Dropout in the chunked regions draws from the
+per-TP-rank generator (different tokens, different masks), as Megatron does.
+
+Recompute (Megatron's definitions): `recompute_granularity="selective"` recomputes the attention
+core (softmax(QK^T)V with its dropout) in backward; "full" recomputes whole layers, chunked by
+`recompute_segments`: "uniform" checkpoints the input of every chunk of `recompute_num_layers`
+layers, "block" the input of each of the first `recompute_num_layers` layers of the stage, the rest
+keep their activations. Recomputation replays both dropout generators (`parallel.random.checkpoint`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -62,21 +79,82 @@ from pretrain.parallel.layers import (
     VocabParallelEmbedding,
     column_parallel_linear,
     mask_padded_vocab_,
+    sum_grad_over_tensor_parallel,
 )
-from pretrain.parallel.mappings import gather_from_tensor_model_parallel_region
+from pretrain.parallel.mappings import (
+    gather_from_tensor_model_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from pretrain.parallel.random import checkpoint, init_normal_, tensor_parallel_rng
 
 
+def uses_sequence_parallel(config: ModelConfig) -> bool:
+    """Sequence parallelism is on: asked for, and more than one TP rank (Megatron turns it off at
+    TP 1, where it would only change which generator dropout draws from)."""
+    return config.sequence_parallel and state.get_tensor_model_parallel_world_size() > 1
+
+
+class _SequenceParallelLayerNorm(nn.LayerNorm):
+    """LayerNorm on a sequence chunk: weight and bias gradients summed over TP."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = sum_grad_over_tensor_parallel(self.weight), self.bias
+        bias = None if bias is None else sum_grad_over_tensor_parallel(bias)
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+
+
+class _SequenceParallelRMSNorm(nn.RMSNorm):
+    """RMSNorm on a sequence chunk: weight gradient summed over TP."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = sum_grad_over_tensor_parallel(self.weight)
+        return F.rms_norm(x, self.normalized_shape, weight, self.eps)
+
+
 def build_norm(config: ModelConfig) -> nn.Module:
-    """LayerNorm or RMSNorm over the hidden size, as configured."""
+    """LayerNorm or RMSNorm over the hidden size, as configured (the sequence-parallel variant,
+    same parameters and names, under sequence parallelism)."""
+    sequence_parallel = uses_sequence_parallel(config)
     if config.normalization == "RMSNorm":
-        return nn.RMSNorm(config.hidden_size, eps=config.norm_epsilon, dtype=config.params_dtype)
-    return nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon, dtype=config.params_dtype)
+        kind = _SequenceParallelRMSNorm if sequence_parallel else nn.RMSNorm
+    else:
+        kind = _SequenceParallelLayerNorm if sequence_parallel else nn.LayerNorm
+    norm = kind(config.hidden_size, eps=config.norm_epsilon, dtype=config.params_dtype)
+    for param in norm.parameters():
+        param.sequence_parallel = sequence_parallel
+    return norm
 
 
-def default_position_ids(tokens: torch.Tensor) -> torch.Tensor:
-    """Positions 0..S-1, broadcast over the batch."""
-    return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+def dropout(x: torch.Tensor, p: float, training: bool, sequence_parallel: bool) -> torch.Tensor:
+    """Dropout; on a sequence chunk (sequence parallelism) from the per-TP-rank generator."""
+    if not training or p == 0.0:
+        return x
+    with tensor_parallel_rng() if sequence_parallel else contextlib.nullcontext():
+        return F.dropout(x, p, True)
+
+
+def default_position_ids(tokens: torch.Tensor, length: int | None = None) -> torch.Tensor:
+    """Positions 0..S-1 (S = `length`, else the tokens' length), broadcast over the batch."""
+    length = tokens.shape[1] if length is None else length
+    return torch.arange(length, device=tokens.device).unsqueeze(0)
+
+
+def recompute_segments(config: ModelConfig, num_layers: int) -> list[tuple[int, int, bool]]:
+    """(start, end, recomputed) runs covering a stage's `num_layers` layers, as Megatron's full
+    recompute chunks them ("uniform": every chunk of recompute_num_layers layers; "block": the
+    first recompute_num_layers layers one by one, then the rest without recomputation)."""
+    if config.recompute_granularity != "full" or num_layers == 0:
+        return [(0, num_layers, False)]
+    n = config.recompute_num_layers
+    if config.recompute_method == "uniform":
+        return [(i, min(i + n, num_layers), True) for i in range(0, num_layers, n)]
+    recomputed = [(i, i + 1, True) for i in range(min(n, num_layers))]
+    return recomputed + ([(n, num_layers, False)] if n < num_layers else [])
+
+
+def recomputing(module: nn.Module) -> bool:
+    """Activations are being kept for a backward pass (training with autograd on)."""
+    return module.training and torch.is_grad_enabled()
 
 
 def llama3_scaled_frequencies(inv_freq: torch.Tensor, config: ModelConfig) -> torch.Tensor:
@@ -133,15 +211,22 @@ class Attention(nn.Module):
         self.local_groups = config.query_groups // tp
         self.heads_per_group = config.num_attention_heads // config.query_groups
         self.dropout = config.attention_dropout
+        self.selective_recompute = config.recompute_granularity == "selective"
+        sequence_parallel = uses_sequence_parallel(config)
         qkv_size = (config.num_attention_heads + 2 * config.query_groups) * config.head_dim
         self.qkv = ColumnParallelLinear(
-            config.hidden_size, qkv_size, bias=config.add_bias_linear, dtype=config.params_dtype
+            config.hidden_size,
+            qkv_size,
+            bias=config.add_bias_linear,
+            dtype=config.params_dtype,
+            sequence_parallel=sequence_parallel,
         )
         self.proj = RowParallelLinear(
             config.num_attention_heads * config.head_dim,
             config.hidden_size,
             bias=config.add_bias_linear,
             dtype=config.params_dtype,
+            sequence_parallel=sequence_parallel,
         )
 
     def forward(
@@ -150,8 +235,11 @@ class Attention(nn.Module):
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
         document_ids: torch.Tensor | None,
     ) -> torch.Tensor:
-        b, s, _ = x.shape
-        mixed = self.qkv(x).view(b, s, self.local_groups, self.heads_per_group + 2, self.head_dim)
+        mixed = self.qkv(
+            x
+        )  # [b, s, local qkv]: the whole sequence, also under sequence parallelism
+        b, s, _ = mixed.shape
+        mixed = mixed.view(b, s, self.local_groups, self.heads_per_group + 2, self.head_dim)
         q = (
             mixed[:, :, :, : self.heads_per_group]
             .reshape(b, s, self.local_heads, self.head_dim)
@@ -161,17 +249,24 @@ class Attention(nn.Module):
         v = mixed[:, :, :, self.heads_per_group + 1].transpose(1, 2)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        dropout = self.dropout if self.training else 0.0
+        if self.selective_recompute and recomputing(self):
+            out = checkpoint(self.core_attention, q, k, v, document_ids)
+        else:
+            out = self.core_attention(q, k, v, document_ids)
+        return self.proj(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
+
+    def core_attention(self, q, k, v, document_ids: torch.Tensor | None) -> torch.Tensor:
+        """softmax(QK^T / sqrt(d)) V with attention dropout, causal (within documents):
+        [b, heads, s, d] -> [b, heads, s, d]. What selective recompute recomputes."""
+        p = self.dropout if self.training else 0.0
         gqa = self.local_groups != self.local_heads
         # attention probabilities belong to this rank's heads: their dropout differs per TP rank
-        with tensor_parallel_rng() if dropout > 0 else contextlib.nullcontext():
+        with tensor_parallel_rng() if p > 0 else contextlib.nullcontext():
             if document_ids is None:
-                out = F.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa
+                return F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, dropout_p=p, enable_gqa=gqa
                 )
-            else:
-                out = document_causal_attention(q, k, v, document_ids, dropout, gqa)
-        return self.proj(out.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim))
+            return document_causal_attention(q, k, v, document_ids, p, gqa)
 
 
 class MLP(nn.Module):
@@ -182,18 +277,21 @@ class MLP(nn.Module):
         self.swiglu = config.swiglu
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"
         fc1_out = 2 * config.ffn_size if config.swiglu else config.ffn_size
+        sequence_parallel = uses_sequence_parallel(config)
         self.fc1 = ColumnParallelLinear(
             config.hidden_size,
             fc1_out,
             bias=config.add_bias_linear,
             stride=2 if config.swiglu else 1,
             dtype=config.params_dtype,
+            sequence_parallel=sequence_parallel,
         )
         self.fc2 = RowParallelLinear(
             config.ffn_size,
             config.hidden_size,
             bias=config.add_bias_linear,
             dtype=config.params_dtype,
+            sequence_parallel=sequence_parallel,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -207,7 +305,8 @@ class MLP(nn.Module):
 
 
 class Embedding(nn.Module):
-    """Word embedding (vocab-parallel) + learned positions (GPT-2 flavour) + embedding dropout."""
+    """Word embedding (vocab-parallel) + learned positions (GPT-2 flavour) + embedding dropout;
+    under sequence parallelism the output is this TP rank's [b, s/tp, h] chunk."""
 
     prefix = "embedding"
 
@@ -215,17 +314,21 @@ class Embedding(nn.Module):
         super().__init__()
         tp = state.get_tensor_model_parallel_world_size()
         self.dropout = config.hidden_dropout
+        self.sequence_parallel = uses_sequence_parallel(config)
+        learned = config.position_embedding_type == "learned_absolute"
         self.word_embeddings = VocabParallelEmbedding(
             config.padded_vocab_size(tp),
             config.hidden_size,
             dtype=config.params_dtype,
             vocab_size=config.vocab_size,
+            # without positions to add, the word embedding reduce-scatters straight to the chunk
+            reduce_scatter=self.sequence_parallel and not learned,
         )
         self.word_embeddings.initialize(
             f"{self.prefix}.word_embeddings", config.seed, config.init_method_std
         )
         self.position_embeddings = None
-        if config.position_embedding_type == "learned_absolute":
+        if learned:
             self.position_embeddings = nn.Embedding(
                 config.max_positions, config.hidden_size, dtype=config.params_dtype
             )
@@ -244,13 +347,17 @@ class Embedding(nn.Module):
             if position_ids is None:
                 position_ids = default_position_ids(tokens)
             hidden = hidden + self.position_embeddings(position_ids)
-        return F.dropout(hidden, self.dropout, self.training)
+            if self.sequence_parallel:
+                hidden = scatter_to_sequence_parallel_region(hidden)
+        return dropout(hidden, self.dropout, self.training, self.sequence_parallel)
 
 
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then + drop(mlp(norm(.))).
 
-    `layer_number` is the 0-based global index (layers.<layer_number>.* in GPTModel).
+    `layer_number` is the 0-based global index (layers.<layer_number>.* in GPTModel). Under
+    sequence parallelism `hidden` is this TP rank's [b, s/tp, h] chunk; `position_ids` and
+    `document_ids` always cover the whole sequence [b, s].
     """
 
     def __init__(self, config: ModelConfig, layer_number: int):
@@ -259,7 +366,8 @@ class TransformerLayer(nn.Module):
         config.validate(tp=state.get_tensor_model_parallel_world_size())
         self.layer_number = layer_number
         self.dropout = config.hidden_dropout
-        self.recompute = config.recompute_activations
+        self.sequence_parallel = uses_sequence_parallel(config)
+        self.tp = state.get_tensor_model_parallel_world_size()
         self.input_norm = build_norm(config)
         self.attention = Attention(config)
         self.post_attention_norm = build_norm(config)
@@ -279,25 +387,32 @@ class TransformerLayer(nn.Module):
         position_ids: torch.Tensor | None = None,
         document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if self.recompute and self.training and torch.is_grad_enabled():
-            return checkpoint(self._forward, hidden, position_ids, document_ids)
-        return self._forward(hidden, position_ids, document_ids)
-
-    def _forward(self, hidden, position_ids, document_ids):
         rotary = None
         if self.rotary is not None:
             if position_ids is None:
-                position_ids = default_position_ids(hidden)
+                length = hidden.shape[1] * (self.tp if self.sequence_parallel else 1)
+                position_ids = default_position_ids(hidden, length)
             rotary = self.rotary(position_ids, hidden.dtype)
         attn = self.attention(self.input_norm(hidden), rotary, document_ids)
-        hidden = hidden + F.dropout(attn, self.dropout, self.training)
+        hidden = hidden + dropout(attn, self.dropout, self.training, self.sequence_parallel)
         mlp = self.mlp(self.post_attention_norm(hidden))
-        return hidden + F.dropout(mlp, self.dropout, self.training)
+        return hidden + dropout(mlp, self.dropout, self.training, self.sequence_parallel)
 
 
-def lm_head_logits(hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """TP-local logits hidden @ weight-shard^T [b, s, V_padded/tp], -inf at padded vocabulary ids."""
-    return mask_padded_vocab_(column_parallel_linear(hidden, weight), vocab_size)
+def run_layers(layers, hidden: torch.Tensor, position_ids=None, document_ids=None) -> torch.Tensor:
+    """`hidden` through consecutive TransformerLayers."""
+    for layer in layers:
+        hidden = layer(hidden, position_ids, document_ids)
+    return hidden
+
+
+def lm_head_logits(
+    hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, sequence_parallel: bool = False
+) -> torch.Tensor:
+    """TP-local logits hidden @ weight-shard^T [b, s, V_padded/tp], -inf at padded vocabulary ids
+    (`sequence_parallel`: `hidden` is this rank's sequence chunk, gathered first)."""
+    logits = column_parallel_linear(hidden, weight, sequence_parallel=sequence_parallel)
+    return mask_padded_vocab_(logits, vocab_size)
 
 
 class FinalNormAndHead(nn.Module):
@@ -315,6 +430,7 @@ class FinalNormAndHead(nn.Module):
         tp = state.get_tensor_model_parallel_world_size()
         self.final_norm = build_norm(config)
         self.vocab_size = config.vocab_size
+        self.sequence_parallel = uses_sequence_parallel(config)
         self.output_layer = None
         if config.untie_embeddings_and_output_weights:
             self.output_layer = ColumnParallelLinear(
@@ -322,6 +438,7 @@ class FinalNormAndHead(nn.Module):
                 config.padded_vocab_size(tp),
                 bias=False,
                 dtype=config.params_dtype,
+                sequence_parallel=self.sequence_parallel,
             )
             init_normal_(  # padding rows zero, real rows independent of the padded size
                 self.output_layer.weight,
@@ -344,7 +461,7 @@ class FinalNormAndHead(nn.Module):
             return mask_padded_vocab_(self.output_layer(normed), self.vocab_size)
         if output_weight is None:
             raise ValueError("tied embeddings: pass the word-embedding weight as output_weight")
-        return lm_head_logits(normed, output_weight, self.vocab_size)
+        return lm_head_logits(normed, output_weight, self.vocab_size, self.sequence_parallel)
 
 
 class GPTModel(nn.Module):
@@ -357,6 +474,7 @@ class GPTModel(nn.Module):
         self.embedding = Embedding(config)
         self.layers = nn.ModuleList(TransformerLayer(config, i) for i in range(config.num_layers))
         self.head = FinalNormAndHead(config)
+        self.segments = recompute_segments(config, config.num_layers)
 
     def forward(
         self,
@@ -371,8 +489,12 @@ class GPTModel(nn.Module):
         (padding dropped) with `gather_logits=True`. `document_ids` [b, s] keeps documents apart
         in attention (None: causal over the sample)."""
         hidden = self.embedding(tokens, position_ids)
-        for layer in self.layers:
-            hidden = layer(hidden, position_ids, document_ids)
+        for start, end, recompute in self.segments:
+            run = functools.partial(run_layers, self.layers[start:end])
+            if recompute and recomputing(self):
+                hidden = checkpoint(run, hidden, position_ids, document_ids)
+            else:
+                hidden = run(hidden, position_ids, document_ids)
         tied = (
             None
             if self.config.untie_embeddings_and_output_weights

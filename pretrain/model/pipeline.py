@@ -18,7 +18,15 @@ every layer start from the one-process model's weights at any layout.
 
 Activations between stages are tuples (hidden [b,s,h], position_ids [b,s] int64 [, document_ids
 [b,s] int32 with --reset-attention-mask]): the document boundaries travel as O(s) ids, never as
-an [s,s] mask. The loss is the masked mean over the micro-batch's tokens, as at PP = 1.
+an [s,s] mask. Under sequence parallelism hidden is this TP rank's [b, s/tp, h] chunk (the ids
+stay whole), so each TP rank sends a different tensor: DeepSpeed's "pipe_partitioned" /
+"grad_partitioned" (each TP rank sends 1/tp of a tensor it assumes all TP ranks share) must be off
+(`pretrain.training.deepspeed_config`). DeepSpeed learns the shapes from the first micro-batch.
+The loss is the masked mean over the micro-batch's tokens, as at PP = 1.
+
+Full recompute (`recompute_granularity="full"`) chunks each stage's transformer layers as
+GPTModel does (`recompute_segments`, Megatron's per-stage chunks): `GPTPipelineModule.forward`
+runs every chunk under `checkpoint` and everything else (embedding, head) as DeepSpeed would.
 """
 
 from __future__ import annotations
@@ -28,9 +36,17 @@ from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from pretrain.model.config import ModelConfig
-from pretrain.model.gpt import Embedding, FinalNormAndHead, TransformerLayer, lm_head_logits
+from pretrain.model.gpt import (
+    Embedding,
+    FinalNormAndHead,
+    TransformerLayer,
+    lm_head_logits,
+    recompute_segments,
+    recomputing,
+)
 from pretrain.model.loss import masked_mean_loss
 from pretrain.parallel.cross_entropy import vocab_parallel_cross_entropy
+from pretrain.parallel.random import checkpoint
 
 TIED_KEY = "embed"
 TIED_WEIGHT = "word_embeddings.weight"
@@ -55,7 +71,7 @@ def tied_lm_head(embedding: EmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor
     """Forward of the last stage's embedding copy: the LM head with the word-embedding weight
     (-inf at padded vocabulary ids, as in GPTModel)."""
     words = embedding.word_embeddings
-    return lm_head_logits(hidden, words.weight, words.vocab_size)
+    return lm_head_logits(hidden, words.weight, words.vocab_size, embedding.sequence_parallel)
 
 
 class TransformerLayerPipe(TransformerLayer):
@@ -73,6 +89,42 @@ class HeadPipe(FinalNormAndHead):
     def forward(self, inputs):
         hidden = self.final_norm(inputs[0])
         return hidden if self.output_layer is None else self.logits(hidden)
+
+
+def _run(funcs, inputs):
+    for func in funcs:
+        inputs = func(inputs)
+    return inputs
+
+
+class GPTPipelineModule(PipelineModule):
+    """DeepSpeed's PipelineModule whose forward recomputes chunks of transformer layers as
+    Megatron's full recompute does (DeepSpeed's own `activation_checkpoint_interval` counts the
+    embedding and head into its chunks)."""
+
+    def __init__(self, *args, config: ModelConfig, **kwargs):
+        super().__init__(*args, **kwargs)
+        layers = [
+            i for i, f in enumerate(self.forward_funcs) if isinstance(f, TransformerLayerPipe)
+        ]
+        first, count = (layers[0], len(layers)) if layers else (0, 0)
+        segments = [(first + a, first + b, on) for a, b, on in recompute_segments(config, count)]
+        end = len(self.forward_funcs)
+        self.segments = [(0, first, False), *segments, (first + count, end, False)]
+
+    def forward(self, forward_input):
+        """The stage's layers in order, recomputed chunks under `checkpoint`."""
+        self.micro_offset += 1  # DeepSpeed's per-micro-batch counter, as its forward keeps it
+        x = forward_input
+        for start, end, recompute in self.segments:
+            funcs = self.forward_funcs[start:end]
+            if not funcs:
+                continue
+            if recompute and recomputing(self):  # x: a tuple (hidden, position_ids[, ids])
+                x = checkpoint(lambda *xs, funcs=funcs: _run(funcs, xs), *x)
+            else:
+                x = _run(funcs, x)
+        return x
 
 
 def pipeline_loss(
@@ -115,12 +167,13 @@ def build_pipeline_model(config: ModelConfig, pp: int, tp: int, dp: int) -> Pipe
             )
         )
     topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
-    model = PipelineModule(
+    model = GPTPipelineModule(
         layers=specs,
         loss_fn=pipeline_loss,
         topology=topology,
         partition_method="type:TransformerLayerPipe",
         activation_checkpoint_interval=0,
+        config=config,
     )
     for param in model.parameters():
         if getattr(param, "ds_pipe_replicated", False):

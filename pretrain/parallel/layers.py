@@ -7,8 +7,17 @@ Y = X A^T + b with the weight A stored as [out, in] (torch.nn.Linear's layout):
 - Row: A split along `in`; each rank multiplies its slice of the input, the partial products are
   all-reduced, then the (replicated) bias is added once.
 - VocabParallelEmbedding: rank r holds rows [r V/t, (r+1) V/t); ids outside give zero rows, and an
-  all-reduce assembles the full embedding. V is the padded vocabulary; the padding rows are zeros,
-  and `mask_padded_vocab_` keeps them out of every softmax over logits.
+  all-reduce assembles the full embedding (with `reduce_scatter=True`, a reduce-scatter: this
+  rank's sequence chunk). V is the padded vocabulary; the padding rows are zeros, and
+  `mask_padded_vocab_` keeps them out of every softmax over logits.
+
+Sequence parallelism (`sequence_parallel=True`, Megatron's): the input of a column layer and the
+output of a row layer are [b, s/t, h], this rank's chunk of the sequence. The column layer
+all-gathers the sequence before its matmul (its backward reduce-scatters dX), the row layer
+reduce-scatters the partial products instead of all-reducing them, then adds its replicated bias
+to its chunk. That bias (like the norm weights around it) then sees s/t tokens per rank, so its
+gradient is summed over TP in backward (`sum_grad_over_tensor_parallel`); such parameters are
+marked `sequence_parallel = True`.
 
 Parameters are allocated uninitialised; `initialize(name, seed, std)` fills them with their shard
 of the layout-independent full tensor (pretrain.parallel.random.init_normal_), biases with zeros.
@@ -24,7 +33,10 @@ from pretrain.parallel import state
 from pretrain.parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_tensor_model_parallel_region,
+    gather_sequence,
     reduce_from_tensor_model_parallel_region,
+    reduce_scatter_sequence,
+    reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
 from pretrain.parallel.random import init_normal_
@@ -41,10 +53,51 @@ def divide(numerator: int, denominator: int, what: str) -> int:
 
 
 def column_parallel_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    sequence_parallel: bool = False,
 ) -> torch.Tensor:
-    """x (replicated over TP) @ weight-shard^T: this rank's slice of the output features."""
+    """x (replicated over TP; with `sequence_parallel`, this rank's [b, s/t, h] chunk, gathered
+    first) @ weight-shard^T: this rank's slice of the output features for the whole sequence."""
+    if sequence_parallel and state.get_tensor_model_parallel_world_size() > 1:
+        return _SequenceParallelColumnLinear.apply(x, weight, bias)
     return F.linear(copy_to_tensor_model_parallel_region(x), weight, bias)
+
+
+class _SequenceParallelColumnLinear(torch.autograd.Function):
+    """F.linear on the all-gathered sequence that keeps only this rank's [b, s/t, h] chunk for
+    backward and gathers it again there (Megatron's choice): the memory sequence parallelism
+    saves includes these inputs, which a plain gather-then-linear would keep whole."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(gather_sequence(x), weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        whole = gather_sequence(x).flatten(0, -2)
+        grad_rows = grad.flatten(0, -2)
+        grad_x = reduce_scatter_sequence(grad.matmul(weight))
+        grad_weight = grad_rows.t().matmul(whole)
+        grad_bias = grad_rows.sum(0) if ctx.has_bias else None
+        return grad_x, grad_weight, grad_bias
+
+
+def sum_grad_over_tensor_parallel(param: torch.Tensor) -> torch.Tensor:
+    """`param` as it is forward; its gradient summed over TP ranks backward. For a replicated
+    parameter applied to this rank's chunk of the sequence (sequence parallelism, where such
+    parameters are marked `sequence_parallel = True`): each rank's gradient covers s/t tokens,
+    the sum covers the whole sequence, as without sequence parallelism.
+
+    Megatron sums these gradients once per step (finalize_model_grads); here the sum is part of
+    autograd, one small all-reduce per parameter and micro-batch, so it is right under every
+    DeepSpeed engine (ZeRO 0-3 gradient hooks, the pipeline engine) without a training-loop hook.
+    """
+    return copy_to_tensor_model_parallel_region(param)
 
 
 class _ParallelLinear(nn.Module):
@@ -75,11 +128,13 @@ class ColumnParallelLinear(_ParallelLinear):
         gather_output: bool = False,
         stride: int = 1,
         dtype: torch.dtype = torch.float32,
+        sequence_parallel: bool = False,
     ):
         super().__init__()
         world = state.get_tensor_model_parallel_world_size()
         self.in_features, self.out_features = in_features, out_features
         self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
         local_out = divide(out_features, world, "output features")
         self.weight = mark_tensor_parallel(
             nn.Parameter(torch.empty(local_out, in_features, dtype=dtype)), 0, stride
@@ -91,7 +146,7 @@ class ColumnParallelLinear(_ParallelLinear):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = column_parallel_linear(x, self.weight, self.bias)
+        y = column_parallel_linear(x, self.weight, self.bias, self.sequence_parallel)
         if not self.gather_output:
             return y
         # rank order: [shard_0, shard_1, ...]
@@ -101,7 +156,8 @@ class ColumnParallelLinear(_ParallelLinear):
 
 
 class RowParallelLinear(_ParallelLinear):
-    """Linear layer with the input features split over TP ranks; the bias is added after the reduce."""
+    """Linear layer with the input features split over TP ranks; the bias is added after the reduce
+    (with `sequence_parallel`: a reduce-scatter to this rank's sequence chunk)."""
 
     def __init__(
         self,
@@ -110,24 +166,35 @@ class RowParallelLinear(_ParallelLinear):
         bias: bool = True,
         input_is_parallel: bool = True,
         dtype: torch.dtype = torch.float32,
+        sequence_parallel: bool = False,
     ):
         super().__init__()
         world = state.get_tensor_model_parallel_world_size()
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("sequence parallelism needs input_is_parallel=True")
+
         local_in = divide(in_features, world, "input features")
         self.weight = mark_tensor_parallel(
             nn.Parameter(torch.empty(out_features, local_in, dtype=dtype)), 1
         )
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+        if sequence_parallel and self.bias is not None:
+            self.bias.sequence_parallel = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if state.get_tensor_model_parallel_world_size() == 1:  # nothing to reduce: one fused addmm
             return F.linear(x, self.weight, self.bias)
         if not self.input_is_parallel:
             x = scatter_to_tensor_model_parallel_region(x)
-        y = reduce_from_tensor_model_parallel_region(F.linear(x, self.weight))
-        return y + self.bias if self.bias is not None else y
+        partial = F.linear(x, self.weight)
+        if not self.sequence_parallel:
+            y = reduce_from_tensor_model_parallel_region(partial)
+            return y + self.bias if self.bias is not None else y
+        y = reduce_scatter_to_sequence_parallel_region(partial)
+        return y + sum_grad_over_tensor_parallel(self.bias) if self.bias is not None else y
 
 
 def padded_vocab_columns(local_vocab: int, vocab_size: int) -> slice | None:
@@ -164,8 +231,10 @@ class VocabParallelEmbedding(nn.Module):
         embedding_dim: int,
         dtype: torch.dtype = torch.float32,
         vocab_size: int | None = None,
+        reduce_scatter: bool = False,
     ):
         super().__init__()
+        self.reduce_scatter = reduce_scatter  # sequence parallelism: return [b, s/t, h]
         world, rank = (
             state.get_tensor_model_parallel_world_size(),
             state.get_tensor_model_parallel_rank(),
@@ -188,4 +257,6 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         rows = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.reduce_scatter:
+            return reduce_scatter_to_sequence_parallel_region(rows)
         return reduce_from_tensor_model_parallel_region(rows)

@@ -29,7 +29,7 @@ from pretrain.training.deepspeed_config import (
 )
 from pretrain.training.distributed import collective_device
 from pretrain.training.lr_schedule import LRScheduleConfig, SampleLRScheduler
-from pretrain.training.optimizer import OptimizerConfig, build_optimizer
+from pretrain.training.optimizer import ClippedAdamW, OptimizerConfig, build_optimizer
 
 
 @dataclass
@@ -62,12 +62,32 @@ class Engine:
 
     def grad_norm(self) -> float | None:
         """The global gradient norm of the last step (None where DeepSpeed did not compute one)."""
+        inner = getattr(self.ds.optimizer, "optimizer", None)  # under DeepSpeed's fp16/bf16 wrapper
+        if isinstance(inner, ClippedAdamW):  # ours clipped: its norm, not the wrapper's
+            return inner.last_grad_norm
         norm = self.ds.get_global_grad_norm()
         return None if norm is None else float(norm)
 
     def loss_scale(self) -> float:
         """The current fp16 loss scale (1.0 without fp16)."""
         return float(getattr(self.ds.optimizer, "cur_scale", 1.0)) if self.fp16 else 1.0
+
+
+PARALLEL_MARKS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared")
+
+
+def _mark_master_copies(ds_optimizer) -> None:
+    """DeepSpeed's fp16/bf16 ZeRO-0 wrapper steps our AdamW on fp32 copies of the parameters;
+    give the copies the TP/shared marks our clipping's global norm reads."""
+    low = getattr(ds_optimizer, "fp16_groups", None)
+    high = getattr(ds_optimizer, "fp32_groups", None)
+    if low is None or high is None:
+        return
+    for group16, group32 in zip(low, high, strict=True):
+        for p16, p32 in zip(group16, group32, strict=True):
+            for mark in PARALLEL_MARKS:
+                if hasattr(p16, mark):
+                    setattr(p32, mark, getattr(p16, mark))
 
 
 def _count_parameters(model: torch.nn.Module) -> int:
@@ -125,6 +145,7 @@ def build_engine(
         parallel=parallel,
         precision=precision,
         user_json=user_json,
+        sequence_parallel=model_config.sequence_parallel and tp > 1,
     )
     ds_engine, _, _, _ = deepspeed.initialize(
         model=model,
@@ -133,6 +154,7 @@ def build_engine(
         config=ds_config,
         mpu=None if pipeline else state.mpu,
     )
+    _mark_master_copies(ds_engine.optimizer)
     return Engine(
         ds=ds_engine,
         pipeline=pipeline,

@@ -60,6 +60,11 @@ class ClippedAdamW(torch.optim.AdamW):
         self.model_parallel_group = model_parallel_group
         self._global_grad_norm = None
 
+    @property
+    def last_grad_norm(self) -> float | None:
+        """The global norm the last step clipped with."""
+        return self._global_grad_norm
+
     @torch.no_grad()
     def step(self, closure=None):
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]

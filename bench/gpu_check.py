@@ -1,0 +1,377 @@
+"""The GPU check (`make gpu-check`): everything on the GPU path, on one GPU, in one run (<= 8 min).
+
+1. `pytest -m gpu` with PRETRAIN_REQUIRE_GPU=1 (the tests that use CUDA: TP layers and the model
+   on the device, the bf16 model on the flash SDPA kernel, document attention's FlexAttention).
+2. Per model (GPT-2 124M at s=1024, a GPT-3-XL-shaped 1.3B at s=2048): `pretrain_gpt.py --bf16`
+   for --iters iterations on one GPU (SDPA picks flash), on a synthetic random-token corpus;
+   tokens/s and TFLOP/s are the medians of the iterations after --warmup from its metrics file,
+   i.e. the log's own numbers (pretrain/training/flops.py's formula), MFU = TFLOP/s / the
+   device's bf16 peak (the same table the log uses).
+3. Beside each, a plain PyTorch training step of the same model, measured in the same run: torch
+   modules, `scaled_dot_product_attention(is_causal=True)`, fused AdamW, bf16 autocast over fp32
+   weights, gradient clipping; TFLOP/s from the same formula. "ratio" = ours / plain tokens/s
+   (the ratio to beat: >= 1.0).
+4. The 124M checkpoint exported to Hugging Face in bf16 with `tools/convert_to_hf.py --verify`.
+5. One JSON line with every figure.
+
+Anything that breaks on the GPU path fails the run: a message on stderr naming the step, exit
+status 1; nothing is skipped. `--dry-run` runs the CPU-safe parts instead (argument building and
+checking with pretrain.cli on a small synthetic corpus, the plain step of a tiny model on the CPU,
+the JSON line and its parsing) and needs no GPU.
+
+    .venv/bin/python bench/gpu_check.py [--dry-run] [--iters 30] [--work-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from pretrain.model.config import ModelConfig  # noqa: E402
+from pretrain.training.flops import flops_per_iteration, peak_tflops_per_device  # noqa: E402
+
+VOCAB = 50257  # GPT-2's: padded to 50304
+
+
+class CheckFailed(Exception):
+    """A step of the GPU check broke (the message names it)."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One benchmarked model and its batch."""
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    micro_batch: int
+
+    def config(self) -> ModelConfig:
+        """Its ModelConfig (GPT-2 flavour, no dropout: the throughput setting)."""
+        return ModelConfig(
+            num_layers=self.layers,
+            hidden_size=self.hidden,
+            num_attention_heads=self.heads,
+            vocab_size=VOCAB,
+            seq_length=self.seq,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        )
+
+
+SHAPES = {
+    "gpt2_124m": Shape("gpt2_124m", 12, 768, 12, 1024, 16),
+    "gpt_1_3b": Shape("gpt_1_3b", 24, 2048, 16, 2048, 8),
+}
+EXPORTED = "gpt2_124m"  # the model whose checkpoint goes to Hugging Face (bf16, --verify)
+TINY = Shape("tiny", 2, 64, 4, 128, 2)  # the dry run's plain step
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dry-run", action="store_true", help="CPU-safe parts only, no GPU")
+    parser.add_argument("--iters", type=int, default=30, help="training iterations per model")
+    parser.add_argument("--warmup", type=int, default=5, help="iterations left out of the medians")
+    parser.add_argument("--models", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
+    parser.add_argument("--work-dir", help="where the corpus, checkpoints and export go [tmp]")
+    parser.add_argument("--test-timeout", type=int, default=240, help="seconds for pytest -m gpu")
+    return parser.parse_args(argv)
+
+
+def write_corpus(prefix: Path, tokens: int, seed: int = 0) -> str:
+    """A random-token corpus (documents of 1-4k GPT-2 ids + EOD) as PREFIX.bin/.idx."""
+    from pretrain.data.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
+
+    rng = np.random.default_rng(seed)
+    builder = IndexedDatasetBuilder(get_bin_path(str(prefix)), dtype=np.uint16)
+    written = 0
+    while written < tokens:
+        doc = rng.integers(0, VOCAB - 1, size=int(rng.integers(1000, 4000)), dtype=np.int64)
+        builder.add_item(np.append(doc, VOCAB - 1))  # the eod of NullTokenizer --vocab-size VOCAB-1
+        builder.end_document()
+        written += len(doc) + 1
+    builder.finalize(get_idx_path(str(prefix)))
+    return str(prefix)
+
+
+def training_argv(shape: Shape, corpus: str, iters: int, out: Path, save: bool) -> list[str]:
+    """pretrain_gpt.py's flags for `shape` on one GPU in bf16 (`save`: a checkpoint at the end)."""
+    return [
+        *("--num-layers", str(shape.layers), "--hidden-size", str(shape.hidden)),
+        *("--num-attention-heads", str(shape.heads), "--seq-length", str(shape.seq)),
+        *("--max-position-embeddings", str(shape.seq)),
+        *("--attention-dropout", "0", "--hidden-dropout", "0"),
+        *("--micro-batch-size", str(shape.micro_batch)),
+        *("--global-batch-size", str(shape.micro_batch), "--train-iters", str(iters)),
+        *("--lr", "3e-4", "--min-lr", "3e-5", "--lr-warmup-iters", "2"),
+        *("--lr-decay-style", "cosine", "--clip-grad", "1.0", "--bf16"),
+        *("--data-path", corpus, "--split", "100,0,0"),
+        *("--tokenizer-type", "NullTokenizer", "--vocab-size", str(VOCAB - 1)),
+        *("--eval-iters", "0", "--eval-interval", str(iters), "--log-interval", "1"),
+        *("--num-workers", "2", "--metrics-file", str(out / f"{shape.name}.jsonl")),
+        *(
+            ("--save", str(out / f"{shape.name}_ckpt"), "--save-interval", str(iters))
+            if save
+            else ()
+        ),
+    ]
+
+
+def check_argv(argv: list[str]) -> None:
+    """The flags parse and pass every check of pretrain_gpt.py (one process)."""
+    from pretrain.cli import parse_args as parse_training_args
+
+    parse_training_args(argv, env={})
+
+
+class PlainBlock(nn.Module):
+    """A pre-norm GPT-2 block from torch modules."""
+
+    def __init__(self, h: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.qkv, self.proj = nn.Linear(h, 3 * h), nn.Linear(h, h)
+        self.fc1, self.fc2 = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).unbind(2)
+        attn = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        x = x + self.proj(attn.transpose(1, 2).reshape(b, s, h))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class PlainGPT(nn.Module):
+    """GPT-2 from torch modules: tied embedding, learned positions, the padded vocabulary."""
+
+    def __init__(self, shape: Shape, vocab: int):
+        super().__init__()
+        self.wte, self.wpe = (
+            nn.Embedding(vocab, shape.hidden),
+            nn.Embedding(shape.seq, shape.hidden),
+        )
+        self.blocks = nn.ModuleList(
+            PlainBlock(shape.hidden, shape.heads) for _ in range(shape.layers)
+        )
+        self.ln_f = nn.LayerNorm(shape.hidden)
+        for p in self.parameters():
+            if p.dim() > 1:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1], device=tokens.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = F.linear(self.ln_f(x), self.wte.weight)
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
+def plain_step_seconds(shape: Shape, device: torch.device, iters: int, warmup: int) -> list[float]:
+    """Seconds per training step of PlainGPT (bf16 autocast, fused AdamW, clipping)."""
+    padded = shape.config().padded_vocab_size(1)
+    model = PlainGPT(shape, padded).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.01, fused=True)
+    generator = torch.Generator().manual_seed(0)
+    batch = torch.randint(0, VOCAB, (shape.micro_batch, shape.seq + 1), generator=generator)
+    tokens, labels = batch[:, :-1].to(device), batch[:, 1:].to(device)
+    times = []
+    for _ in range(iters):
+        _sync(device)
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(tokens, labels)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    if not math.isfinite(float(loss.detach())):
+        raise CheckFailed(f"plain step of {shape.name}: loss is {float(loss.detach())}")
+    return times[warmup:]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def figures(shape: Shape, seconds: float, peak: float | None) -> dict:
+    """tokens/s, TFLOP/s and MFU of one iteration of `shape` taking `seconds`."""
+    config = shape.config()
+    flops = flops_per_iteration(config, shape.micro_batch, config.padded_vocab_size(1))
+    tflops = flops / seconds / 1e12
+    return {
+        "tokens_per_s": round(shape.micro_batch * shape.seq / seconds, 1),
+        "tflops": round(tflops, 2),
+        "mfu": None if peak is None else round(tflops / peak, 4),
+    }
+
+
+def run_step(what: str, cmd: list[str], timeout: float, env: dict) -> str:
+    """Run `cmd`; its output, or CheckFailed naming `what` with the output's tail."""
+    try:
+        result = subprocess.run(
+            cmd, cwd=REPO, env=env, timeout=timeout, capture_output=True, text=True
+        )
+    except subprocess.TimeoutExpired as err:
+        raise CheckFailed(f"{what}: no result after {timeout:.0f} s") from err
+    output = result.stdout + result.stderr
+    if result.returncode != 0:
+        raise CheckFailed(f"{what}: exit status {result.returncode}\n{output[-4000:]}")
+    return output
+
+
+def our_training(shape: Shape, corpus: str, args, work: Path, env: dict, peak) -> dict:
+    """pretrain_gpt.py on one GPU; the medians of its logged throughput after the warmup."""
+    argv = training_argv(shape, corpus, args.iters, work, save=shape.name == EXPORTED)
+    run_step(f"training {shape.name}", [sys.executable, "pretrain_gpt.py", *argv], 420, env)
+    lines = (work / f"{shape.name}.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    steps = [r for r in records if "iteration-time" in r and r["iteration"] > args.warmup]
+    if not steps:
+        raise CheckFailed(f"training {shape.name}: no iterations logged after the warmup")
+    losses = [r["lm-loss"] for r in steps]
+    if not all(math.isfinite(x) for x in losses):
+        raise CheckFailed(f"training {shape.name}: non-finite loss {losses}")
+    return {
+        **figures(shape, statistics.median(r["iteration-time"] for r in steps), peak),
+        "logged_tflops": round(statistics.median(r["tflops-per-device"] for r in steps), 2),
+        "first_loss": round(records[0]["lm-loss"], 4),
+        "last_loss": round(losses[-1], 4),
+    }
+
+
+def export_hf(shape: Shape, work: Path, env: dict) -> dict:
+    """convert_to_hf.py --dtype bf16 --verify on the model's checkpoint."""
+    out = run_step(
+        f"HF export of {shape.name}",
+        [
+            sys.executable,
+            "tools/convert_to_hf.py",
+            *("--load", str(work / f"{shape.name}_ckpt"), "--dtype", "bf16", "--verify"),
+            *("--output-dir", str(work / f"{shape.name}_hf"), "--overwrite"),
+        ],
+        300,
+        env,
+    )
+    return {"model": shape.name, "dtype": "bf16", "verified": True, "log_tail": out[-300:]}
+
+
+def parse_result_line(output: str) -> dict:
+    """The JSON object on the last non-empty line of the check's output."""
+    lines = [line for line in output.strip().splitlines() if line.strip()]
+    result = json.loads(lines[-1])
+    if not {"device", "models", "ratio"} <= result.keys():
+        raise ValueError(f"not a gpu-check result line: {lines[-1][:200]}")
+    return result
+
+
+def dry_run(args, work: Path) -> dict:
+    """The CPU-safe parts: every model's flags checked, the plain step of a tiny model on CPU."""
+    corpus = write_corpus(work / "corpus", tokens=20_000)
+    for shape in SHAPES.values():
+        check_argv(training_argv(shape, corpus, args.iters, work, save=shape.name == EXPORTED))
+    times = plain_step_seconds(TINY, torch.device("cpu"), iters=3, warmup=1)
+    plain = figures(TINY, statistics.median(times), None)
+    return {
+        "device": "cpu (dry run)",
+        "dry_run": True,
+        "tests": None,
+        "models": {TINY.name: {"ours": None, "plain": plain, "ratio": None}},
+        "hf_export": None,
+        "ratio": None,
+    }
+
+
+def gpu_run(args, work: Path) -> dict:
+    """Everything, on the GPU; CheckFailed at the first thing that breaks."""
+    if not torch.cuda.is_available():
+        raise CheckFailed("torch.cuda.is_available() is False: no GPU for the GPU check")
+    device = torch.device("cuda")
+    peak = peak_tflops_per_device(None)
+    env = {**os.environ, "DS_ACCELERATOR": "cuda", "PRETRAIN_REQUIRE_GPU": "1"}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    tests = run_step(
+        "pytest -m gpu",
+        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"],
+        args.test_timeout,
+        env,
+    )
+    summary = tests.strip().splitlines()[-1]
+    if "skipped" in summary or "passed" not in summary:
+        raise CheckFailed(f"pytest -m gpu: {summary} (every GPU test must run)")
+    corpus = write_corpus(work / "corpus", tokens=40 * 16 * 2048)
+    models = {}
+    for name in args.models:
+        shape = SHAPES[name]
+        ours = our_training(shape, corpus, args, work, env, peak)
+        plain_times = plain_step_seconds(shape, device, args.iters, args.warmup)
+        plain = figures(shape, statistics.median(plain_times), peak)
+        models[name] = {
+            "ours": ours,
+            "plain": plain,
+            "ratio": round(ours["tokens_per_s"] / plain["tokens_per_s"], 3),
+        }
+        torch.cuda.empty_cache()
+    export = export_hf(SHAPES[EXPORTED], work, env) if EXPORTED in models else None
+    return {
+        "device": torch.cuda.get_device_name(),
+        "dry_run": False,
+        "peak_tflops": peak,
+        "torch": torch.__version__,
+        "tests": summary,
+        "models": models,
+        "hf_export": export and {k: v for k, v in export.items() if k != "log_tail"},
+        "ratio": min(m["ratio"] for m in models.values()),
+    }
+
+
+def main(argv=None) -> int:
+    """Run the check; print the JSON line; 0 when everything ran, 1 (and why) when not."""
+    args = parse_args(argv)
+    start = time.monotonic()
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        result = dry_run(args, work) if args.dry_run else gpu_run(args, work)
+    except CheckFailed as err:
+        print(f"gpu-check FAILED: {err}", file=sys.stderr)
+        return 1
+    finally:
+        if not args.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+    result["wall_s"] = round(time.monotonic() - start, 1)
+    line = json.dumps(result)
+    parse_result_line(line)  # what a reader of the line will do
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
