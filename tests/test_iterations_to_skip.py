@@ -89,3 +89,13 @@ def test_skipped_iteration_and_resume(tmp_path):
     _, meta = find_checkpoint(ckpt, 4)
     assert meta["skipped_train_samples"] == [[8, 16]] and meta["consumed_train_samples"] == 32
     assert json.loads((tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text()) == 4
+
+    # explain_batch marks iteration 2's samples as skipped, from the checkpoint or from the flag
+    tool = [PYTHON, str(REPO / "tools" / "explain_batch.py"), *base, "--iteration", "1-3", "--json"]
+    for source in (["--load", ckpt], ["--iterations-to-skip", "2"]):
+        r = run([*tool, *source], timeout=200)
+        assert r.returncode == 0, r.stdout[-3000:]
+        rows = [json.loads(x) for x in r.stdout.splitlines() if x.startswith("{")]
+        assert [(x["sample"], x["skipped"]) for x in rows] == [
+            (k, 8 <= k < 16) for k in range(3 * GBS)
+        ]
