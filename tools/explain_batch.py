@@ -131,10 +131,13 @@ def skipped_ranges(ns) -> list[tuple[int, int]]:
     return ranges
 
 
-def print_sample(s: SampleOrigin, texts: _Texts, as_json: bool, skipped: bool = False) -> None:
-    """One sample: a JSON line, or a text line and the start of each document."""
+def print_sample(
+    s: SampleOrigin, texts: _Texts, as_json: bool, skipped: bool | None = None
+) -> None:
+    """One sample: a JSON line, or a text line and the start of each document. `skipped` (a JSON
+    field only when --load or --iterations-to-skip is given): not trained on."""
     if as_json:
-        print(json.dumps({**s.as_dict(), "skipped": skipped}))
+        print(json.dumps(s.as_dict() | ({} if skipped is None else {"skipped": skipped})))
         return
     print(
         f"iteration {s.iteration} dp_rank {s.dp_rank} micro_batch {s.micro_batch} "
@@ -203,13 +206,16 @@ def main(argv=None) -> int:
         raise UserError("the train split is empty (check --split and the data prefixes)")
     texts = _Texts(train, tokenizer)
     skipped = skipped_ranges(ns)
+    known = ns.load is not None or ns.iterations_to_skip is not None
     if ns.grep is not None:
         return 0 if grep(ns, train, cfg, texts, first, ranks) else 1
     for it in range(first, last + 1):
         for s in explain_iteration(
             train, cfg, it, ns.global_batch_size, ns.micro_batch_size, dp, ranks
         ):
-            print_sample(s, texts, ns.json, skipped_in(skipped, s.sample, s.sample + 1))
+            print_sample(
+                s, texts, ns.json, skipped_in(skipped, s.sample, s.sample + 1) if known else None
+            )
     return 0
 
 
