@@ -10,7 +10,15 @@ import re
 
 import pytest
 import torch
-from training_fixtures import PYTHON, REPO, make_corpus, model_flags, run, train_flags
+from training_fixtures import (
+    PYTHON,
+    REPO,
+    make_corpus,
+    model_flags,
+    run,
+    torchrun_cmd,
+    train_flags,
+)
 
 from pretrain.convert.checkpoint_reader import read_checkpoint
 from pretrain.model.gpt import GPTModel
@@ -55,13 +63,15 @@ def _validation_samples(argv: list[str], count: int) -> dict:
     return valid.__getitems__(list(range(count)))
 
 
-@pytest.fixture(scope="module")
-def blended_run(tmp_path_factory):
+@pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "dp2"])
+def blended_run(request, tmp_path_factory):
+    """One rank, and DP = 2 (the per-source sums are all-reduced over data-parallel ranks)."""
     tmp = tmp_path_factory.mktemp("per_source")
     a = make_corpus(tmp / "alpha", seed=0)
     b = make_corpus(tmp / "beta", seed=1)
     flags = _flags(tmp, a, b)
-    out = run([PYTHON, str(REPO / "pretrain_gpt.py"), *flags], timeout=400)
+    single = [PYTHON, str(REPO / "pretrain_gpt.py"), *flags]
+    out = run(single if request.param == 1 else torchrun_cmd(2, flags), timeout=400)
     assert out.returncode == 0, out.stdout[-4000:]
     records = [json.loads(x) for x in (tmp / "metrics.jsonl").read_text().splitlines()]
     return flags, out.stdout, records, tmp, (a, b)
