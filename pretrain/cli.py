@@ -62,6 +62,7 @@ from pretrain.training.lr_schedule import (
 )
 from pretrain.training.optimizer import OptimizerConfig
 from pretrain.training.run import RunConfig
+from pretrain.training.skip import iteration_spec
 
 # Megatron removed these; say what replaced them instead of "unrecognized arguments".
 DEPRECATED_FLAGS = {
@@ -181,6 +182,7 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _flag("--loss-scale-window", field="precision.loss_scale_window", type=int, help="[1000, or the --deepspeed_config fp16 value]"),
         _flag("--hysteresis", field="precision.hysteresis", type=int, help="[2, or the --deepspeed_config fp16 value]"),
         _flag("--exit-interval", field="training.exit_interval", type=int, help="save (with --save) and exit after this iteration"),
+        _flag("--iterations-to-skip", field="training.iterations_to_skip", type=iteration_spec, nargs="+", action="extend", help="1-indexed iterations (N or A-B) whose batches are read and dropped without a step"),
         _flag("--exit-duration-in-mins", field="training.exit_duration_in_mins", type=float, help="save and exit after this many minutes"),
         _flag("--exit-signal-handler", field="training.exit_signal_handler", action="store_true", help="on --exit-signal every rank finishes its iteration, saves (with --save) and exits 0"),
         _flag("--exit-signal", field="training.exit_signal", choices=list(SIGNALS), default="SIGTERM", help="the signal --exit-signal-handler waits for [SIGTERM]"),

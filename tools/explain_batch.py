@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from plan_blend import refuse_unknown  # noqa: E402  (tools/, beside this script)
 
+from pretrain.convert.checkpoint_reader import find_checkpoint  # noqa: E402
 from pretrain.data.builder import build_train_valid_test_datasets  # noqa: E402
 from pretrain.data.config import (  # noqa: E402
     DataConfig,
@@ -40,6 +41,7 @@ from pretrain.data.explain import SampleOrigin, explain_iteration  # noqa: E402
 from pretrain.data.fingerprint import check_data  # noqa: E402
 from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
 from pretrain.tokenizer import TokenizerConfig, add_tokenizer_args, build_tokenizer  # noqa: E402
+from pretrain.training.skip import flatten_iterations, iteration_spec, skipped_in  # noqa: E402
 
 PREVIEW_TOKENS = 24
 PREVIEW_CHARS = 70
@@ -62,6 +64,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--dp-rank", type=int, default=None, help="only this DP rank (default: all)")
     g.add_argument("--json", action="store_true", help="one JSON object per sample")
+    g.add_argument(
+        "--iterations-to-skip",
+        type=iteration_spec,
+        nargs="+",
+        action="extend",
+        default=None,
+        help="the run's skipped iterations (N or A-B): their samples are marked skipped",
+    )
+    g.add_argument(
+        "--load",
+        default=None,
+        help="mark the skipped sample ranges recorded in this checkpoint directory's latest",
+    )
     g.add_argument("--grep", default=None, help="find iterations with a document containing TEXT")
     g.add_argument(
         "--max-iterations", type=int, default=1000, help="--grep searches at most this many"
@@ -104,15 +119,31 @@ class _Texts:
         return self._full[key]
 
 
-def print_sample(s: SampleOrigin, texts: _Texts, as_json: bool) -> None:
-    """One sample: a JSON line, or a text line and the start of each document."""
+def skipped_ranges(ns) -> list[tuple[int, int]]:
+    """Sample ranges [start, end) not trained on: from --load's checkpoint, and from
+    --iterations-to-skip at this --global-batch-size."""
+    ranges = []
+    if ns.load is not None:
+        _, meta = find_checkpoint(ns.load)
+        ranges += [(int(a), int(b)) for a, b in meta.get("skipped_train_samples", [])]
+    for it in flatten_iterations(ns.iterations_to_skip):
+        ranges.append(((it - 1) * ns.global_batch_size, it * ns.global_batch_size))
+    return ranges
+
+
+def print_sample(
+    s: SampleOrigin, texts: _Texts, as_json: bool, skipped: bool | None = None
+) -> None:
+    """One sample: a JSON line, or a text line and the start of each document. `skipped` (a JSON
+    field only when --load or --iterations-to-skip is given): not trained on."""
     if as_json:
-        print(json.dumps(s.as_dict()))
+        print(json.dumps(s.as_dict() | ({} if skipped is None else {"skipped": skipped})))
         return
     print(
         f"iteration {s.iteration} dp_rank {s.dp_rank} micro_batch {s.micro_batch} "
         f"sample {s.sample} dataset {s.dataset} dataset_sample {s.dataset_sample} "
         f"documents {s.documents}"
+        + (" SKIPPED (--iterations-to-skip: not trained on)" if skipped else "")
     )
     for doc, first, _ in s.documents:
         print(f"    document {doc}: {texts.start(s.dataset, doc)}")
@@ -174,13 +205,17 @@ def main(argv=None) -> int:
     if train is None:
         raise UserError("the train split is empty (check --split and the data prefixes)")
     texts = _Texts(train, tokenizer)
+    skipped = skipped_ranges(ns)
+    known = ns.load is not None or ns.iterations_to_skip is not None
     if ns.grep is not None:
         return 0 if grep(ns, train, cfg, texts, first, ranks) else 1
     for it in range(first, last + 1):
         for s in explain_iteration(
             train, cfg, it, ns.global_batch_size, ns.micro_batch_size, dp, ranks
         ):
-            print_sample(s, texts, ns.json)
+            print_sample(
+                s, texts, ns.json, skipped_in(skipped, s.sample, s.sample + 1) if known else None
+            )
     return 0
 
 

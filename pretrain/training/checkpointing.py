@@ -265,6 +265,7 @@ class Checkpointer:
             iteration=iteration,
             consumed_train_samples=train_state.consumed_train_samples,
             consumed_valid_samples=train_state.consumed_valid_samples,
+            skipped_train_samples=train_state.skipped_train_samples,
             model=self.model,
             parallel=self.parallel,
             pipeline_engine=engine.pipeline,
@@ -467,9 +468,7 @@ def load_checkpoint(
     if config.finetune:
         logger.info(f"loaded weights from {step_dir} (--finetune: iteration and data restart at 0)")
         return TrainState(), None
-    train_state = TrainState(
-        **{f.name: int(client_state[f.name]) for f in dataclasses.fields(TrainState)}
-    )
+    train_state = TrainState.from_checkpoint(client_state)
     logger.info(
         f"loaded checkpoint {step_dir} at iteration {train_state.iteration} "
         f"({train_state.consumed_train_samples} samples consumed)"

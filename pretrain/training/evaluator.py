@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pretrain.training.logging import MetricsLogger, logger
+from pretrain.training.per_source import SourceLosses
 from pretrain.training.state import TrainState
 from pretrain.training.step import evaluation_loss
 
@@ -48,8 +49,12 @@ class Evaluator:
         use_document_ids: bool,
         device: torch.device,
         metrics: MetricsLogger,
+        valid_sources: list[str] | None = None,
+        pipeline: bool = False,
     ):
         self.config, self.metrics = config, metrics
+        # Per-source validation losses need the per-token losses, which only PP = 1 sees here.
+        self.valid_sources = None if pipeline else valid_sources
         self.valid_batches, self.test_batches = valid_batches, test_batches
         self.global_batch_size, self.num_microbatches = global_batch_size, num_microbatches
         self.use_document_ids, self.device = use_document_ids, device
@@ -77,7 +82,7 @@ class Evaluator:
             and iteration % self.config.eval_interval == 0
         )
 
-    def _loss(self, engine: Engine, batches) -> float:
+    def _loss(self, engine: Engine, batches, sources: SourceLosses | None = None) -> float:
         return evaluation_loss(
             engine,
             batches,
@@ -85,13 +90,18 @@ class Evaluator:
             self.num_microbatches,
             self.use_document_ids,
             self.device,
+            sources,
         )
 
     def evaluate(self, engine: Engine, train_state: TrainState, where: str = "") -> float:
         """One validation pass; advances the consumed validation samples and logs the loss."""
-        loss = self._loss(engine, self.valid_batches)
+        sources = SourceLosses(self.valid_sources, self.device) if self.valid_sources else None
+        loss = self._loss(engine, self.valid_batches, sources)
         train_state.consumed_valid_samples += self.config.eval_iters * self.global_batch_size
         self.metrics.log_validation(train_state.iteration, loss, where)
+        if sources is not None:
+            sources.all_reduce()
+            self.metrics.log_validation_sources(train_state.iteration, sources, where)
         return loss
 
     def evaluate_at_end(self, engine: Engine, train_state: TrainState) -> None:

@@ -322,3 +322,13 @@ class MetricsLogger:
             {f"{split}-loss": loss, f"{split}-ppl": math.exp(min(20.0, loss))},
         )
         logger.info(format_eval_line(iteration, loss, where))
+
+    def log_validation_sources(self, iteration: int, sources, where: str = "") -> None:
+        """After Megatron's validation block: each blend source's token-weighted loss
+        (`validation-loss/<prefix>` scalars) and the token-weighted total over all sources."""
+        from pretrain.training.per_source import format_source_lines
+
+        scalars = {f"validation-loss/{name}": v for name, v in sources.losses().items()}
+        scalars["validation-loss/token-weighted"] = sources.token_weighted_total()
+        self.writer.write(iteration, scalars)
+        logger.info(format_source_lines(iteration, where, sources))

@@ -19,6 +19,7 @@ from pretrain.training.distributed import collective_device
 from pretrain.training.evaluator import Evaluator
 from pretrain.training.exit_signal import ExitSignal
 from pretrain.training.logging import MetricsLogger, logger
+from pretrain.training.skip import flatten_iterations, skip_iteration
 from pretrain.training.state import TrainState
 from pretrain.training.step import train_step
 
@@ -58,6 +59,8 @@ class TrainingConfig:
     (--exit-signal-handler)."""
     exit_signal: str = "SIGTERM"
     """The signal --exit-signal-handler waits for (--exit-signal)."""
+    iterations_to_skip: list[list[int]] | None = None
+    """1-indexed iterations whose batches are read and dropped (--iterations-to-skip N|A-B ...)."""
 
 
 def _all_ranks_agree(flag: bool) -> bool:
@@ -110,10 +113,14 @@ def train(
     Returns True when --train-iters was reached, False after an early exit (Megatron runs its
     final evaluation only in the first case)."""
     started, first_iteration = time.monotonic(), train_state.iteration
+    to_skip = flatten_iterations(config.iterations_to_skip)
     while train_state.iteration < config.train_iters and not _tokens_done(config, train_state):
         # Megatron's update_num_microbatches(consumed): the batch of this iteration
         global_batch, num_microbatches = _batch_at(config, train_state.consumed_train_samples)
         engine.set_global_batch_size(global_batch)
+        if train_state.iteration + 1 in to_skip:
+            skip_iteration(train_batches, num_microbatches, global_batch, train_state)
+            continue
         step_start = time.perf_counter()
         loss = train_step(engine, train_batches, num_microbatches, use_document_ids, device)
         seconds = time.perf_counter() - step_start

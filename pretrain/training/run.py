@@ -112,7 +112,7 @@ def _data_iterators(
     device: torch.device,
 ):
     """(train, valid, test) batch iterators, valid/test None when absent or --eval-iters 0,
-    train and valid positioned after the consumed samples; and the train dataset."""
+    train and valid positioned after the consumed samples; and the train and valid datasets."""
     from pretrain.training.step import PipelineBatches
 
     t, ev = cfg.training, cfg.evaluation
@@ -141,6 +141,7 @@ def _data_iterators(
         optional(valid_ds, consumed_valid),
         optional(test_ds, 0),
         train_ds,
+        valid_ds,
     )
 
 
@@ -188,6 +189,7 @@ def pretrain(cfg: RunConfig) -> TrainState:
     from pretrain.training.flops import flops_per_iteration, peak_tflops_per_device
     from pretrain.training.logging import MetricsLogger, ScalarWriter, Throughput
     from pretrain.training.loop import train
+    from pretrain.training.per_source import source_names
 
     t, par = cfg.training, cfg.parallel
     engine = build_engine(
@@ -210,7 +212,7 @@ def pretrain(cfg: RunConfig) -> TrainState:
     # Causal attention needs no input; document ids (O(S) per sample) only when documents are
     # kept apart (--reset-attention-mask).
     use_document_ids = cfg.data.reset_attention_mask
-    train_batches, valid_batches, test_batches, train_dataset = _data_iterators(
+    train_batches, valid_batches, test_batches, train_dataset, valid_dataset = _data_iterators(
         cfg,
         train_state.consumed_train_samples,
         train_state.consumed_valid_samples,
@@ -281,6 +283,8 @@ def pretrain(cfg: RunConfig) -> TrainState:
         use_document_ids=use_document_ids,
         device=device,
         metrics=metrics,
+        valid_sources=source_names(valid_dataset),
+        pipeline=par.pipeline_model_parallel_size > 1,
     )
     data = cfg.data
     evaluator.note_missing_data(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -15,3 +15,12 @@ class TrainState:
     """Training samples read (the train sampler's position)."""
     consumed_valid_samples: int = 0
     """Validation samples read (the validation sampler's position)."""
+    skipped_train_samples: list[tuple[int, int]] = field(default_factory=list)
+    """Training sample ranges [start, end) consumed without a step (--iterations-to-skip)."""
+
+    @classmethod
+    def from_checkpoint(cls, client_state: dict) -> TrainState:
+        """The state saved by `dataclasses.asdict` (checkpoints older than a field get its default)."""
+        counters = {f.name: int(client_state[f.name]) for f in fields(cls) if f.type == "int"}
+        ranges = client_state.get("skipped_train_samples", [])
+        return cls(**counters, skipped_train_samples=[(int(a), int(b)) for a, b in ranges])

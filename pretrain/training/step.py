@@ -15,6 +15,7 @@ import torch
 
 from pretrain.model.loss import masked_mean_loss
 from pretrain.parallel import state
+from pretrain.training.per_source import SourceLosses
 
 if TYPE_CHECKING:  # imports deepspeed, which must wait for the launch environment
     from pretrain.training.engine import Engine
@@ -42,7 +43,11 @@ class PipelineBatches:
 
 
 def _micro_batch_loss(
-    engine: Engine, batch: dict, use_document_ids: bool, device: torch.device
+    engine: Engine,
+    batch: dict,
+    use_document_ids: bool,
+    device: torch.device,
+    sources: SourceLosses | None = None,
 ) -> torch.Tensor:
     per_token = engine.ds(
         batch["tokens"].to(device),
@@ -50,6 +55,8 @@ def _micro_batch_loss(
         document_ids=batch["document_ids"].to(device) if use_document_ids else None,
         labels=batch["labels"].to(device),
     )
+    if sources is not None:
+        sources.add(per_token, batch["loss_mask"].to(device), batch["dataset_id"])
     return masked_mean_loss(per_token, batch["loss_mask"].to(device))
 
 
@@ -86,8 +93,12 @@ def evaluation_loss(
     num_microbatches: int,
     use_document_ids: bool,
     device: torch.device,
+    sources: SourceLosses | None = None,
 ) -> float:
-    """Mean loss over `eval_iters` global batches, without gradients or optimizer steps."""
+    """Mean loss over `eval_iters` global batches, without gradients or optimizer steps.
+
+    With `sources` (PP = 1 only), each micro-batch's per-token losses are also summed per blend
+    source; the caller all-reduces them."""
     if engine.pipeline:
         losses = [
             float(engine.ds.eval_batch(data_iter=batches, num_micro_batches=num_microbatches))
@@ -97,7 +108,7 @@ def evaluation_loss(
     engine.ds.eval()
     try:
         losses = [
-            _micro_batch_loss(engine, next(batches), use_document_ids, device)
+            _micro_batch_loss(engine, next(batches), use_document_ids, device, sources)
             for _ in range(eval_iters * num_microbatches)
         ]
     finally:

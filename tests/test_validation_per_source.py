@@ -1,0 +1,130 @@
+"""Validation loss per blend source (PP = 1): a real run's logged per-source losses equal the
+checkpointed model's cross-entropy on the same validation samples grouped by their source; the
+Megatron total stays the mean of per-micro-batch masked means."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import pytest
+import torch
+from training_fixtures import (
+    PYTHON,
+    REPO,
+    make_corpus,
+    model_flags,
+    run,
+    torchrun_cmd,
+    train_flags,
+)
+
+from pretrain.convert.checkpoint_reader import read_checkpoint
+from pretrain.model.gpt import GPTModel
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+GBS, MBS, EVAL_ITERS = 8, 2, 2
+
+
+def _flags(tmp, a: str, b: str) -> list[str]:
+    flags = model_flags("gpt2") + train_flags(a, iters=2, gbs=GBS, mbs=MBS)
+    i = flags.index("--data-path")
+    flags[i + 1 : i + 2] = [a, b]  # unweighted blend of two sources
+    flags[flags.index("--split") + 1] = "80,20,0"
+    flags[flags.index("--eval-interval") + 1] = "2"
+    flags[flags.index("--eval-iters") + 1] = str(EVAL_ITERS)
+    return flags + [
+        "--metrics-file",
+        str(tmp / "metrics.jsonl"),
+        "--save",
+        str(tmp / "ckpt"),
+        "--save-interval",
+        "2",
+    ]
+
+
+def _validation_samples(argv: list[str], count: int) -> dict:
+    """The first `count` samples of the validation split, read through the data pipeline here."""
+    from pretrain.cli import parse_args
+    from pretrain.data.builder import build_train_valid_test_datasets
+    from pretrain.data.config import train_valid_test_num_samples
+    from pretrain.tokenizer import build_tokenizer
+
+    cfg = parse_args(argv, env={})
+    t, ev = cfg.training, cfg.evaluation
+    num_samples = train_valid_test_num_samples(
+        t.train_iters, t.train_samples, ev.eval_interval, ev.eval_iters, t.global_batch_size
+    )
+    valid = build_train_valid_test_datasets(cfg.data, build_tokenizer(cfg.tokenizer), num_samples)[
+        1
+    ]
+    return valid.__getitems__(list(range(count)))
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "dp2"])
+def blended_run(request, tmp_path_factory):
+    """One rank, and DP = 2 (the per-source sums are all-reduced over data-parallel ranks)."""
+    tmp = tmp_path_factory.mktemp("per_source")
+    a = make_corpus(tmp / "alpha", seed=0)
+    b = make_corpus(tmp / "beta", seed=1)
+    flags = _flags(tmp, a, b)
+    single = [PYTHON, str(REPO / "pretrain_gpt.py"), *flags]
+    out = run(single if request.param == 1 else torchrun_cmd(2, flags), timeout=400)
+    assert out.returncode == 0, out.stdout[-4000:]
+    records = [json.loads(x) for x in (tmp / "metrics.jsonl").read_text().splitlines()]
+    return flags, out.stdout, records, tmp, (a, b)
+
+
+def test_per_source_losses_equal_the_models_loss_on_those_samples(blended_run):
+    flags, _, records, tmp, (a, b) = blended_run
+    # the periodic evaluation at iteration 2 (the final pass at 2 follows it): samples [0, 16)
+    first = next(i for i, r in enumerate(records) if f"validation-loss/{a}" in r)
+    periodic = {k: v for r in records[: first + 1] if r["iteration"] == 2 for k, v in r.items()}
+    batch = _validation_samples(flags, EVAL_ITERS * GBS)
+    ids = batch["dataset_id"]
+    assert set(ids.tolist()) == {0, 1}  # both sources are in the pass
+
+    ck = read_checkpoint(str(tmp / "ckpt"))  # the model at iteration 2, as evaluated
+    assert ck.iteration == 2
+    config = dataclasses.replace(
+        ck.config, make_vocab_size_divisible_by=1, params_dtype=torch.float32
+    )
+    model = GPTModel(config).eval()
+    model.load_state_dict(ck.state_dict)
+    with torch.no_grad():
+        logits = model(batch["tokens"], position_ids=batch["position_ids"], gather_logits=True)
+    per_token = torch.nn.functional.cross_entropy(
+        logits.double().flatten(0, 1), batch["labels"].flatten(), reduction="none"
+    ).view_as(batch["labels"])
+    mask = batch["loss_mask"].double()
+
+    for source, prefix in enumerate((a, b)):
+        rows = ids == source
+        expected = (per_token[rows] * mask[rows]).sum() / mask[rows].sum()
+        assert periodic[f"validation-loss/{prefix}"] == pytest.approx(float(expected), rel=1e-5)
+    token_weighted = (per_token * mask).sum() / mask.sum()
+    assert periodic["validation-loss/token-weighted"] == pytest.approx(
+        float(token_weighted), rel=1e-5
+    )
+    # Megatron's total: the mean over micro-batches of each micro-batch's masked mean
+    micro = [
+        (per_token[i : i + MBS] * mask[i : i + MBS]).sum() / mask[i : i + MBS].sum()
+        for i in range(0, EVAL_ITERS * GBS, MBS)
+    ]
+    assert periodic["validation-loss"] == pytest.approx(float(torch.stack(micro).mean()), rel=1e-5)
+
+
+def test_log_has_megatrons_block_then_one_line_per_source(blended_run):
+    _, output, _, _, (a, b) = blended_run
+    block = re.search(
+        r"-+\n validation loss at iteration 2 \| lm loss value: \S+ \| lm loss PPL: \S+ \| \n-+\n"
+        r".*?validation loss at iteration 2 \| source (\S+) \| lm loss value: \S+ \| "
+        r"lm loss PPL: \S+ \| tokens: \d+\n"
+        r".*?validation loss at iteration 2 \| source (\S+) \| .*\n"
+        r".*?validation loss at iteration 2 \| all sources, token-weighted \| lm loss value: \S+",
+        output,
+    )
+    assert block, output[-3000:]
+    assert (block.group(1), block.group(2)) == (a, b)
