@@ -6,7 +6,9 @@ DeepSpeed imports); `pretrain/training/` fills it from a live engine and sets an
 
 On disk, beside DeepSpeed's files of a tag:
 
-    <save>/global_step<N>/full_state/tp<t:02d>_pp<p:02d>.pt     one per model-parallel rank
+    <save>/global_step<N>/full_state_tp<t:02d>_pp<p:02d>.pt     one per model-parallel rank
+
+(flat in the step folder, so that the step's file list in its metadata covers them).
 
 Each file is written by data-parallel rank 0 of one (TP rank t, PP stage p) and holds the
 parameters that stage owns, *TP-local* but complete over data parallelism (ZeRO partitions
@@ -37,7 +39,7 @@ from pretrain.errors import UserError
 from pretrain.parallel.sharding import merge_shards, shard_tensor
 
 FULL_STATE_VERSION = 1
-FULL_STATE_DIR = "full_state"
+FULL_STATE_PREFIX = "full_state_"
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "head.output_layer.weight")
 TENSOR_KEYS = ("param", "exp_avg", "exp_avg_sq")
 
@@ -60,12 +62,20 @@ class FullEntry:
 
 def shard_file(step_dir: str, tp_rank: int, pp_stage: int) -> str:
     """The path of the file written by model-parallel rank (tp_rank, pp_stage)."""
-    return os.path.join(step_dir, FULL_STATE_DIR, f"tp{tp_rank:02d}_pp{pp_stage:02d}.pt")
+    return os.path.join(step_dir, f"{FULL_STATE_PREFIX}tp{tp_rank:02d}_pp{pp_stage:02d}.pt")
 
 
 def has_full_state(step_dir: str) -> bool:
     """True when the tag folder holds a layout-independent state."""
-    return os.path.isdir(os.path.join(step_dir, FULL_STATE_DIR))
+    return bool(_shard_names(step_dir))
+
+
+def _shard_names(step_dir: str) -> list[str]:
+    if not os.path.isdir(step_dir):
+        return []
+    return sorted(
+        n for n in os.listdir(step_dir) if n.startswith(FULL_STATE_PREFIX) and n.endswith(".pt")
+    )
 
 
 def write_shard(
@@ -80,7 +90,6 @@ def write_shard(
     """Write one model-parallel rank's entries (see the module docstring) atomically; `extra`
     holds plain values (numbers, strings) that are the same on every rank (the LR schedule)."""
     path = shard_file(step_dir, tp_rank, pp_stage)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
     payload = {
         "format_version": FULL_STATE_VERSION,
         "tensor_parallel_size": tp_size,
@@ -120,11 +129,12 @@ def _load_shard(path: str) -> dict:
 
 
 def _shards_by_tp_rank(step_dir: str) -> list[dict[str, dict]]:
-    folder = os.path.join(step_dir, FULL_STATE_DIR)
-    names = sorted(n for n in os.listdir(folder) if n.endswith(".pt"))
-    payloads = [_load_shard(os.path.join(folder, n)) for n in names]
+    folder = step_dir
+    payloads = [_load_shard(os.path.join(folder, n)) for n in _shard_names(step_dir)]
     if not payloads:
-        raise UserError(f"{folder}: empty (the checkpoint is incomplete)")
+        raise UserError(
+            f"{folder}: no {FULL_STATE_PREFIX}*.pt files (the checkpoint is incomplete)"
+        )
     tp = payloads[0]["tensor_parallel_size"]
     per_rank: list[dict[str, dict]] = [{} for _ in range(tp)]
     for payload in payloads:
