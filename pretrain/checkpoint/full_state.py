@@ -30,6 +30,7 @@ of one TP rank at the target layout, re-padding the vocabulary. Files are read w
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -86,9 +87,12 @@ def write_shard(
     pp_stage: int,
     entries: dict[str, dict],
     extra: dict | None = None,
+    write: Callable[[dict, str], None] | None = None,
 ) -> str:
-    """Write one model-parallel rank's entries (see the module docstring) atomically; `extra`
-    holds plain values (numbers, strings) that are the same on every rank (the LR schedule)."""
+    """Write one model-parallel rank's entries (see the module docstring); `extra` holds plain
+    values (numbers, strings) that are the same on every rank (the LR schedule). `write(payload,
+    path)` does the writing (training: its fsynced, fail-softly writer inside the step's
+    temporary folder); by default an atomic torch.save."""
     path = shard_file(step_dir, tp_rank, pp_stage)
     payload = {
         "format_version": FULL_STATE_VERSION,
@@ -98,7 +102,10 @@ def write_shard(
         "entries": {name: _storable(entry) for name, entry in entries.items()},
         "extra": extra or {},
     }
-    atomic_write(path, lambda f: torch.save(payload, f))
+    if write is None:
+        atomic_write(path, lambda f: torch.save(payload, f))
+    else:
+        write(payload, path)
     return path
 
 

@@ -251,10 +251,7 @@ class Checkpointer:
             files.write(_rng_state(), os.path.join(save_dir, tmp_name, f"rng_state_{rank}.pt"))
         from pretrain.training.reshard import save_full_state  # imports deepspeed
 
-        try:  # a collective: every rank takes part even after a failed write
-            save_full_state(engine, os.path.join(save_dir, tmp_name))
-        except OSError as err:
-            files.fail(err.filename or save_dir, err.strerror or str(err))
+        save_full_state(engine, os.path.join(save_dir, tmp_name), files.write)  # a collective
         if files.failure is None:
             return None
         path, reason = files.failure

@@ -13,6 +13,8 @@ ZeRO 0-1); `checkpointing.relayout_possible` chooses this path over DeepSpeed's 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from deepspeed.utils import (
     safe_get_full_fp32_param,
@@ -99,8 +101,9 @@ def _collect(engine: Engine) -> dict[str, dict]:
     return entries
 
 
-def save_full_state(engine: Engine, step_dir: str) -> None:
-    """Write this rank's part of the layout-independent state into `step_dir` (collective)."""
+def save_full_state(engine: Engine, step_dir: str, write: Callable[[dict, str], None]) -> None:
+    """Write this rank's part of the layout-independent state into `step_dir` with
+    `write(payload, path)` (collective: every rank gathers, DP rank 0 writes)."""
     entries = _collect(engine)  # every rank: the ZeRO gathers are collectives over DP
     if state.get_data_parallel_rank() == 0:
         write_shard(
@@ -110,6 +113,7 @@ def save_full_state(engine: Engine, step_dir: str) -> None:
             pp_stage=state.get_pipeline_model_parallel_rank(),
             entries=entries,
             extra={"lr_scheduler": engine.scheduler.state_dict()},
+            write=write,
         )
 
 
