@@ -4,6 +4,7 @@ Dropout is on (0.1) so the per-rank RNG states in the checkpoint matter; losses 
 for bit (JSON floats round-trip exactly).
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -23,6 +24,8 @@ from training_fixtures import (
     train_flags,
 )
 from training_fixtures import test_env as clean_env  # (a plain name: pytest would collect test_env)
+
+from pretrain.checkpoint.format import META_FILE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -135,7 +138,15 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     assert sorted(again) == [3, 4]
     assert [again[i]["lm-loss"] for i in (3, 4)] == [first[i]["lm-loss"] for i in (3, 4)]
     assert (ckpt / "latest").read_text() == "global_step4"
-    # another TP: refused before any process group work, naming the converters
+    # another TP from a checkpoint without the layout-independent state (an older version's):
+    # refused before any process group work, naming the converters. (With it, another layout
+    # resumes: tests/test_reshard_resume.py.)
+    step = ckpt / "global_step4"
+    meta = json.loads((step / META_FILE).read_text())
+    for shard in step.glob("full_state_*.pt"):
+        shard.unlink()
+        del meta["files"][shard.name]
+    (step / META_FILE).write_text(json.dumps(meta))
     world2 = {
         "RANK": "0",
         "WORLD_SIZE": "2",

@@ -51,6 +51,7 @@ from pretrain.checkpoint.format import (
     tag_for,
     temporary_name,
 )
+from pretrain.checkpoint.full_state import has_full_state
 from pretrain.checkpoint.integrity import (
     Choice,
     check_finite,
@@ -248,6 +249,9 @@ class Checkpointer:
         if not self.config.no_save_rng:
             rank = torch.distributed.get_rank()
             files.write(_rng_state(), os.path.join(save_dir, tmp_name, f"rng_state_{rank}.pt"))
+        from pretrain.training.reshard import save_full_state  # imports deepspeed
+
+        save_full_state(engine, os.path.join(save_dir, tmp_name), files.write)  # a collective
         if files.failure is None:
             return None
         path, reason = files.failure
@@ -298,11 +302,30 @@ class Checkpointer:
         return None
 
 
+def _same_layout(saved: dict, parallel: ParallelConfig) -> bool:
+    keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
+    return all(saved[k] == getattr(parallel, k) for k in keys) and saved["zero_stage"] == (
+        parallel.zero_stage
+    )
+
+
+def relayout_possible(step_dir: str, meta: dict, parallel: ParallelConfig) -> bool:
+    """True when the checkpoint in `step_dir` was saved at another layout and resumes at this one
+    through its layout-independent state (pretrain/training/reshard.py)."""
+    return not _same_layout(meta["parallel"], parallel) and has_full_state(step_dir)
+
+
 def check_compatible(
-    config: CheckpointConfig, model: ModelConfig, parallel: ParallelConfig, meta: dict, path: str
+    config: CheckpointConfig,
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    meta: dict,
+    path: str,
+    relayout: bool = False,
 ) -> None:
-    """Refuse (one line) a checkpoint this run cannot resume: another model, TP/PP, or a ZeRO
-    optimizer state split over another number of data-parallel ranks."""
+    """Refuse (one line) a checkpoint this run cannot resume: another model, or (unless
+    `relayout`: it resumes through its full state) another TP/PP, or a ZeRO optimizer state split
+    over another number of data-parallel ranks."""
     if meta.get("weights_only") and not config.finetune:
         raise UserError(
             f"--load {path}: a weights-only checkpoint (converted, no optimizer or data position); "
@@ -315,6 +338,8 @@ def check_compatible(
             f"--zero-stage 0-2"
         )
     check_same_model(meta, model, path)
+    if relayout:
+        return
     saved = meta["parallel"]
     for key, flag in (
         ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
@@ -362,7 +387,9 @@ def check_before_launch(
     refuse_foreign_checkpoint(config.load)
     choice = choose_checkpoint(config.load)
     if choice is not None:
-        check_compatible(config, model, parallel, choice.meta, config.load)
+        step_dir = os.path.join(config.load, choice.tag)
+        relayout = relayout_possible(step_dir, choice.meta, parallel)
+        check_compatible(config, model, parallel, choice.meta, config.load, relayout)
     return choice
 
 
@@ -417,12 +444,49 @@ def _load_rng(config: CheckpointConfig, step_dir: str) -> tuple[dict | None, str
         return None, f"{path}: cannot be read ({type(err).__name__}: {err}); the file is damaged"
 
 
+def _load_relayout(
+    config: CheckpointConfig, engine: Engine, step_dir: str, meta: dict
+) -> tuple[TrainState, None]:
+    """Resume a checkpoint saved at another layout from its layout-independent state."""
+    from pretrain.training.reshard import load_full_state  # imports deepspeed
+
+    loads_optimizer = not (config.finetune or config.no_load_optim)
+    load_full_state(
+        engine, step_dir, vocab_size=meta["model"]["vocab_size"], with_optimizer=loads_optimizer
+    )
+    problem = agree(_nonfinite_problem(engine, step_dir, loads_optimizer))
+    if problem is not None:
+        raise UserError(problem)
+    saved = meta["parallel"]
+    layout = (
+        f"TP{saved['tensor_model_parallel_size']} PP{saved['pipeline_model_parallel_size']} "
+        f"DP{saved['data_parallel_size']} ZeRO-{saved['zero_stage']}"
+    )
+    if config.finetune:
+        logger.info(f"loaded weights from {step_dir} (saved at {layout}; --finetune)")
+        return TrainState(), None
+    train_state = TrainState(**{f.name: int(meta[f.name]) for f in dataclasses.fields(TrainState)})
+    engine.ds.global_steps = train_state.iteration
+    engine.ds.global_samples = train_state.consumed_train_samples
+    logger.info(
+        f"loaded checkpoint {step_dir} at iteration {train_state.iteration} "
+        f"({train_state.consumed_train_samples} samples consumed), saved at {layout}: resharded "
+        f"weights, fp32 master weights, Adam state and LR schedule; RNG states not restored "
+        f"(another layout): generators stay seeded from --seed"
+    )
+    return train_state, None
+
+
 def load_checkpoint(
-    config: CheckpointConfig, engine: Engine, choice: Choice | None
+    config: CheckpointConfig,
+    engine: Engine,
+    choice: Choice | None,
+    parallel: ParallelConfig | None = None,
 ) -> tuple[TrainState, dict | None]:
     """Resume from the step `check_before_launch` chose: (train state, this rank's RNG states or
     None). A file that cannot be loaded, or NaN/Inf in the weights or optimizer state, is one
-    line on every rank.
+    line on every rank. Given this run's `parallel` layout, a checkpoint saved at another one
+    resumes from its layout-independent state (`_load_relayout`).
 
     The caller restores the RNG states with `restore_rng_state` as the last step before training:
     building data loaders draws from the global torch generator.
@@ -440,6 +504,8 @@ def load_checkpoint(
         return TrainState(), None
     _same_tag_everywhere(config, choice)
     step_dir = os.path.join(config.load, choice.tag)
+    if parallel is not None and relayout_possible(step_dir, choice.meta, parallel):
+        return _load_relayout(config, engine, step_dir, choice.meta)
     loads_optimizer = not (config.finetune or config.no_load_optim)
     problem, client_state = None, None
     try:

@@ -205,7 +205,7 @@ def pretrain(cfg: RunConfig) -> TrainState:
         user_json=cfg.deepspeed_json,
     )
     train_state, rng = (
-        load_checkpoint(cfg.checkpoint, engine, choice)
+        load_checkpoint(cfg.checkpoint, engine, choice, cfg.parallel)
         if cfg.checkpoint.load
         else (TrainState(), None)
     )

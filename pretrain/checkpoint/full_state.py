@@ -1,0 +1,198 @@
+"""The layout-independent training state: full tensors by GPTModel name, with their Adam state.
+
+A checkpoint written at one (TP, PP, DP, ZeRO) layout can resume at another only through a form
+that does not depend on the layout. This module is that form, and only the form (no training or
+DeepSpeed imports); `pretrain/training/` fills it from a live engine and sets an engine from it.
+
+On disk, beside DeepSpeed's files of a tag:
+
+    <save>/global_step<N>/full_state_tp<t:02d>_pp<p:02d>.pt     one per model-parallel rank
+
+(flat in the step folder, so that the step's file list in its metadata covers them).
+
+Each file is written by data-parallel rank 0 of one (TP rank t, PP stage p) and holds the
+parameters that stage owns, *TP-local* but complete over data parallelism (ZeRO partitions
+already gathered), in fp32:
+
+    {"format_version": 1, "tensor_parallel_size": T, "tensor_parallel_rank": t,
+     "pipeline_stage": p, "extra": {plain values: the LR schedule position},
+     "entries": {name: {"partition": [dim, stride] | None,   # None: replicated over TP
+                        "param": fp32 master weight, "exp_avg": ..., "exp_avg_sq": ...,
+                        "step": int}}}                       # moments/step absent: no optimizer
+
+`read_full_state` merges the TP shards into full tensors and drops the padded vocabulary rows
+(they depend on TP: Megatron pads to a multiple of divisible_by * TP; they are zero and never in
+the softmax, so dropping and re-adding zero rows changes nothing). `local_shard` cuts the tensors
+of one TP rank at the target layout, re-padding the vocabulary. Files are read with
+`weights_only=True`: loading one runs no pickled code.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pretrain.atomic import atomic_write
+from pretrain.errors import UserError
+from pretrain.parallel.sharding import merge_shards, shard_tensor
+
+FULL_STATE_VERSION = 1
+FULL_STATE_PREFIX = "full_state_"
+VOCAB_PARAMS = ("embedding.word_embeddings.weight", "head.output_layer.weight")
+TENSOR_KEYS = ("param", "exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FullEntry:
+    """One parameter at TP = 1 without vocabulary padding, with its Adam state."""
+
+    partition: tuple[int, int] | None
+    """(dim, stride) of its TP split; None when every TP rank holds all of it."""
+    param: torch.Tensor
+    """The fp32 master weight."""
+    exp_avg: torch.Tensor | None = None
+    """Adam's first moment (None: saved without optimizer state)."""
+    exp_avg_sq: torch.Tensor | None = None
+    """Adam's second moment."""
+    step: int | None = None
+    """Adam's step count for this parameter (bias correction)."""
+
+
+def shard_file(step_dir: str, tp_rank: int, pp_stage: int) -> str:
+    """The path of the file written by model-parallel rank (tp_rank, pp_stage)."""
+    return os.path.join(step_dir, f"{FULL_STATE_PREFIX}tp{tp_rank:02d}_pp{pp_stage:02d}.pt")
+
+
+def has_full_state(step_dir: str) -> bool:
+    """True when the tag folder holds a layout-independent state."""
+    return bool(_shard_names(step_dir))
+
+
+def _shard_names(step_dir: str) -> list[str]:
+    if not os.path.isdir(step_dir):
+        return []
+    return sorted(
+        n for n in os.listdir(step_dir) if n.startswith(FULL_STATE_PREFIX) and n.endswith(".pt")
+    )
+
+
+def write_shard(
+    step_dir: str,
+    *,
+    tp_rank: int,
+    tp_size: int,
+    pp_stage: int,
+    entries: dict[str, dict],
+    extra: dict | None = None,
+    write: Callable[[dict, str], None] | None = None,
+) -> str:
+    """Write one model-parallel rank's entries (see the module docstring); `extra` holds plain
+    values (numbers, strings) that are the same on every rank (the LR schedule). `write(payload,
+    path)` does the writing (training: its fsynced, fail-softly writer inside the step's
+    temporary folder); by default an atomic torch.save."""
+    path = shard_file(step_dir, tp_rank, pp_stage)
+    payload = {
+        "format_version": FULL_STATE_VERSION,
+        "tensor_parallel_size": tp_size,
+        "tensor_parallel_rank": tp_rank,
+        "pipeline_stage": pp_stage,
+        "entries": {name: _storable(entry) for name, entry in entries.items()},
+        "extra": extra or {},
+    }
+    if write is None:
+        atomic_write(path, lambda f: torch.save(payload, f))
+    else:
+        write(payload, path)
+    return path
+
+
+def _storable(entry: dict) -> dict:
+    out = {"partition": list(entry["partition"]) if entry.get("partition") else None}
+    for key in TENSOR_KEYS:
+        if entry.get(key) is not None:
+            out[key] = entry[key].detach().to("cpu", torch.float32).contiguous().clone()
+    if entry.get("step") is not None:
+        out["step"] = int(entry["step"])
+    return out
+
+
+def _load_shard(path: str) -> dict:
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # noqa: BLE001 - a damaged or foreign file, refused by name
+        raise UserError(
+            f"{path}: cannot be read as a full training state ({type(err).__name__}: {err}); the "
+            f"checkpoint is damaged or not written by pretrain_gpt.py"
+        ) from None
+    if payload.get("format_version") != FULL_STATE_VERSION:
+        raise UserError(
+            f"{path}: full-state format_version {payload.get('format_version')}, this version "
+            f"reads {FULL_STATE_VERSION}"
+        )
+    return payload
+
+
+def _shards_by_tp_rank(step_dir: str) -> list[dict[str, dict]]:
+    folder = step_dir
+    payloads = [_load_shard(os.path.join(folder, n)) for n in _shard_names(step_dir)]
+    if not payloads:
+        raise UserError(
+            f"{folder}: no {FULL_STATE_PREFIX}*.pt files (the checkpoint is incomplete)"
+        )
+    tp = payloads[0]["tensor_parallel_size"]
+    per_rank: list[dict[str, dict]] = [{} for _ in range(tp)]
+    for payload in payloads:
+        per_rank[payload["tensor_parallel_rank"]].update(payload["entries"])
+    names_of = [set(r) for r in per_rank]
+    if any(n != names_of[0] for n in names_of) or not names_of[0]:
+        counts = ", ".join(f"TP rank {t}: {len(n)}" for t, n in enumerate(names_of))
+        raise UserError(
+            f"{folder}: the TP ranks hold different parameters ({counts}); the checkpoint is "
+            f"incomplete (copy every rank's full_state file)"
+        )
+    return per_rank
+
+
+def read_extra(step_dir: str) -> dict:
+    """The `extra` values saved with the state (from TP rank 0, PP stage 0)."""
+    return _load_shard(shard_file(step_dir, 0, 0)).get("extra", {})
+
+
+def read_full_state(step_dir: str, vocab_size: int) -> dict[str, FullEntry]:
+    """Every parameter of the checkpoint in `step_dir` at TP = 1, vocabulary padding dropped."""
+    per_rank = _shards_by_tp_rank(step_dir)
+    full = {}
+    for name, first in per_rank[0].items():
+        partition = tuple(first["partition"]) if first["partition"] else None
+        tensors = {}
+        for key in TENSOR_KEYS:
+            if key not in first:
+                continue
+            if partition is None:
+                tensor = first[key]
+            else:
+                tensor = merge_shards([r[name][key] for r in per_rank], *partition)
+            tensors[key] = tensor[:vocab_size] if name in VOCAB_PARAMS else tensor
+        full[name] = FullEntry(partition=partition, step=first.get("step"), **tensors)
+    return full
+
+
+def local_shard(
+    entry: FullEntry, name: str, *, tp_rank: int, tp_size: int, padded_vocab_size: int
+) -> dict[str, torch.Tensor]:
+    """The tensors (param and moments present) of `name` on `tp_rank` of a TP = `tp_size` run."""
+    out = {}
+    for key in TENSOR_KEYS:
+        tensor = getattr(entry, key)
+        if tensor is None:
+            continue
+        if name in VOCAB_PARAMS and tensor.shape[0] < padded_vocab_size:
+            pad = tensor.new_zeros((padded_vocab_size - tensor.shape[0], *tensor.shape[1:]))
+            tensor = torch.cat([tensor, pad])
+        if entry.partition is not None:
+            tensor = shard_tensor(tensor, entry.partition[0], tp_rank, tp_size, entry.partition[1])
+        out[key] = tensor.contiguous()
+    return out

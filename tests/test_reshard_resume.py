@@ -1,0 +1,96 @@
+"""A checkpoint saved at one layout resumes at another (pretrain/training/reshard.py): the resumed
+iterations print the uninterrupted run's losses and grad norms (fp32, CPU, dropout 0).
+
+The reference is the uninterrupted run at the saving layout; the layouts are equivalent
+(tests/test_training_equivalence.py), so the resumed run must match it to float rounding. The
+vocabulary padding changes with TP (Megatron's default: 128 rows at TP 1, 256 at TP 2).
+"""
+
+import pytest
+from training_fixtures import (
+    layout_flags,
+    make_corpus,
+    model_flags,
+    multirun_cmd,
+    read_metrics,
+    run,
+    train_flags,
+)
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+ITERS = 5
+STOP_AT = 2
+# name -> ((TP, PP, ZeRO) saved, (TP, PP, ZeRO) resumed), world 2 (DP = 2 / TP / PP)
+MOVES = {
+    "dp2_zero2_to_tp2_zero1": ((1, 1, 2), (2, 1, 1)),
+    "tp2_zero0_to_dp2_zero1": ((2, 1, 0), (1, 1, 1)),
+    "tp2_zero1_to_pp2_zero1": ((2, 1, 1), (1, 2, 1)),
+    "pp2_zero0_to_dp2_zero2": ((1, 2, 0), (1, 1, 2)),
+    "dp2_zero3_to_pp2_zero1": ((1, 1, 3), (1, 2, 1)),
+    "tp2_zero1_to_dp2_zero3": ((2, 1, 1), (1, 1, 3)),
+}
+
+
+def _flags(corpus, layout, metrics, *extra):
+    return (
+        model_flags("gpt2", vocab_divisible_by=None)
+        + train_flags(corpus, iters=ITERS)
+        + layout_flags(*layout)
+        + ["--metrics-file", str(metrics), *extra]
+    )
+
+
+# saved in a world of 4, resumed in a world of 4 or 2 (the world size changes too)
+MOVES_FROM_4 = {
+    "tp1_dp4_zero0_to_tp4": ((1, 1, 0), (4, 1, 0), 4),
+    "tp2_pp2_zero1_to_dp2_zero2": ((2, 2, 1), (1, 1, 2), 2),
+}
+
+
+@pytest.fixture(scope="module")
+def moved(tmp_path_factory):
+    """First launch: uninterrupted runs and runs stopped at STOP_AT; second: resumed elsewhere."""
+    tmp = tmp_path_factory.mktemp("reshard")
+    corpus = make_corpus(tmp / "corpus")
+    first, second = [], []
+    first4, second4 = [], {4: [], 2: []}
+    for name, (saved, resumed, world) in MOVES_FROM_4.items():
+        ckpt = tmp / f"ckpt_{name}"
+        first4.append(_flags(corpus, saved, tmp / f"{name}_full.jsonl"))
+        stop = ["--save", str(ckpt), "--save-interval", "100", "--exit-interval", str(STOP_AT)]
+        first4.append(_flags(corpus, saved, tmp / f"{name}_resumed.jsonl", *stop))
+        second4[world].append(
+            _flags(corpus, resumed, tmp / f"{name}_resumed.jsonl", "--load", str(ckpt))
+        )
+    for name, (saved, resumed) in MOVES.items():
+        ckpt = tmp / f"ckpt_{name}"
+        first.append(_flags(corpus, saved, tmp / f"{name}_full.jsonl"))
+        stop = ["--save", str(ckpt), "--save-interval", "100", "--exit-interval", str(STOP_AT)]
+        first.append(_flags(corpus, saved, tmp / f"{name}_resumed.jsonl", *stop))
+        second.append(_flags(corpus, resumed, tmp / f"{name}_resumed.jsonl", "--load", str(ckpt)))
+    outputs = []
+    launches = ((2, first, "first"), (4, first4, "first4"), (4, second4[4], "second4"))
+    launches += ((2, second + second4[2], "second"),)
+    for world, runs, label in launches:
+        result = run(multirun_cmd(world, runs, tmp / f"{label}.json"), timeout=420)
+        assert result.returncode == 0, result.stdout[-8000:]
+        outputs.append(result.stdout)
+    return tmp, outputs[-1]
+
+
+@pytest.mark.parametrize("name", sorted(MOVES) + sorted(MOVES_FROM_4))
+def test_resume_at_another_layout_continues_the_run(moved, name):
+    tmp, _ = moved
+    full = read_metrics(tmp / f"{name}_full.jsonl")
+    resumed = read_metrics(tmp / f"{name}_resumed.jsonl")
+    assert sorted(resumed) == list(range(1, ITERS + 1))
+    for it in range(STOP_AT + 1, ITERS + 1):
+        for key in ("lm-loss", "grad-norm", "learning-rate"):
+            assert resumed[it][key] == pytest.approx(full[it][key], rel=1e-5), (it, key)
+
+
+def test_the_log_says_what_was_carried_over(moved):
+    _, output = moved
+    assert "saved at TP1 PP1 DP2 ZeRO-2: resharded weights" in output
+    assert "RNG states not restored (another layout)" in output
