@@ -195,6 +195,36 @@ def run_ceiling(corpus: str, workers: int, batch_docs: int = 64) -> dict:
     return {"seconds": seconds, "cpu_seconds": cpu, "tokens": tokens}
 
 
+def only_ours(src: str, args: argparse.Namespace) -> None:
+    """Ours alone at each size: MB/s and peak PSS (is memory flat as the corpus grows?)."""
+    peaks = {}
+    for size in args.sizes:
+        corpus = os.path.join(args.workdir, f"shakespeare_{size:g}MB.jsonl")
+        _, text_bytes, _ = build_corpus(src, corpus, size)
+        prefix = os.path.join(args.workdir, "ours")
+        ours = run_ours(corpus, prefix, args.workers, args.engine)
+        peaks[f"{size:g}MB"] = round(ours["peak_pss_mb"])
+        print(
+            f"{size:g} MB: ours {text_bytes / 1e6 / ours['seconds']:.2f} MB/s, peak PSS "
+            f"{ours['peak_pss_mb']:.0f} MB",
+            flush=True,
+        )
+        for ext in (".bin", ".idx"):
+            os.remove(f"{prefix}_text_document{ext}")
+        os.remove(corpus)
+    smallest, largest = peaks[f"{min(args.sizes):g}MB"], peaks[f"{max(args.sizes):g}MB"]
+    print(
+        json.dumps(
+            {
+                "bench": "preprocess",
+                "only_ours": True,
+                "peak_pss_mb": peaks,
+                "ratio": round(largest / smallest, 3),
+            }  # memory growth, largest vs smallest corpus
+        )
+    )
+
+
 def main() -> None:
     """Parse flags; run every size; print the figures and one JSON line."""
     p = argparse.ArgumentParser(
@@ -204,6 +234,11 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--engine", default="auto", help="ours: --tokenizer-engine (default auto)")
     p.add_argument("--workdir", default=os.path.join(REPO, "bench", "results"))
+    p.add_argument(
+        "--only-ours",
+        action="store_true",
+        help="skip Megatron's recipe: ours' throughput and peak memory only (large sizes)",
+    )
     p.add_argument(
         "--megatron-recipe", nargs=2, metavar=("CORPUS", "PREFIX"), help=argparse.SUPPRESS
     )
@@ -217,6 +252,9 @@ def main() -> None:
     os.makedirs(args.workdir, exist_ok=True)
     load = os.getloadavg()[0]
     print(f"load average at start: {load:.1f} on {os.cpu_count()} cores", flush=True)
+    if args.only_ours:
+        only_ours(src, args)
+        return
     results = {}
     for size in args.sizes:
         corpus = os.path.join(args.workdir, f"shakespeare_{size:g}MB.jsonl")
