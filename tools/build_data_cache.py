@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from plan_blend import add_plan_args, run_plan  # noqa: E402  (tools/, beside this script)
 from tqdm import tqdm  # noqa: E402
 
-from pretrain.cli import build_parser as training_parser  # noqa: E402
+from pretrain.cli import data_tool_parser, parse_data_tool_args  # noqa: E402
 from pretrain.data.builder import (  # noqa: E402
     build_train_valid_test_datasets,
     check_splits_before_launch,
@@ -37,27 +37,16 @@ from pretrain.data.builder import (  # noqa: E402
 from pretrain.data.config import (  # noqa: E402
     SPLIT_NAMES,
     DataConfig,
-    add_data_args,
-    add_sample_count_args,
     train_valid_test_num_samples,
 )
 from pretrain.data.fingerprint import check_data  # noqa: E402
-from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
-from pretrain.tokenizer import TokenizerConfig, add_tokenizer_args, build_tokenizer  # noqa: E402
+from pretrain.errors import exit_on_user_error  # noqa: E402
+from pretrain.tokenizer import TokenizerConfig, build_tokenizer  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The data, sample-count and tokenizer flags (training's own definitions), and --plan's."""
-    # allow_abbrev=False: an unknown training flag must never be taken for an abbreviation of ours
-    parser = argparse.ArgumentParser(
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
-    )
-    add_data_args(parser)
-    add_sample_count_args(parser)
-    add_tokenizer_args(parser)
-    add_plan_args(parser)
+    parser = add_plan_args(data_tool_parser(__doc__))
     parser.add_argument(
         "--plan",
         action="store_true",
@@ -66,28 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _refuse_unknown(rest: list[str]) -> None:
-    """The flags this tool does not read must still be pretrain_gpt.py flags: a typo of a data
-    flag (say --split-ratio) would otherwise build caches for the wrong data silently."""
-    _, unknown = training_parser().parse_known_args(rest)
-    if unknown:
-        raise UserError(
-            f"unrecognized argument(s): {' '.join(unknown)} (neither a data flag nor a "
-            f"pretrain_gpt.py flag; see --help)"
-        )
-
-
 @exit_on_user_error
 def main(argv=None) -> int:
     """Build (or verify) every split's index caches; returns the exit status."""
     # a file-size limit (ulimit -f) must fail a write with EFBIG, reported, not kill us silently
     if hasattr(signal, "SIGXFSZ"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    ns, ignored = build_parser().parse_known_args(argv)
+    ns = parse_data_tool_args(build_parser(), argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = DataConfig.from_args(ns)
     if ns.plan:
-        _refuse_unknown(ignored)
         run_plan(ns, cfg)
         return 0
     tok_cfg = TokenizerConfig.from_args(ns)
@@ -96,7 +73,6 @@ def main(argv=None) -> int:
     counts = train_valid_test_num_samples(
         ns.train_iters, ns.train_samples, ns.eval_interval, ns.eval_iters, ns.global_batch_size
     )
-    _refuse_unknown(ignored)
     check_splits_before_launch(
         cfg, counts, ns.eval_iters, lambda msg: print(f"warning: {msg}", file=sys.stderr)
     )

@@ -27,20 +27,18 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from plan_blend import refuse_unknown  # noqa: E402  (tools/, beside this script)
 
+from pretrain.cli import data_tool_parser, parse_data_tool_args  # noqa: E402
 from pretrain.convert.checkpoint_reader import find_checkpoint  # noqa: E402
 from pretrain.data.builder import build_train_valid_test_datasets  # noqa: E402
 from pretrain.data.config import (  # noqa: E402
     DataConfig,
-    add_data_args,
-    add_sample_count_args,
     train_valid_test_num_samples,
 )
 from pretrain.data.explain import SampleOrigin, explain_iteration  # noqa: E402
 from pretrain.data.fingerprint import check_data  # noqa: E402
 from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
-from pretrain.tokenizer import TokenizerConfig, add_tokenizer_args, build_tokenizer  # noqa: E402
+from pretrain.tokenizer import TokenizerConfig, build_tokenizer  # noqa: E402
 from pretrain.training.skip import flatten_iterations, iteration_spec, skipped_in  # noqa: E402
 
 PREVIEW_TOKENS = 24
@@ -49,14 +47,7 @@ PREVIEW_CHARS = 70
 
 def build_parser() -> argparse.ArgumentParser:
     """The run's data, sample-count and tokenizer flags, plus what to explain."""
-    parser = argparse.ArgumentParser(
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
-    )
-    add_data_args(parser)
-    add_sample_count_args(parser)
-    add_tokenizer_args(parser)
+    parser = data_tool_parser(__doc__)
     g = parser.add_argument_group("what to explain")
     g.add_argument("--iteration", default="1", help="N or A-B (1-indexed, as in the log)")
     g.add_argument(
@@ -184,8 +175,7 @@ def grep(ns, dataset, cfg, texts: _Texts, first: int, ranks: list[int]) -> int:
 @exit_on_user_error
 def main(argv=None) -> int:
     """Command-line entry point; returns the exit status."""
-    ns, rest = build_parser().parse_known_args(argv)
-    refuse_unknown(rest)
+    ns = parse_data_tool_args(build_parser(), argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     first, last = parse_iterations(ns.iteration)
     dp = ns.data_parallel_size

@@ -22,10 +22,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from pretrain.cli import data_tool_parser, parse_data_tool_args  # noqa: E402
 from pretrain.data.config import (  # noqa: E402
     DataConfig,
-    add_data_args,
-    add_sample_count_args,
     train_valid_test_num_samples,
 )
 from pretrain.data.plan import (  # noqa: E402
@@ -36,7 +35,7 @@ from pretrain.data.plan import (  # noqa: E402
     plan_blend,
     plan_warnings,
 )
-from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
+from pretrain.errors import exit_on_user_error  # noqa: E402
 
 
 def add_plan_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -61,15 +60,7 @@ def add_plan_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def build_parser() -> argparse.ArgumentParser:
     """The data, sample-count and plan flags; other training flags are ignored."""
-    # allow_abbrev=False: an unknown training flag must never be taken for an abbreviation of ours
-    parser = argparse.ArgumentParser(
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
-    )
-    add_data_args(parser)
-    add_sample_count_args(parser)
-    return add_plan_args(parser)
+    return add_plan_args(data_tool_parser(__doc__, tokenizer=False))
 
 
 def plot_plan(rows: list[PlanRow], path: str, max_epochs: float) -> None:
@@ -108,19 +99,6 @@ def plot_plan(rows: list[PlanRow], path: str, max_epochs: float) -> None:
     plt.close(fig)
 
 
-def refuse_unknown(rest: list[str]) -> None:
-    """Flags this tool does not read must still be pretrain_gpt.py flags: a typo of a data flag
-    would otherwise give a plan (or an explanation) for other data, silently."""
-    from pretrain.cli import build_parser as training_parser
-
-    _, unknown = training_parser().parse_known_args(rest)
-    if unknown:
-        raise UserError(
-            f"unrecognized argument(s): {' '.join(unknown)} (neither a data flag nor a "
-            "pretrain_gpt.py flag; see --help)"
-        )
-
-
 def run_plan(ns: argparse.Namespace, cfg: DataConfig) -> list[PlanRow]:
     """Print the plan (and warnings), draw it if --plot; return its rows."""
     counts = train_valid_test_num_samples(
@@ -139,8 +117,7 @@ def run_plan(ns: argparse.Namespace, cfg: DataConfig) -> list[PlanRow]:
 @exit_on_user_error
 def main(argv=None) -> int:
     """Command-line entry point; returns the exit status."""
-    ns, rest = build_parser().parse_known_args(argv)
-    refuse_unknown(rest)
+    ns = parse_data_tool_args(build_parser(), argv)
     run_plan(ns, DataConfig.from_args(ns))
     return 0
 
