@@ -465,7 +465,7 @@ def _load_relayout(
     if config.finetune:
         logger.info(f"loaded weights from {step_dir} (saved at {layout}; --finetune)")
         return TrainState(), None
-    train_state = TrainState(**{f.name: int(meta[f.name]) for f in dataclasses.fields(TrainState)})
+    train_state = TrainState.from_checkpoint(meta)
     engine.ds.global_steps = train_state.iteration
     engine.ds.global_samples = train_state.consumed_train_samples
     logger.info(
