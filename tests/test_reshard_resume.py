@@ -6,8 +6,12 @@ The reference is the uninterrupted run at the saving layout; the layouts are equ
 vocabulary padding changes with TP (Megatron's default: 128 rows at TP 1, 256 at TP 2).
 """
 
+import sys
+
 import pytest
+import torch
 from training_fixtures import (
+    REPO,
     layout_flags,
     make_corpus,
     model_flags,
@@ -16,6 +20,8 @@ from training_fixtures import (
     run,
     train_flags,
 )
+
+from pretrain.convert.checkpoint_reader import read_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -48,6 +54,18 @@ MOVES_FROM_4 = {
 }
 
 
+# saved in a world of 2, resumed in a world of 4
+MOVES_TO_4 = {"dp2_zero2_to_tp2_dp2_zero1": ((1, 1, 2), (2, 1, 1))}
+
+# tools/reshard_checkpoint.py on the TP2 PP2 ZeRO-1 checkpoint of MOVES_FROM_4:
+# name -> ((TP, PP) target, (TP, PP, ZeRO) resumed at, world)
+OFFLINE_SOURCE = "tp2_pp2_zero1_to_dp2_zero2"
+OFFLINE = {
+    "offline_tp1_resumed_dp2_zero2": ((1, 1), (1, 1, 2), 2),
+    "offline_tp2_pp2_resumed_tp2_pp2_zero1": ((2, 2), (2, 2, 1), 4),
+}
+
+
 @pytest.fixture(scope="module")
 def moved(tmp_path_factory):
     """First launch: uninterrupted runs and runs stopped at STOP_AT; second: resumed elsewhere."""
@@ -69,6 +87,17 @@ def moved(tmp_path_factory):
         stop = ["--save", str(ckpt), "--save-interval", "100", "--exit-interval", str(STOP_AT)]
         first.append(_flags(corpus, saved, tmp / f"{name}_resumed.jsonl", *stop))
         second.append(_flags(corpus, resumed, tmp / f"{name}_resumed.jsonl", "--load", str(ckpt)))
+    for name, (saved, resumed) in MOVES_TO_4.items():
+        ckpt = tmp / f"ckpt_{name}"
+        first.append(_flags(corpus, saved, tmp / f"{name}_full.jsonl"))
+        stop = ["--save", str(ckpt), "--save-interval", "100", "--exit-interval", str(STOP_AT)]
+        first.append(_flags(corpus, saved, tmp / f"{name}_resumed.jsonl", *stop))
+        second4[4].append(
+            _flags(corpus, resumed, tmp / f"{name}_resumed.jsonl", "--load", str(ckpt))
+        )
+    for name, (_, resumed, world) in OFFLINE.items():
+        metrics = tmp / f"{name}_resumed.jsonl"
+        second4[world].append(_flags(corpus, resumed, metrics, "--load", str(tmp / f"ckpt_{name}")))
     outputs = []
     launches = ((2, first, "first"), (4, first4, "first4"), (4, second4[4], "second4"))
     launches += ((2, second + second4[2], "second"),)
@@ -76,10 +105,20 @@ def moved(tmp_path_factory):
         result = run(multirun_cmd(world, runs, tmp / f"{label}.json"), timeout=420)
         assert result.returncode == 0, result.stdout[-8000:]
         outputs.append(result.stdout)
+        if label == "first4":
+            for name, (target, _, _) in OFFLINE.items():
+                _reshard_offline(tmp / f"ckpt_{OFFLINE_SOURCE}", tmp / f"ckpt_{name}", *target)
     return tmp, outputs[-1]
 
 
-@pytest.mark.parametrize("name", sorted(MOVES) + sorted(MOVES_FROM_4))
+def _reshard_offline(load, save, tp, pp):
+    cmd = [sys.executable, str(REPO / "tools" / "reshard_checkpoint.py"), "--load", str(load)]
+    cmd += ["--save", str(save), "--target-tensor-parallel-size", str(tp)]
+    result = run(cmd + ["--target-pipeline-parallel-size", str(pp)], timeout=120)
+    assert result.returncode == 0, result.stdout[-4000:]
+
+
+@pytest.mark.parametrize("name", sorted(MOVES) + sorted(MOVES_FROM_4) + sorted(MOVES_TO_4))
 def test_resume_at_another_layout_continues_the_run(moved, name):
     tmp, _ = moved
     full = read_metrics(tmp / f"{name}_full.jsonl")
@@ -93,4 +132,43 @@ def test_resume_at_another_layout_continues_the_run(moved, name):
 def test_the_log_says_what_was_carried_over(moved):
     _, output = moved
     assert "saved at TP1 PP1 DP2 ZeRO-2: resharded weights" in output
+    assert "saved at TP1 PP1 by tools/reshard_checkpoint.py: resharded weights" in output
     assert "RNG states not restored (another layout)" in output
+
+
+@pytest.mark.parametrize("name", sorted(OFFLINE))
+def test_an_offline_resharded_checkpoint_continues_the_run(moved, name):
+    tmp, _ = moved
+    full = read_metrics(tmp / f"{OFFLINE_SOURCE}_full.jsonl")
+    resumed = read_metrics(tmp / f"{name}_resumed.jsonl")
+    assert sorted(resumed) == list(range(STOP_AT + 1, ITERS + 1))
+    for it in resumed:
+        for key in ("lm-loss", "grad-norm", "learning-rate"):
+            assert resumed[it][key] == pytest.approx(full[it][key], rel=1e-5), (it, key)
+
+
+def test_offline_files_at_the_saved_layout_are_the_files_training_wrote(moved):
+    """Resharding TP2 PP2 to TP2 PP2 gives back what the TP2 PP2 ranks wrote: the tool assigns
+    each parameter to the pipeline stage DeepSpeed gave it."""
+    tmp, _ = moved
+    tag = f"global_step{STOP_AT}"
+    source = tmp / f"ckpt_{OFFLINE_SOURCE}" / tag
+    same = tmp / "ckpt_offline_tp2_pp2_resumed_tp2_pp2_zero1" / tag
+    for t in range(2):
+        for p in range(2):
+            name = f"full_state_tp{t:02d}_pp{p:02d}.pt"
+            a = torch.load(source / name, weights_only=True)["entries"]
+            b = torch.load(same / name, weights_only=True)["entries"]
+            assert a.keys() == b.keys(), name
+            for param, entry in a.items():
+                for key in ("param", "exp_avg", "exp_avg_sq"):
+                    assert torch.equal(entry[key], b[param][key]), (name, param, key)
+
+
+def test_the_converter_reads_the_same_weights_from_an_offline_checkpoint(moved):
+    tmp, _ = moved
+    source = read_checkpoint(str(tmp / f"ckpt_{OFFLINE_SOURCE}")).state_dict
+    offline = read_checkpoint(str(tmp / "ckpt_offline_tp1_resumed_dp2_zero2")).state_dict
+    assert source.keys() == offline.keys()
+    for name, tensor in source.items():
+        assert torch.equal(tensor.float(), offline[name]), name

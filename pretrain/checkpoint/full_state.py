@@ -120,27 +120,29 @@ def _storable(entry: dict) -> dict:
 
 
 def _load_shard(path: str) -> dict:
+    """One file, memory-mapped: its tensors are read from disk only when used, so a rank that
+    needs a few parameters of a large state reads only their bytes."""
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:  # noqa: BLE001 - a damaged or foreign file, refused by name
         raise UserError(
             f"{path}: cannot be read as a full training state ({type(err).__name__}: {err}); the "
             f"checkpoint is damaged or not written by pretrain_gpt.py"
         ) from None
-    if payload.get("format_version") != FULL_STATE_VERSION:
+    if not isinstance(payload, dict) or payload.get("format_version") != FULL_STATE_VERSION:
+        version = payload.get("format_version") if isinstance(payload, dict) else None
         raise UserError(
-            f"{path}: full-state format_version {payload.get('format_version')}, this version "
-            f"reads {FULL_STATE_VERSION}"
+            f"{path}: full-state format_version {version}, this version reads {FULL_STATE_VERSION}"
         )
     return payload
 
 
 def _shards_by_tp_rank(step_dir: str) -> list[dict[str, dict]]:
-    folder = step_dir
-    payloads = [_load_shard(os.path.join(folder, n)) for n in _shard_names(step_dir)]
+    payloads = [_load_shard(os.path.join(step_dir, n)) for n in _shard_names(step_dir)]
     if not payloads:
         raise UserError(
-            f"{folder}: no {FULL_STATE_PREFIX}*.pt files (the checkpoint is incomplete)"
+            f"{step_dir}: no {FULL_STATE_PREFIX}*.pt files (saved with --no-save-full-state, by a "
+            f"converter, or incomplete): it resumes only at the layout it was saved at"
         )
     tp = payloads[0]["tensor_parallel_size"]
     per_rank: list[dict[str, dict]] = [{} for _ in range(tp)]
@@ -150,7 +152,7 @@ def _shards_by_tp_rank(step_dir: str) -> list[dict[str, dict]]:
     if any(n != names_of[0] for n in names_of) or not names_of[0]:
         counts = ", ".join(f"TP rank {t}: {len(n)}" for t, n in enumerate(names_of))
         raise UserError(
-            f"{folder}: the TP ranks hold different parameters ({counts}); the checkpoint is "
+            f"{step_dir}: the TP ranks hold different parameters ({counts}); the checkpoint is "
             f"incomplete (copy every rank's full_state file)"
         )
     return per_rank
@@ -161,11 +163,34 @@ def read_extra(step_dir: str) -> dict:
     return _load_shard(shard_file(step_dir, 0, 0)).get("extra", {})
 
 
-def read_full_state(step_dir: str, vocab_size: int) -> dict[str, FullEntry]:
-    """Every parameter of the checkpoint in `step_dir` at TP = 1, vocabulary padding dropped."""
-    per_rank = _shards_by_tp_rank(step_dir)
-    full = {}
-    for name, first in per_rank[0].items():
+class FullState:
+    """The full state of one step folder, opened lazily.
+
+    The files are memory-mapped and a parameter's TP shards are merged only when it is asked
+    for, so each rank of a resume reads and builds only the parameters it owns. When the saved
+    TP size equals the reader's, `local` hands out the saved shard itself: no merge, no copy.
+    """
+
+    def __init__(self, step_dir: str, vocab_size: int):
+        self.step_dir, self.vocab_size = step_dir, vocab_size
+        self._per_rank = _shards_by_tp_rank(step_dir)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """The TP size the state was saved at."""
+        return len(self._per_rank)
+
+    def names(self) -> list[str]:
+        """Every parameter's GPTModel name."""
+        return list(self._per_rank[0])
+
+    def has_optimizer(self) -> bool:
+        """True when every parameter carries Adam moments and a step count."""
+        return all("step" in e and "exp_avg" in e for e in self._per_rank[0].values())
+
+    def entry(self, name: str) -> FullEntry:
+        """`name` at TP = 1 without vocabulary padding."""
+        first = self._per_rank[0][name]
         partition = tuple(first["partition"]) if first["partition"] else None
         tensors = {}
         for key in TENSOR_KEYS:
@@ -174,10 +199,43 @@ def read_full_state(step_dir: str, vocab_size: int) -> dict[str, FullEntry]:
             if partition is None:
                 tensor = first[key]
             else:
-                tensor = merge_shards([r[name][key] for r in per_rank], *partition)
-            tensors[key] = tensor[:vocab_size] if name in VOCAB_PARAMS else tensor
-        full[name] = FullEntry(partition=partition, step=first.get("step"), **tensors)
-    return full
+                tensor = merge_shards([r[name][key] for r in self._per_rank], *partition)
+            tensors[key] = tensor[: self.vocab_size] if name in VOCAB_PARAMS else tensor
+        return FullEntry(partition=partition, step=first.get("step"), **tensors)
+
+    def local(
+        self, name: str, *, tp_rank: int, tp_size: int, padded_vocab_size: int
+    ) -> dict[str, torch.Tensor]:
+        """The tensors (param and moments present) of `name` on `tp_rank` of a TP = `tp_size`
+        run (see `local_shard`)."""
+        if tp_size == self.tensor_parallel_size:
+            saved = self._per_rank[tp_rank][name]
+            split_rows = saved["partition"] is not None and saved["partition"][0] == 0
+            rows = saved["param"].shape[0] * (tp_size if split_rows else 1)
+            if name not in VOCAB_PARAMS or rows == padded_vocab_size:
+                return {k: saved[k] for k in TENSOR_KEYS if k in saved}
+        return local_shard(
+            self.entry(name),
+            name,
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            padded_vocab_size=padded_vocab_size,
+        )
+
+    def partition(self, name: str) -> tuple[int, int] | None:
+        """(dim, stride) of `name`'s TP split; None when replicated over TP."""
+        saved = self._per_rank[0][name]["partition"]
+        return tuple(saved) if saved else None
+
+    def step(self, name: str) -> int | None:
+        """Adam's step count of `name` (None: saved without optimizer state)."""
+        return self._per_rank[0][name].get("step")
+
+
+def read_full_state(step_dir: str, vocab_size: int) -> dict[str, FullEntry]:
+    """Every parameter of the checkpoint in `step_dir` at TP = 1, vocabulary padding dropped."""
+    state = FullState(step_dir, vocab_size)
+    return {name: state.entry(name) for name in state.names()}
 
 
 def local_shard(

@@ -8,6 +8,8 @@ What pretrain_gpt.py writes (pretrain/training/checkpointing.py, docs/CHECKPOINT
     PP = 1, ZeRO 3:    zero_pp_rank_<dp>_mp_rank_<tp:02>_{model,optim}_states.pt
                        (the weights exist only as fp32 partitions in the optimizer files)
     PP > 1:            layer_<idx:02>-model_<tp:02>-model_states.pt    one per pipeline layer
+    resharded offline: full_state_tp<t:02>_pp<p:02>.pt                 fp32 master weights
+                       (tools/reshard_checkpoint.py; pretrain.checkpoint.full_state)
 
 Pipeline layer indices map to GPTModel names through `pretrain.model.pipeline.layer_name_prefix`
 (0 = embedding, 1..L = layers.0..L-1, L+1 = head; with tied embeddings L+2 is the last stage's
@@ -38,7 +40,9 @@ from pretrain.checkpoint.format import (
     read_latest_tag,
     tag_for,
 )
+from pretrain.checkpoint.full_state import FullState
 from pretrain.checkpoint.integrity import check_finite
+from pretrain.checkpoint.relayout import is_full_state_only
 from pretrain.convert.state_dict import merge_tp, parameter_partitions, trim_vocab
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
@@ -201,7 +205,10 @@ def read_checkpoint(load_dir: str, iteration: int | None = None) -> LoadedCheckp
             f"{os.path.join(step_dir, META_FILE)}: missing or bad entry {err} (not written by this "
             f"version of pretrain_gpt.py?)"
         ) from None
-    if pp > 1:
+    if is_full_state_only(meta):  # tools/reshard_checkpoint.py: fp32 master weights only
+        state = FullState(step_dir, config.vocab_size)
+        shards = [{name: state.entry(name).param for name in state.names()}]
+    elif pp > 1:
         shards = _read_pipeline(step_dir, tp, config)
     elif zero == 3:
         shards = _read_zero3(step_dir, tp, dp)
@@ -214,6 +221,9 @@ def read_checkpoint(load_dir: str, iteration: int | None = None) -> LoadedCheckp
             f"{step_dir}: the weights do not match the model in {META_FILE}: missing "
             f"{sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}"
         )
-    full = trim_vocab(merge_tp(shards, partitions), config.vocab_size)
+    if is_full_state_only(meta):
+        full = shards[0]
+    else:
+        full = trim_vocab(merge_tp(shards, partitions), config.vocab_size)
     check_finite(full, step_dir)
     return LoadedCheckpoint(step_dir, int(meta.get("iteration", 0)), config, tokenizer, meta, full)

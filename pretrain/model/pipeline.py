@@ -146,6 +146,17 @@ def layer_name_prefix(index: int, num_layers: int) -> str | None:
     return None
 
 
+def stage_of_parameter(name: str, num_layers: int, pp: int) -> int:
+    """The pipeline stage that owns GPTModel parameter `name` at `pp` stages: the embedding the
+    first, `layers.<i>` stage i // (L / pp) (`validate` requires pp to divide L, so DeepSpeed's
+    balanced split is even), the head the last."""
+    if name.startswith("embedding."):
+        return 0
+    if name.startswith("head."):
+        return pp - 1
+    return int(name.split(".", 2)[1]) // (num_layers // pp)
+
+
 def build_pipeline_model(config: ModelConfig, pp: int, tp: int, dp: int) -> PipelineModule:
     """The GPT as a DeepSpeed PipelineModule over `pp` stages (tied embedding unless untied)."""
     tied = not config.untie_embeddings_and_output_weights

@@ -58,6 +58,7 @@ from pretrain.checkpoint.integrity import (
     choose_checkpoint,
     manifest,
 )
+from pretrain.checkpoint.relayout import is_full_state_only
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
 from pretrain.parallel.config import ParallelConfig
@@ -311,7 +312,10 @@ def _same_layout(saved: dict, parallel: ParallelConfig) -> bool:
 
 def relayout_possible(step_dir: str, meta: dict, parallel: ParallelConfig) -> bool:
     """True when the checkpoint in `step_dir` was saved at another layout and resumes at this one
-    through its layout-independent state (pretrain/training/reshard.py)."""
+    through its layout-independent state (pretrain/training/reshard.py), or holds only that
+    state (written by tools/reshard_checkpoint.py)."""
+    if is_full_state_only(meta):
+        return True
     return not _same_layout(meta["parallel"], parallel) and has_full_state(step_dir)
 
 
@@ -458,10 +462,11 @@ def _load_relayout(
     if problem is not None:
         raise UserError(problem)
     saved = meta["parallel"]
-    layout = (
-        f"TP{saved['tensor_model_parallel_size']} PP{saved['pipeline_model_parallel_size']} "
-        f"DP{saved['data_parallel_size']} ZeRO-{saved['zero_stage']}"
-    )
+    layout = f"TP{saved['tensor_model_parallel_size']} PP{saved['pipeline_model_parallel_size']} "
+    if is_full_state_only(meta):
+        layout += "by tools/reshard_checkpoint.py"
+    else:
+        layout += f"DP{saved['data_parallel_size']} ZeRO-{saved['zero_stage']}"
     if config.finetune:
         logger.info(f"loaded weights from {step_dir} (saved at {layout}; --finetune)")
         return TrainState(), None

@@ -23,7 +23,7 @@ from deepspeed.utils import (
     safe_set_full_optimizer_state,
 )
 
-from pretrain.checkpoint.full_state import local_shard, read_extra, read_full_state, write_shard
+from pretrain.checkpoint.full_state import FullState, read_extra, write_shard
 from pretrain.errors import UserError
 from pretrain.parallel import state
 from pretrain.training.engine import Engine
@@ -155,27 +155,22 @@ def load_full_state(
     engine: Engine, step_dir: str, *, vocab_size: int, with_optimizer: bool
 ) -> None:
     """Set this rank's weights (and optimizer state, LR schedule) from `step_dir`'s full state."""
-    full = read_full_state(step_dir, vocab_size)
+    full = FullState(step_dir, vocab_size)
     zero = _zero_stage(engine)
     tp_rank = state.get_tensor_model_parallel_rank()
     tp = state.get_tensor_model_parallel_world_size()
     named = _named_parameters(engine)
-    if not named.keys() <= full.keys():
+    if not named.keys() <= set(full.names()):
         raise UserError(
             f"{step_dir}: the saved parameters differ from this model's "
-            f"({sorted(named.keys() - full.keys())[:4]})"
+            f"({sorted(named.keys() - set(full.names()))[:4]})"
         )
-    with_optimizer = with_optimizer and all(e.step is not None for e in full.values())
-    steps = {full[n].step for n in named}
+    with_optimizer = with_optimizer and full.has_optimizer()
     if with_optimizer and zero:
-        _init_zero_state(engine, max(steps))
+        _init_zero_state(engine, max(full.step(n) for n in named))
     for name, param in named.items():
-        local = local_shard(
-            full[name],
-            name,
-            tp_rank=tp_rank,
-            tp_size=tp,
-            padded_vocab_size=engine.padded_vocab_size,
+        local = full.local(
+            name, tp_rank=tp_rank, tp_size=tp, padded_vocab_size=engine.padded_vocab_size
         )
         _set_module_weight(engine, param, local["param"])
         if zero:
@@ -185,7 +180,7 @@ def load_full_state(
                     safe_set_full_optimizer_state(param, local[key], key)
         elif with_optimizer:
             engine.ds.optimizer.state[param] = {
-                "step": torch.tensor(float(full[name].step)),
+                "step": torch.tensor(float(full.step(name))),
                 **{key: local[key].clone() for key in MOMENTS},
             }
     engine.scheduler.load_state_dict(read_extra(step_dir)["lr_scheduler"])
