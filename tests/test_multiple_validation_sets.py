@@ -5,7 +5,8 @@ The validation sets are the datasets megatron-core's own BlendedMegatronDatasetB
 prefix, each of the valid split's sample count); a real run (one process, and PP = 2) prints one
 Megatron block per set, "validation-<name> loss at iteration N | ...", whose loss is the
 checkpointed model's loss on the next --eval-iters global batches of megatron-core's dataset for
-that prefix; bad combinations are refused in one line naming the flag.
+that prefix; a run stopped and resumed reads the same samples of each set as the uninterrupted
+one; bad combinations are refused in one line naming the flag.
 """
 
 from __future__ import annotations
@@ -129,11 +130,9 @@ def test_data_path_blend_is_refused(corpora):
         parse_args(argv + ["--multiple-validation-sets"], env=ONE_RANK)
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "pp2"])
-def sets_run(request, corpora):
+def _run_flags(corpora, name: str, *extra: str) -> list[str]:
     tmp, c = corpora
-    name = f"run{request.param}"
-    flags = _flags(
+    return _flags(
         corpora,
         "--valid-data-path",
         c["web"],
@@ -146,16 +145,39 @@ def sets_run(request, corpora):
         str(tmp / f"{name}.jsonl"),
         "--save",
         str(tmp / f"{name}_ckpt"),
-        "--save-interval",
-        str(ITERS),
+        *extra,
     )
-    if request.param == 1:
+
+
+def _train(corpora, name: str, flags: list[str], nproc: int = 1) -> tuple[str, list[dict]]:
+    """Run pretrain_gpt.py; (output, metrics records)."""
+    tmp, _ = corpora
+    if nproc == 1:
         out = run([PYTHON, str(REPO / "pretrain_gpt.py"), *flags], timeout=400)
     else:
-        out = run(torchrun_cmd(2, flags + ["--pipeline-model-parallel-size", "2"]), timeout=400)
+        out = run(torchrun_cmd(nproc, flags), timeout=400)
     assert out.returncode == 0, out.stdout[-4000:]
     records = [json.loads(x) for x in (tmp / f"{name}.jsonl").read_text().splitlines()]
-    return flags, out.stdout, records, tmp / f"{name}_ckpt"
+    return out.stdout, records
+
+
+_RUNS: dict[str, tuple] = {}
+
+
+def _sets_run(layout: str, corpora) -> tuple:
+    """(flags, output, records, checkpoint folder) of one run per layout and module."""
+    if layout not in _RUNS:
+        tmp, _ = corpora
+        flags = _run_flags(corpora, layout, "--save-interval", str(ITERS))
+        pp = ["--pipeline-model-parallel-size", "2"] if layout == "pp2" else []
+        output, records = _train(corpora, layout, flags + pp, nproc=2 if pp else 1)
+        _RUNS[layout] = flags, output, records, tmp / f"{layout}_ckpt"
+    return _RUNS[layout]
+
+
+@pytest.fixture(scope="module", params=["1rank", "pp2"])
+def sets_run(request, corpora):
+    return _sets_run(request.param, corpora)
 
 
 def test_each_set_prints_megatrons_block(sets_run):
@@ -233,3 +255,18 @@ def test_each_sets_loss_is_the_models_loss_on_megatron_cores_samples(sets_run, t
                 for k in ("tokens", "labels", "loss_mask", "position_ids")
             }
             assert loss == pytest.approx(_megatron_loss(model, batch), rel=1e-5)
+
+
+def test_a_resume_goes_on_where_each_set_stopped(corpora):
+    """Stopped after iteration 2 and resumed: the passes at 4 read the same samples of each set
+    as the uninterrupted run (the checkpoint's consumed-validation count is each set's position)."""
+    _, _, records, _ = _sets_run("1rank", corpora)
+    tmp, _ = corpora
+    _train(corpora, "first", _run_flags(corpora, "first", "--exit-interval", "2"))
+    load = ["--load", str(tmp / "first_ckpt"), "--save-interval", str(ITERS)]
+    _, resumed = _train(corpora, "second", _run_flags(corpora, "second", *load))
+    for name in ("web", "code"):
+        key = f"validation-{name}-loss"
+        expected = [r[key] for r in records if r["iteration"] == ITERS and key in r]
+        got = [r[key] for r in resumed if r["iteration"] == ITERS and key in r]
+        assert len(got) == 2 and got == pytest.approx(expected, rel=1e-9)
