@@ -63,6 +63,7 @@ from pretrain.training.lr_schedule import (
 from pretrain.training.optimizer import OptimizerConfig
 from pretrain.training.run import RunConfig
 from pretrain.training.skip import iteration_spec
+from pretrain.training.validation_sets import check_validation_sets
 
 # Megatron removed these; say what replaced them instead of "unrecognized arguments".
 DEPRECATED_FLAGS = {
@@ -215,6 +216,10 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _flag("--log-batch-size-to-tensorboard", action="store_true", help="accepted: not written (the global batch size is in every log line)"),
         _flag("--log-optimizer-states-to-tensorboard", action="store_true", help="accepted: optimizer-state norms are not written"),
         _flag("--tensorboard-queue-size", type=int, help="accepted: TensorBoard's own queue size is used (events are flushed when the run ends)"),
+    )),
+    ("evaluation", (
+        _flag("--multiple-validation-sets", field="evaluation.multiple_validation_sets", action="store_true", help="evaluate each --valid-data-path prefix as its own validation set (unblended; --eval-iters global batches of each), one 'validation-<name> loss' block per set"),
+        _flag("--validation-set-names", field="evaluation.validation_set_names", nargs="+", metavar="NAME", help="with --multiple-validation-sets: one name per --valid-data-path prefix for its log lines and scalars [0 1 ...]"),
     )),
     ("Megatron script compatibility (accepted; the behaviour is fixed here)", (
         _flag("--use-distributed-optimizer", action="store_true", help="shard the optimizer state over data-parallel ranks: ZeRO-1 unless --zero-stage says more"),
@@ -621,6 +626,12 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
     # data fingerprints: made by this tokenizer, largest token id inside its vocabulary
     check_data(data, tokenizer, built_tokenizer, built_tokenizer.vocab_size)
     _check_data_splits(data, ns, train_iters, gbs, launch.rank)
+    evaluation = EvalConfig(
+        **_section(ns, "evaluation"), eval_interval=ns.eval_interval, eval_iters=ns.eval_iters
+    )
+    check_validation_sets(
+        evaluation.multiple_validation_sets, evaluation.validation_set_names, data
+    )
 
     return RunConfig(
         model=model,
@@ -639,7 +650,7 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
         schedule=schedule,
         optimizer=OptimizerConfig(**_section(ns, "optimizer")),
         precision=precision,
-        evaluation=EvalConfig(eval_interval=ns.eval_interval, eval_iters=ns.eval_iters),
+        evaluation=evaluation,
         data=data,
         tokenizer=tokenizer,
         checkpoint=checkpoint,

@@ -115,6 +115,7 @@ def changes(f) -> dict:
     hf = d + ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", f["hf_a"]]
     tiktoken = d + ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", CL100K]
     samples = ["--train-samples", "32"] + d[2:]
+    sets = ITERS + ["--train-data-path", f["corpus"], "--valid-data-path", f["corpus"], f["other"]]
     launched = {**TWO_RANKS, "LOCAL_WORLD_SIZE": "2"}
     return {
         # model
@@ -179,6 +180,8 @@ def changes(f) -> dict:
         "--valid-data-path": (d, ITERS + ["--train-data-path", f["corpus"], "--valid-data-path", f["other"]], None),
         "--test-data-path": (d, ITERS + ["--train-data-path", f["corpus"], "--test-data-path", f["other"]], None),
         "--per-split-data-args-path": (d, ITERS + ["--per-split-data-args-path", f["splits"]], None),
+        "--multiple-validation-sets": (sets, sets + ["--multiple-validation-sets"], None),
+        "--validation-set-names": (sets + ["--multiple-validation-sets"], sets + ["--multiple-validation-sets", "--validation-set-names", "a", "b"], None),
         "--split": ["80,10,10"], "--data-cache-path": [f["dir"]],
         "--blend-weights-unit": ["tokens"], "--allow-tokenizer-mismatch": [],
         "--mid-level-dataset-surplus": ["0.01"], "--num-dataset-builder-threads": ["2"],

@@ -1,6 +1,7 @@
-"""Validation loss per blend source (PP = 1): a real run's logged per-source losses equal the
-checkpointed model's cross-entropy on the same validation samples grouped by their source; the
-Megatron total stays the mean of per-micro-batch masked means."""
+"""Validation loss per blend source: a real run's logged per-source losses equal the checkpointed
+model's cross-entropy on the same validation samples grouped by their source (one rank, DP = 2,
+and PP = 2, where the last stage's loss function sums them); the Megatron total stays the mean of
+per-micro-batch masked means; PP = 2 logs the one-rank run's numbers."""
 
 from __future__ import annotations
 
@@ -63,18 +64,53 @@ def _validation_samples(argv: list[str], count: int) -> dict:
     return valid.__getitems__(list(range(count)))
 
 
-@pytest.fixture(scope="module", params=[1, 2], ids=["1rank", "dp2"])
+LAYOUTS = {"1rank": None, "dp2": [], "pp2": ["--pipeline-model-parallel-size", "2"]}
+_RUNS: dict[str, tuple] = {}
+
+
+def _blended_run(layout: str, tmp_path_factory) -> tuple:
+    """Run `layout` once per module: (flags, output, metrics records, tmp, (prefix a, b))."""
+    if layout not in _RUNS:
+        tmp = tmp_path_factory.mktemp(f"per_source_{layout}")
+        a = make_corpus(tmp / "alpha", seed=0)
+        b = make_corpus(tmp / "beta", seed=1)
+        flags = _flags(tmp, a, b)
+        extra = LAYOUTS[layout]
+        if extra is None:
+            out = run([PYTHON, str(REPO / "pretrain_gpt.py"), *flags], timeout=400)
+        else:
+            out = run(torchrun_cmd(2, flags + extra), timeout=400)
+        assert out.returncode == 0, out.stdout[-4000:]
+        records = [json.loads(x) for x in (tmp / "metrics.jsonl").read_text().splitlines()]
+        _RUNS[layout] = flags, out.stdout, records, tmp, (a, b)
+    return _RUNS[layout]
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
 def blended_run(request, tmp_path_factory):
-    """One rank, and DP = 2 (the per-source sums are all-reduced over data-parallel ranks)."""
-    tmp = tmp_path_factory.mktemp("per_source")
-    a = make_corpus(tmp / "alpha", seed=0)
-    b = make_corpus(tmp / "beta", seed=1)
-    flags = _flags(tmp, a, b)
-    single = [PYTHON, str(REPO / "pretrain_gpt.py"), *flags]
-    out = run(single if request.param == 1 else torchrun_cmd(2, flags), timeout=400)
-    assert out.returncode == 0, out.stdout[-4000:]
-    records = [json.loads(x) for x in (tmp / "metrics.jsonl").read_text().splitlines()]
-    return flags, out.stdout, records, tmp, (a, b)
+    """One rank, DP = 2 (the per-source sums are all-reduced over data-parallel ranks) and PP = 2
+    (summed on the last stage, broadcast to the first, which logs)."""
+    return _blended_run(request.param, tmp_path_factory)
+
+
+def _per_source_records(records: list[dict], a: str, b: str) -> list[list[float]]:
+    """[source a, source b, token-weighted] of every validation pass, in order."""
+    return [
+        [r[f"validation-loss/{a}"], r[f"validation-loss/{b}"], r["validation-loss/token-weighted"]]
+        for r in records
+        if f"validation-loss/{a}" in r
+    ]
+
+
+def test_pp2_logs_the_one_rank_runs_per_source_losses(tmp_path_factory):
+    _, _, one, _, (a1, b1) = _blended_run("1rank", tmp_path_factory)
+    _, _, pp2, _, (a2, b2) = _blended_run("pp2", tmp_path_factory)
+    expected, got = _per_source_records(one, a1, b1), _per_source_records(pp2, a2, b2)
+    assert len(got) == len(expected) == 2  # the periodic pass at 2, then the final one
+    for e, g in zip(expected, got, strict=True):
+        assert g == pytest.approx(e, rel=1e-6)
+    totals = [[r["validation-loss"] for r in recs if "validation-loss" in r] for recs in (one, pp2)]
+    assert totals[1] == pytest.approx(totals[0], rel=1e-6)
 
 
 def test_per_source_losses_equal_the_models_loss_on_those_samples(blended_run):

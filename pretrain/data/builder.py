@@ -148,9 +148,20 @@ def build_train_valid_test_datasets(
     tokenizer,
     num_samples: Sequence[int | None],
     progress: Callable[[str], None] | None = None,
+    *,
+    multiple_validation_sets: bool = False,
 ) -> list:
-    """[train, valid, test] datasets (GPTDataset, BlendedDataset or None) for `num_samples` per split."""
+    """[train, valid, test] datasets (GPTDataset, BlendedDataset or None) for `num_samples` per split.
+
+    `multiple_validation_sets` (Megatron's --multiple-validation-sets, per-split data paths only):
+    valid is a list of one GPTDataset per valid prefix, in order, each of the valid split's
+    sample count and built as megatron-core builds it (the whole prefix, unblended)."""
     sizes = list(num_samples)
+    if multiple_validation_sets and (cfg.blend is not None or cfg.mock):
+        raise UserError(
+            "--multiple-validation-sets needs the validation prefixes in --valid-data-path (with "
+            "--data-path or --mock-data the validation split is one set)"
+        )
     if cfg.mock:
         return build_mock_datasets(cfg, tokenizer, sizes, progress)
     b = _Builder(cfg, tokenizer, progress)
@@ -169,11 +180,23 @@ def build_train_valid_test_datasets(
         only = [None] * 3
         only[i] = sizes[i]
         prefixes, _ = blend
-        if len(prefixes) == 1:
+        if multiple_validation_sets and i == Split.valid:
+            out.append([_one_validation_set(b, prefix, matrix, sizes[i]) for prefix in prefixes])
+        elif len(prefixes) == 1:
             out.append(b.gpt(prefixes[0], matrix, i, sizes[i]))
         else:
             out.append(b.blend_splits(blend, matrix, only)[i])
     return out
+
+
+def _one_validation_set(b: _Builder, prefix: str, matrix, num_samples: int | None) -> GPTDataset:
+    dataset = b.gpt(prefix, matrix, Split.valid, num_samples)
+    if dataset is None:
+        raise UserError(
+            f"--multiple-validation-sets: the validation set {prefix} holds no sequences (drop "
+            "it from --valid-data-path)"
+        )
+    return dataset
 
 
 def count_builds(cfg: DataConfig) -> int:

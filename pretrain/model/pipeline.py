@@ -22,7 +22,7 @@ an [s,s] mask. Under sequence parallelism hidden is this TP rank's [b, s/tp, h] 
 stay whole), so each TP rank sends a different tensor: DeepSpeed's "pipe_partitioned" /
 "grad_partitioned" (each TP rank sends 1/tp of a tensor it assumes all TP ranks share) must be off
 (`pretrain.training.deepspeed_config`). DeepSpeed learns the shapes from the first micro-batch.
-The loss is the masked mean over the micro-batch's tokens, as at PP = 1.
+The loss is the masked mean over the micro-batch's tokens, as at PP = 1 (`PipelineLoss`).
 
 Full recompute (`recompute_granularity="full"`) chunks each stage's transformer layers as
 GPTModel does (`recompute_segments`, Megatron's per-stage chunks): `GPTPipelineModule.forward`
@@ -127,12 +127,25 @@ class GPTPipelineModule(PipelineModule):
         return x
 
 
-def pipeline_loss(
-    logits: torch.Tensor, labels_and_mask: tuple[torch.Tensor, torch.Tensor]
-) -> torch.Tensor:
-    """The last stage's loss: vocab-parallel cross-entropy, masked mean."""
-    labels, loss_mask = labels_and_mask
-    return masked_mean_loss(vocab_parallel_cross_entropy(logits, labels), loss_mask)
+class PipelineLoss:
+    """The last stage's loss: vocab-parallel cross-entropy, masked mean.
+
+    The labels item is (labels, loss_mask[, more tensors]). While `observer` is set (the
+    evaluation's per-source sums), it is called with each micro-batch's per-token losses [b, s],
+    loss mask and the extra label tensors (e.g. the samples' `dataset_id` [b]); the loss it
+    returns is the same either way. Only the last stage ever calls it.
+    """
+
+    def __init__(self):
+        self.observer = None
+
+    def __call__(self, logits: torch.Tensor, labels_and_mask: tuple) -> torch.Tensor:
+        """The micro-batch's masked mean loss."""
+        labels, loss_mask, *extra = labels_and_mask
+        per_token = vocab_parallel_cross_entropy(logits, labels)
+        if self.observer is not None:
+            self.observer(per_token, loss_mask, *extra)
+        return masked_mean_loss(per_token, loss_mask)
 
 
 def layer_name_prefix(index: int, num_layers: int) -> str | None:
@@ -180,7 +193,7 @@ def build_pipeline_model(config: ModelConfig, pp: int, tp: int, dp: int) -> Pipe
     topology = PipeModelDataParallelTopology(num_pp=pp, num_mp=tp, num_dp=dp)
     model = GPTPipelineModule(
         layers=specs,
-        loss_fn=pipeline_loss,
+        loss_fn=PipelineLoss(),
         topology=topology,
         partition_method="type:TransformerLayerPipe",
         activation_checkpoint_interval=0,

@@ -180,6 +180,11 @@ def get_pipeline_model_parallel_group():
     return _LAYOUT.pp_group if _LAYOUT else None
 
 
+def get_pipeline_model_parallel_ranks() -> list[int]:
+    """Global ranks of this rank's pipeline, first stage first."""
+    return list(_LAYOUT.pp_ranks) if _LAYOUT else [0]
+
+
 def get_model_parallel_group():
     """TP x PP group (Megatron's meaning): all ranks that together hold one model replica."""
     return _LAYOUT.model_group if _LAYOUT else None

@@ -5,6 +5,9 @@ run that reached --train-iters (not an early exit): one more validation pass and
 split exists, one test pass, printed "... at iteration N on validation set" / "on test set"
 exactly as Megatron-LM prints them.
 
+A pass evaluates every validation set in turn (`validation_sets`: the valid split, or one set
+per --valid-data-path prefix with --multiple-validation-sets).
+
 Without a validation split (e.g. `--split 100,0,0`) Megatron silently never evaluates; so do we,
 after one info line saying why. `--eval-iters 0` means no evaluation and no valid/test loaders.
 """
@@ -20,6 +23,7 @@ from pretrain.training.logging import MetricsLogger, logger
 from pretrain.training.per_source import SourceLosses
 from pretrain.training.state import TrainState
 from pretrain.training.step import evaluation_loss
+from pretrain.training.validation_sets import ValidationSet
 
 if TYPE_CHECKING:  # imports deepspeed, which must wait for the launch environment
     from pretrain.training.engine import Engine
@@ -32,7 +36,11 @@ class EvalConfig:
     eval_interval: int = 1000
     """Evaluate after every this many iterations (--eval-interval)."""
     eval_iters: int = 100
-    """Global batches per evaluation; 0 = never evaluate (--eval-iters)."""
+    """Global batches per evaluation (of each validation set); 0 = never evaluate (--eval-iters)."""
+    multiple_validation_sets: bool = False
+    """Evaluate each --valid-data-path prefix as its own set (--multiple-validation-sets)."""
+    validation_set_names: list[str] | None = None
+    """Those sets' names in log lines and scalars, instead of 0, 1, ... (--validation-set-names)."""
 
 
 class Evaluator:
@@ -41,7 +49,7 @@ class Evaluator:
     def __init__(
         self,
         config: EvalConfig,
-        valid_batches,
+        valid_sets: list[ValidationSet],
         test_batches,
         *,
         global_batch_size: int,
@@ -49,20 +57,16 @@ class Evaluator:
         use_document_ids: bool,
         device: torch.device,
         metrics: MetricsLogger,
-        valid_sources: list[str] | None = None,
-        pipeline: bool = False,
     ):
         self.config, self.metrics = config, metrics
-        # Per-source validation losses need the per-token losses, which only PP = 1 sees here.
-        self.valid_sources = None if pipeline else valid_sources
-        self.valid_batches, self.test_batches = valid_batches, test_batches
+        self.valid_sets, self.test_batches = valid_sets, test_batches
         self.global_batch_size, self.num_microbatches = global_batch_size, num_microbatches
         self.use_document_ids, self.device = use_document_ids, device
 
     def note_missing_data(self, source: str) -> None:
         """Say once (info) why --eval-iters > 0 evaluates nothing, or only the final test pass;
         `source` names where the splits come from (e.g. "--split 100,0,0")."""
-        if self.config.eval_iters == 0 or self.valid_batches is not None:
+        if self.config.eval_iters == 0 or self.valid_sets:
             return
         test = (
             "only the final test pass runs"
@@ -77,7 +81,7 @@ class Evaluator:
     def should_evaluate(self, iteration: int) -> bool:
         """True after the iterations at which Megatron evaluates (and only if there is data)."""
         return (
-            self.valid_batches is not None
+            bool(self.valid_sets)
             and self.config.eval_iters > 0
             and iteration % self.config.eval_interval == 0
         )
@@ -93,22 +97,23 @@ class Evaluator:
             sources,
         )
 
-    def evaluate(self, engine: Engine, train_state: TrainState, where: str = "") -> float:
-        """One validation pass; advances the consumed validation samples and logs the loss."""
-        sources = SourceLosses(self.valid_sources, self.device) if self.valid_sources else None
-        loss = self._loss(engine, self.valid_batches, sources)
+    def evaluate(self, engine: Engine, train_state: TrainState, where: str = "") -> None:
+        """One validation pass over every set; advances the consumed validation samples (the
+        position in each set: every set draws the same samples per pass) and logs the losses."""
+        for valid in self.valid_sets:
+            sources = SourceLosses(valid.sources, self.device) if valid.sources else None
+            loss = self._loss(engine, valid.batches, sources)
+            self.metrics.log_validation(train_state.iteration, loss, where, suffix=valid.suffix)
+            if sources is not None:
+                sources.reduce()
+                self.metrics.log_validation_sources(train_state.iteration, sources, where)
         train_state.consumed_valid_samples += self.config.eval_iters * self.global_batch_size
-        self.metrics.log_validation(train_state.iteration, loss, where)
-        if sources is not None:
-            sources.all_reduce()
-            self.metrics.log_validation_sources(train_state.iteration, sources, where)
-        return loss
 
     def evaluate_at_end(self, engine: Engine, train_state: TrainState) -> None:
         """Megatron's passes after the last iteration: validation, then test if it exists."""
         if self.config.eval_iters == 0:
             return
-        if self.valid_batches is not None:
+        if self.valid_sets:
             self.evaluate(engine, train_state, " on validation set")
         if self.test_batches is not None:
             loss = self._loss(engine, self.test_batches)

@@ -111,12 +111,13 @@ def format_iteration_line(s: IterationStats) -> str:
     return line
 
 
-def format_eval_line(iteration: int, loss: float, where: str = "") -> str:
+def format_eval_line(iteration: int, loss: float, where: str = "", suffix: str = "") -> str:
     """Megatron-LM's evaluation block: loss and perplexity between two rules one longer than
-    the line; `where` is "", " on validation set" or " on test set"."""
+    the line; `where` is "", " on validation set" or " on test set"; `suffix` names one of
+    several validation sets ("-<name>": " validation-<name> loss at ...")."""
     ppl = math.exp(min(20.0, loss))
     text = (
-        f" validation loss at iteration {iteration}{where} | lm loss value: {loss:.6E} | "
+        f" validation{suffix} loss at iteration {iteration}{where} | lm loss value: {loss:.6E} | "
         f"lm loss PPL: {ppl:.6E} | "
     )
     bar = "-" * (len(text) + 1)
@@ -314,14 +315,21 @@ class MetricsLogger:
         self._reset_interval()
 
     def log_validation(
-        self, iteration: int, loss: float, where: str = "", split: str = "validation"
+        self,
+        iteration: int,
+        loss: float,
+        where: str = "",
+        split: str = "validation",
+        suffix: str = "",
     ) -> None:
-        """Record and print one evaluation's loss and perplexity (`split`: validation or test)."""
+        """Record and print one evaluation's loss and perplexity (`split`: validation or test;
+        `suffix`: "-<name>" of one of several validation sets, in the scalars'
+        `validation-<name>-loss` and the line)."""
         self.writer.write(
             iteration,
-            {f"{split}-loss": loss, f"{split}-ppl": math.exp(min(20.0, loss))},
+            {f"{split}{suffix}-loss": loss, f"{split}{suffix}-ppl": math.exp(min(20.0, loss))},
         )
-        logger.info(format_eval_line(iteration, loss, where))
+        logger.info(format_eval_line(iteration, loss, where, suffix))
 
     def log_validation_sources(self, iteration: int, sources, where: str = "") -> None:
         """After Megatron's validation block: each blend source's token-weighted loss

@@ -1,4 +1,4 @@
-"""Validation loss per data source of a blend (PP = 1).
+"""Validation loss per data source of a blend (any TP/PP/DP layout).
 
 A blended validation batch carries `dataset_id` [b]: the position, in the blend, of the source
 each sample was drawn from. Per source we sum the per-token losses of its unmasked tokens and count
@@ -8,6 +8,11 @@ different number: the mean, over micro-batches, of each micro-batch's masked mea
 only when every micro-batch has the same number of unmasked tokens; the token-weighted total
 (sum of all sums over all counts) is logged beside the per-source losses so that the relation is
 checkable.
+
+At PP > 1 only the last stage computes losses (its loss function adds each micro-batch here,
+`PipelineLoss.observer`); `reduce` sums over its data-parallel ranks and broadcasts the sums from
+the last stage to the other stages of the pipeline, so that global rank 0 (the first stage) logs
+them.
 """
 
 from __future__ import annotations
@@ -37,12 +42,18 @@ class SourceLosses:
         self.sums.index_add_(0, ids, per_sample_sum.to(self.sums.device))
         self.tokens.index_add_(0, ids, mask.sum(dim=1).to(self.sums.device))
 
-    def all_reduce(self) -> None:
-        """Sum over the data-parallel ranks (each saw its own samples of the global batches)."""
+    def reduce(self) -> None:
+        """Sum over the data-parallel ranks (each saw its own samples of the global batches),
+        then give every pipeline stage the last stage's sums (only it saw losses)."""
+        both = torch.stack([self.sums, self.tokens])
         if state.get_data_parallel_world_size() > 1:
-            both = torch.stack([self.sums, self.tokens])
             torch.distributed.all_reduce(both, group=state.get_data_parallel_group())
-            self.sums, self.tokens = both[0].clone(), both[1].clone()
+        if state.get_pipeline_model_parallel_world_size() > 1:
+            last = state.get_pipeline_model_parallel_ranks()[-1]
+            torch.distributed.broadcast(
+                both, src=last, group=state.get_pipeline_model_parallel_group()
+            )
+        self.sums, self.tokens = both[0].clone(), both[1].clone()
 
     def losses(self) -> dict[str, float]:
         """{source: token-weighted mean loss} for sources with tokens in this pass."""

@@ -111,38 +111,47 @@ def _data_iterators(
     use_document_ids: bool,
     device: torch.device,
 ):
-    """(train, valid, test) batch iterators, valid/test None when absent or --eval-iters 0,
-    train and valid positioned after the consumed samples; and the train and valid datasets."""
+    """(train batches, validation sets, test batches or None) and the train dataset; no
+    validation sets without a valid split or with --eval-iters 0; train and validation
+    positioned after the consumed samples."""
+    from pretrain.training.per_source import source_names
     from pretrain.training.step import PipelineBatches
+    from pretrain.training.validation_sets import ValidationSet, set_suffixes
 
     t, ev = cfg.training, cfg.evaluation
     num_samples = train_valid_test_num_samples(
         t.train_iters, t.train_samples, ev.eval_interval, ev.eval_iters, t.global_batch_size
     )
     train_ds, valid_ds, test_ds = build_train_valid_test_datasets(
-        cfg.data, build_tokenizer(cfg.tokenizer), num_samples
+        cfg.data,
+        build_tokenizer(cfg.tokenizer),
+        num_samples,
+        multiple_validation_sets=ev.multiple_validation_sets,
     )
     log_plan(cfg.data, num_samples, logger)  # the blend plan table, once (rank 0 logs INFO)
     dp_rank, dp = state.get_data_parallel_rank(), state.get_data_parallel_world_size()
+    pipeline = cfg.parallel.pipeline_model_parallel_size > 1
 
-    def batches(dataset, consumed):
+    def batches(dataset, consumed, dataset_ids: bool = False):
         loader = build_pretraining_data_loader(
             dataset, consumed, t.micro_batch_size, dp_rank, dp, cfg.data
         )
         it = iter(loader)
-        pipeline = cfg.parallel.pipeline_model_parallel_size > 1
-        return PipelineBatches(it, use_document_ids, device) if pipeline else it
+        return PipelineBatches(it, use_document_ids, device, dataset_ids) if pipeline else it
 
-    def optional(dataset, consumed):
-        return None if dataset is None or ev.eval_iters == 0 else batches(dataset, consumed)
-
-    return (
-        batches(train_ds, consumed_train),
-        optional(valid_ds, consumed_valid),
-        optional(test_ds, 0),
-        train_ds,
-        valid_ds,
-    )
+    if valid_ds is None or ev.eval_iters == 0:
+        valid_sets = []
+    elif ev.multiple_validation_sets:
+        suffixes = set_suffixes(ev.validation_set_names, cfg.data)
+        valid_sets = [
+            ValidationSet(suffix, batches(d, consumed_valid))
+            for suffix, d in zip(suffixes, valid_ds, strict=True)
+        ]
+    else:
+        sources = source_names(valid_ds)
+        valid_sets = [ValidationSet("", batches(valid_ds, consumed_valid, bool(sources)), sources)]
+    test = None if test_ds is None or ev.eval_iters == 0 else batches(test_ds, 0)
+    return batches(train_ds, consumed_train), valid_sets, test, train_ds
 
 
 def _start_batch_schedule(t: TrainingConfig, consumed: int) -> None:
@@ -189,7 +198,6 @@ def pretrain(cfg: RunConfig) -> TrainState:
     from pretrain.training.flops import flops_per_iteration, peak_tflops_per_device
     from pretrain.training.logging import MetricsLogger, ScalarWriter, Throughput
     from pretrain.training.loop import train
-    from pretrain.training.per_source import source_names
 
     t, par = cfg.training, cfg.parallel
     engine = build_engine(
@@ -212,7 +220,7 @@ def pretrain(cfg: RunConfig) -> TrainState:
     # Causal attention needs no input; document ids (O(S) per sample) only when documents are
     # kept apart (--reset-attention-mask).
     use_document_ids = cfg.data.reset_attention_mask
-    train_batches, valid_batches, test_batches, train_dataset, valid_dataset = _data_iterators(
+    train_batches, valid_sets, test_batches, train_dataset = _data_iterators(
         cfg,
         train_state.consumed_train_samples,
         train_state.consumed_valid_samples,
@@ -276,15 +284,13 @@ def pretrain(cfg: RunConfig) -> TrainState:
     )
     evaluator = Evaluator(
         cfg.evaluation,
-        valid_batches,
+        valid_sets,
         test_batches,
         global_batch_size=t.global_batch_size,
         num_microbatches=t.num_microbatches,
         use_document_ids=use_document_ids,
         device=device,
         metrics=metrics,
-        valid_sources=source_names(valid_dataset),
-        pipeline=par.pipeline_model_parallel_size > 1,
     )
     data = cfg.data
     evaluator.note_missing_data(

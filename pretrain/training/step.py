@@ -23,10 +23,20 @@ if TYPE_CHECKING:  # imports deepspeed, which must wait for the launch environme
 
 class PipelineBatches:
     """Loader dicts -> DeepSpeed pipeline items ((tokens, position_ids[, document_ids]),
-    (labels, loss_mask))."""
+    (labels, loss_mask[, dataset_id])).
 
-    def __init__(self, batches: Iterator[dict], use_document_ids: bool, device: torch.device):
+    `dataset_ids`: also hand the last stage each sample's blend source (a blended validation
+    set's per-source sums, `PipelineLoss.observer`)."""
+
+    def __init__(
+        self,
+        batches: Iterator[dict],
+        use_document_ids: bool,
+        device: torch.device,
+        dataset_ids: bool = False,
+    ):
         self.batches, self.use_document_ids, self.device = batches, use_document_ids, device
+        self.dataset_ids = dataset_ids
 
     def __iter__(self):
         return self
@@ -36,10 +46,10 @@ class PipelineBatches:
         inputs = (batch["tokens"], batch["position_ids"]) + (
             (batch["document_ids"],) if self.use_document_ids else ()
         )
-        return (
-            tuple(x.to(self.device) for x in inputs),
-            (batch["labels"].to(self.device), batch["loss_mask"].to(self.device)),
+        labels = (batch["labels"], batch["loss_mask"]) + (
+            (batch["dataset_id"],) if self.dataset_ids else ()
         )
+        return tuple(x.to(self.device) for x in inputs), tuple(x.to(self.device) for x in labels)
 
 
 def _micro_batch_loss(
@@ -97,14 +107,11 @@ def evaluation_loss(
 ) -> float:
     """Mean loss over `eval_iters` global batches, without gradients or optimizer steps.
 
-    With `sources` (PP = 1 only), each micro-batch's per-token losses are also summed per blend
-    source; the caller all-reduces them."""
+    With `sources`, each micro-batch's per-token losses are also summed per blend source (on the
+    last pipeline stage, whose loss function sees them; the batches must then carry the samples'
+    dataset ids, `PipelineBatches(dataset_ids=True)`); the caller reduces them."""
     if engine.pipeline:
-        losses = [
-            float(engine.ds.eval_batch(data_iter=batches, num_micro_batches=num_microbatches))
-            for _ in range(eval_iters)
-        ]
-        return sum(losses) / len(losses)
+        return _pipeline_evaluation_loss(engine, batches, eval_iters, num_microbatches, sources)
     engine.ds.eval()
     try:
         losses = [
@@ -114,3 +121,20 @@ def evaluation_loss(
     finally:
         engine.ds.train()
     return float(_dp_mean(torch.stack(losses).mean()))
+
+
+def _pipeline_evaluation_loss(
+    engine: Engine, batches, eval_iters: int, num_microbatches: int, sources: SourceLosses | None
+) -> float:
+    """DeepSpeed's eval_batch returns only each batch's mean loss; the per-source sums come from
+    the last stage's loss function, which sees every micro-batch's per-token losses."""
+    loss_fn = engine.ds.module.loss_fn
+    loss_fn.observer = None if sources is None else sources.add
+    try:
+        losses = [
+            float(engine.ds.eval_batch(data_iter=batches, num_micro_batches=num_microbatches))
+            for _ in range(eval_iters)
+        ]
+    finally:
+        loss_fn.observer = None
+    return sum(losses) / len(losses)
