@@ -77,6 +77,23 @@ def test_parser_reads_what_the_logger_wrote(tmp_path):
     assert run.tokens_at([10, 100]) == [10 * 8 * 64, 100 * 8 * 64]
 
 
+def test_parser_keeps_each_validation_set_apart(tmp_path):
+    log = write_log(tmp_path / "a.log", range(10, 101, 10))
+    extra = [format_eval_line(it, 3.0 + it / 100, suffix="-wiki") for it in (50, 100)]
+    extra.append(format_eval_line(100, 4.0, " on validation set", suffix="-code"))
+    log.write_text(log.read_text() + "\n".join(extra) + "\n")
+    run = read_run_log(log)
+    assert run.validation_sets == {"wiki": [(50, 3.5), (100, 4.0)], "code": [(100, 4.0)]}
+    assert [v[0] for v in run.validation] == [50, 100]  # the unsuffixed line stays its own
+    out = tmp_path / "sets.png"
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "plot_run.py"), "--log", str(log), "--out",
+         str(out)], capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert out.stat().st_size > 10_000
+
+
 def test_parser_reads_a_megatron_lm_line():
     # Megatron-LM's own line: no tokens/s, TFLOP/s after the elapsed time
     line = (

@@ -3,7 +3,8 @@
 
     python tools/plot_run.py --log runs/demo/train.log [--log other.log ...] --out curves.png
 
-Panels: training loss (solid) with validation loss (dots), learning rate, grad norm and tokens/s,
+Panels: training loss (solid) with validation loss (dots; with --multiple-validation-sets one
+marker shape per set), learning rate, grad norm and tokens/s,
 against iterations (top row) and tokens (bottom row; tokens = consumed samples x sequence length,
 read from the start-up banner or --seq-length). Reads any log with Megatron's iteration lines
 (`iteration N/ M | ... | lm loss: ... |`), ours or Megatron-LM's.
@@ -43,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+MARKERS = ("o", "s", "^", "D", "v", "P")  # one per validation set (--multiple-validation-sets)
+
+
 def _draw_row(axes, runs: list[RunLog], labels: list[str], by_tokens: bool) -> None:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import EngFormatter
@@ -55,10 +59,20 @@ def _draw_row(axes, runs: list[RunLog], labels: list[str], by_tokens: bool) -> N
             if not its or x is None:
                 continue
             ax.plot(x, values, color=colours[i % 10], label=label, lw=1.5)
-            if name == "lm loss" and run.validation:
-                v_its = [v[0] for v in run.validation]
+            if name != "lm loss":
+                continue
+            sets = [("", run.validation)] + sorted(run.validation_sets.items())
+            for k, (set_name, points) in enumerate(p for p in sets if p[1]):
+                v_its = [v[0] for v in points]
                 vx = run.tokens_at(v_its) if by_tokens else v_its
-                ax.plot(vx, [v[1] for v in run.validation], "o", color=colours[i % 10], ms=5)
+                ax.plot(
+                    vx,
+                    [v[1] for v in points],
+                    MARKERS[k % len(MARKERS)],
+                    color=colours[i % 10],
+                    ms=5,
+                    label=f"{label} validation-{set_name}" if set_name else None,
+                )
         ax.set_title(title)
         ax.set_xlabel("tokens" if by_tokens else "iteration")
         if by_tokens:  # 1.5M, not 1500000 run into its neighbours

@@ -1,8 +1,8 @@
 """Read Megatron-format training logs back: the iteration lines, validation lines and batch size.
 
 The formats are the ones `logging.py` writes (and Megatron-LM prints), so this also reads
-Megatron-LM's own logs: `iteration N/ M | name: value | ...` and `validation loss at iteration N |
-lm loss value: X | ...`. One parser for every tool that reads logs (demo summary, plots).
+Megatron-LM's own logs: `iteration N/ M | name: value | ...` and `validation[-<set>] loss at
+iteration N | lm loss value: X | ...`. One parser for every tool that reads logs (demo summary, plots).
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from pathlib import Path
 ITERATION_LINE = re.compile(r"^\s*iteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
 FIELD = re.compile(r"\s*([^|:]+?):\s*([^|]+?)\s*\|")
 # periodic evaluations, and the one after the last iteration (" on validation set"); not the test set
+# (with --multiple-validation-sets: "validation-<name> loss at ...", one block per set)
 VALIDATION_LINE = re.compile(
-    r"validation loss at iteration (\d+)(?: on validation set)?\s*\|\s*lm loss value:\s*(\S+)"
+    r"validation(-\S+)? loss at iteration (\d+)(?: on validation set)?\s*\|\s*"
+    r"lm loss value:\s*(\S+)"
 )
 # our start-up banner: "batch | global 8 = micro 4 x ...; 2,048 tokens/iteration"
 BANNER_BATCH = re.compile(r"batch\s*\|\s*global (\d+) = .*?([\d,]+) tokens/iteration")
@@ -49,6 +51,8 @@ class RunLog:
     """The iteration lines, as parse_iteration_lines gives them."""
     validation: list[tuple[int, float]] = field(default_factory=list)
     """(iteration, validation lm loss) per evaluation."""
+    validation_sets: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    """--multiple-validation-sets: set name -> (iteration, lm loss) per evaluation."""
     seq_length: int | None = None
     """Tokens per sample, from the start-up banner (None: no banner in the log)."""
 
@@ -71,8 +75,11 @@ def read_run_log(path: Path, seq_length: int | None = None) -> RunLog:
     text = Path(path).read_text(errors="replace")
     run = RunLog(path=Path(path), rows=parse_iteration_lines(text))
     # one point per iteration: the final evaluation may repeat the last periodic one
-    by_iteration = {int(i): float(v) for i, v in VALIDATION_LINE.findall(text)}
-    run.validation = sorted(by_iteration.items())
+    by_set: dict[str, dict[int, float]] = {}
+    for suffix, iteration, value in VALIDATION_LINE.findall(text):
+        by_set.setdefault(suffix[1:], {})[int(iteration)] = float(value)
+    run.validation = sorted(by_set.pop("", {}).items())
+    run.validation_sets = {name: sorted(points.items()) for name, points in by_set.items()}
     banner = BANNER_BATCH.search(text)
     if seq_length is not None:
         run.seq_length = seq_length
