@@ -151,9 +151,12 @@ class _Evil:
         return (os.system, ("echo pwned",))
 
 
-def test_a_pickled_global_is_refused_not_run(tmp_path):
+@pytest.mark.parametrize("writer", ["pickle", "torch.save"])
+def test_a_pickled_global_is_refused_not_run(tmp_path, writer, capfd):
     path = shard_file(str(tmp_path), 0, 0)
+    payload = {"format_version": 1, "entries": _Evil()}
     with open(path, "wb") as f:
-        pickle.dump({"format_version": 1, "entries": _Evil()}, f)
+        (pickle.dump if writer == "pickle" else torch.save)(payload, f)
     with pytest.raises(UserError, match="cannot be read as a full training state"):
         read_full_state(str(tmp_path), 100)
+    assert "pwned" not in capfd.readouterr().out
