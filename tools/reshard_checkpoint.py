@@ -5,10 +5,10 @@
         --target-tensor-parallel-size 8 --target-pipeline-parallel-size 1
 
 `pretrain_gpt.py --load` already resumes any checkpoint at any layout, but then every rank of
-every job reads the whole saved state and merges it. This tool does that work once: the output
-holds the same training state (fp32 master weights, Adam moments and steps, LR schedule, data
-position) cut into one file per target (TP rank, pipeline stage), so each rank of a job at the
-target TP/PP reads only its own file. Data parallelism and the ZeRO stage stay free at launch.
+every job merges its parameters from all the saved TP shards. This tool does that work once: the
+output holds the same training state (fp32 master weights, Adam moments and steps, LR schedule,
+data position) cut into one file per target (TP rank, pipeline stage), so each rank of a job at
+the target TP/PP reads only its own file. Data parallelism and the ZeRO stage stay free at launch.
 Resume with `pretrain_gpt.py --load NEW --tensor-model-parallel-size T
 --pipeline-model-parallel-size P ...` (the run's other flags unchanged). The output is written
 under a temporary name and renamed when complete. docs/CHECKPOINTS.md has details.
