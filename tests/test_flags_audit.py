@@ -161,7 +161,7 @@ def changes(f) -> dict:
         "--exit-signal-handler": [], "--exit-signal": ["SIGUSR1"], "--iterations-to-skip": ["2", "4-5"],
         # checkpointing
         "--save": (d + ["--save-interval", "2"], d + ["--save-interval", "2", "--save", f["dir"]], None),
-        "--save-interval": ["2"], "--load": [f["dir"]], "--no-save-rng": [], "--no-load-optim": [],
+        "--save-interval": ["2"], "--load": [f["dir"]], "--no-save-rng": [], "--no-save-full-state": [], "--no-load-optim": [],
         "--save-total-limit": (d + ["--save-interval", "2", "--save", f["dir"]], d + ["--save-interval", "2", "--save", f["dir"], "--save-total-limit", "2"], None),
         "--no-load-rng": [], "--finetune": (d + ["--load", f["dir"]], d + ["--load", f["dir"], "--finetune"], None),
         # logging

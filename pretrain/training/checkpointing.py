@@ -90,6 +90,9 @@ class CheckpointConfig:
     """Save after every this many iterations (--save-interval)."""
     no_save_rng: bool = False
     """Do not save per-rank RNG states (--no-save-rng)."""
+    no_save_full_state: bool = False
+    """Do not save the layout-independent state (--no-save-full-state): smaller, faster saves
+    that resume only at their own TP/PP/DP/ZeRO layout."""
     no_load_optim: bool = False
     """Resume weights and position but not the optimizer state (--no-load-optim)."""
     no_load_rng: bool = False
@@ -232,7 +235,8 @@ class Checkpointer:
     def _write_rank_files(
         self, engine: Engine, train_state: TrainState, tmp_name: str
     ) -> str | None:
-        """This rank's DeepSpeed files and RNG state, each fsynced; a failure as one line."""
+        """This rank's DeepSpeed files, RNG state and (unless --no-save-full-state) part of the
+        layout-independent state, each fsynced; a failure as one line."""
         save_dir = self.config.save
         files = RankFiles(engine.ds)
         try:
@@ -250,9 +254,10 @@ class Checkpointer:
         if not self.config.no_save_rng:
             rank = torch.distributed.get_rank()
             files.write(_rng_state(), os.path.join(save_dir, tmp_name, f"rng_state_{rank}.pt"))
-        from pretrain.training.reshard import save_full_state  # imports deepspeed
+        if not self.config.no_save_full_state:
+            from pretrain.training.reshard import save_full_state  # imports deepspeed
 
-        save_full_state(engine, os.path.join(save_dir, tmp_name), files.write)  # a collective
+            save_full_state(engine, os.path.join(save_dir, tmp_name), files.write)  # a collective
         if files.failure is None:
             return None
         path, reason = files.failure
@@ -281,6 +286,7 @@ class Checkpointer:
                 if self.tokens_seen is None
                 else self.tokens_seen(train_state.consumed_train_samples)
             ),
+            full_state=not self.config.no_save_full_state,
             **self.run_record,
         )
         meta[FILES_KEY] = manifest(tmp_dir)
@@ -301,6 +307,17 @@ class Checkpointer:
         except StepInUse as err:
             return f"{err}: `latest` names it; not replaced (another run writes into --save?)"
         return None
+
+
+def _without_full_state(meta: dict) -> str:
+    """The reason a checkpoint saved with --no-save-full-state cannot move, for a refusal."""
+    if meta.get("full_state", True):
+        return ""
+    return (
+        ", and it was saved with --no-save-full-state: it has no layout-independent state to "
+        "resume elsewhere from (resume it at its own layout and save once without that flag to "
+        "move it)"
+    )
 
 
 def _same_layout(saved: dict, parallel: ParallelConfig) -> bool:
@@ -352,7 +369,8 @@ def check_compatible(
         if saved[key] != getattr(parallel, key):
             raise UserError(
                 f"--load {path}: the checkpoint was written with {flag} {saved[key]}, this run uses "
-                f"{getattr(parallel, key)}; DeepSpeed checkpoints are split per TP/PP rank: "
+                f"{getattr(parallel, key)}{_without_full_state(meta)}; DeepSpeed checkpoints are "
+                f"split per TP/PP rank: "
                 f"{RELAYOUT_HINT}, or run with {flag} {saved[key]}"
             )
     padded = model.padded_vocab_size(parallel.tensor_model_parallel_size)
@@ -377,7 +395,8 @@ def check_compatible(
         )
         raise UserError(
             f"--load {path}: the checkpoint's ZeRO-{saved['zero_stage']} optimizer state is split "
-            f"over {saved['data_parallel_size']} data-parallel ranks, this run has {dp}: resume "
+            f"over {saved['data_parallel_size']} data-parallel ranks, this run has {dp}"
+            f"{_without_full_state(meta)}: resume "
             f"with --finetune (weights only) or convert it with DeepSpeed's ds_to_universal.py, or "
             f"launch {ranks} ranks"
         )
