@@ -118,3 +118,18 @@ def test_another_data_parallel_size_is_refused_naming_the_flag(saved):
     line = _refusal(other.stdout)
     assert "split over 1 data-parallel ranks, this run has 2" in line
     assert "saved with --no-save-full-state" in line
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_another_zero_stage_is_refused_naming_the_flag(saved, zero):
+    """DeepSpeed's own load cannot cross these stages (its files differ): without the full
+    state it is one line naming the flag, not a "damaged checkpoint" from inside DeepSpeed."""
+    tmp, corpus, ckpt = saved
+    flags = _flags(corpus, tmp / f"zero{zero}.jsonl", "--load", str(ckpt))
+    other = _pretrain(flags + ["--zero-stage", str(zero)], timeout=90)
+    assert other.returncode == 2, other.stdout[-4000:]
+    line = _refusal(other.stdout)
+    assert f"--zero-stage 1, this run uses {zero}" in line
+    assert "damaged" not in line
+    assert ("--no-load-optim" in line) == (zero == 0)  # 0 <-> 1: the weights alone would load
+    assert not (tmp / f"zero{zero}.jsonl").exists()

@@ -320,6 +320,23 @@ def _without_full_state(meta: dict) -> str:
     )
 
 
+def _check_zero_stage(meta: dict, zero_stage: int, loads_optimizer: bool, path: str) -> None:
+    """Refuse a ZeRO stage DeepSpeed's own load cannot cross (any to or from 3; 0 <-> 1/2 with the
+    optimizer state: their files differ), rather than fail inside DeepSpeed as a "damaged"
+    checkpoint. Only for checkpoints without the full state (with it, any stage resumes)."""
+    saved = meta["parallel"]["zero_stage"]
+    if saved == zero_stage or {saved, zero_stage} == {1, 2}:
+        return
+    if 3 not in (saved, zero_stage) and not loads_optimizer:
+        return  # the module weights alone are in the same files
+    raise UserError(
+        f"--load {path}: the checkpoint was written with --zero-stage {saved}, this run uses "
+        f"{zero_stage}{_without_full_state(meta)}; DeepSpeed's files differ between these stages: "
+        f"run with --zero-stage {saved}"
+        + ("" if 3 in (saved, zero_stage) else " (or --no-load-optim: weights and position only)")
+    )
+
+
 def _same_layout(saved: dict, parallel: ParallelConfig) -> bool:
     keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
     return all(saved[k] == getattr(parallel, k) for k in keys) and saved["zero_stage"] == (
@@ -400,6 +417,7 @@ def check_compatible(
             f"with --finetune (weights only) or convert it with DeepSpeed's ds_to_universal.py, or "
             f"launch {ranks} ranks"
         )
+    _check_zero_stage(meta, parallel.zero_stage, loads_optimizer, path)
 
 
 def check_before_launch(
