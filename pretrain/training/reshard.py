@@ -8,7 +8,7 @@ at another layout, after the engine is built: it cuts each parameter for this TP
 it into the module, the fp32 partition and the optimizer state.
 
 Any TP, PP, DP and ZeRO stage 0-3 on either side (under the pipeline engine DeepSpeed allows
-ZeRO 0-1); `checkpointing.relayout_possible` chooses this path over DeepSpeed's own load.
+ZeRO 0-1); `resume.relayout_possible` chooses this path over DeepSpeed's own load.
 """
 
 from __future__ import annotations

@@ -25,13 +25,7 @@ from pretrain.model.config import ModelConfig
 from pretrain.parallel import state
 from pretrain.parallel.config import ParallelConfig
 from pretrain.tokenizer import TokenizerConfig, build_tokenizer
-from pretrain.training.checkpointing import (
-    CheckpointConfig,
-    Checkpointer,
-    check_before_launch,
-    load_checkpoint,
-    restore_rng_state,
-)
+from pretrain.training.checkpointing import CheckpointConfig, Checkpointer
 from pretrain.training.deepspeed_config import PrecisionConfig
 from pretrain.training.distributed import (
     choose_backend,
@@ -45,6 +39,7 @@ from pretrain.training.logging import LoggingConfig, banner, logger, setup_loggi
 from pretrain.training.loop import TrainingConfig
 from pretrain.training.lr_schedule import LRScheduleConfig
 from pretrain.training.optimizer import OptimizerConfig
+from pretrain.training.resume import check_before_launch, load_checkpoint, restore_rng_state
 from pretrain.training.state import TrainState
 
 

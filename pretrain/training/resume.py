@@ -1,0 +1,327 @@
+"""Resuming training: which step `--load` takes, whether this run can take it, and loading it.
+
+Before the process group exists, `check_before_launch` picks the step
+(`pretrain.checkpoint.integrity`) and refuses, in one line, one this run cannot resume (another
+model; another layout without a layout-independent state). After the engine is built,
+`load_checkpoint` loads it: at the saved layout through DeepSpeed's own load, at any other (or
+from a `tools/reshard_checkpoint.py` output) through the full state
+(`pretrain/training/reshard.py`). Damaged files and NaN/Inf tensors are one line on every rank.
+docs/CHECKPOINTS.md, "Loading", has the rules.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pretrain.checkpoint import safe_load
+from pretrain.checkpoint.format import LATEST_FILE, check_same_model, refuse_foreign_checkpoint
+from pretrain.checkpoint.full_state import has_full_state
+from pretrain.checkpoint.integrity import Choice, check_finite, choose_checkpoint
+from pretrain.checkpoint.relayout import is_full_state_only
+from pretrain.errors import UserError
+from pretrain.model.config import ModelConfig
+from pretrain.parallel.config import ParallelConfig
+from pretrain.parallel.random import get_tensor_parallel_rng
+from pretrain.training.checkpoint_writes import agree
+from pretrain.training.checkpointing import CheckpointConfig
+from pretrain.training.logging import logger
+from pretrain.training.state import TrainState
+
+if TYPE_CHECKING:  # the engine module imports deepspeed, which must wait for the launch environment
+    from pretrain.training.engine import Engine
+
+RELAYOUT_HINT = (
+    "export it with tools/convert_to_hf.py, re-import it with tools/convert_from_hf.py "
+    "--target-tensor-parallel-size T --target-pipeline-parallel-size P and start with --finetune "
+    "(docs/CONVERSION.md)"
+)
+
+
+def restore_rng_state(rng: dict) -> None:
+    """Put this rank's saved python/numpy/torch/CUDA/TP-dropout generator states back."""
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.set_rng_state(rng["torch"])
+    get_tensor_parallel_rng().set_state(rng["tensor_parallel"])
+    if torch.cuda.is_available() and "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"])
+
+
+def _without_full_state(meta: dict) -> str:
+    """The reason a checkpoint saved with --no-save-full-state cannot move, for a refusal."""
+    if meta.get("full_state", True):
+        return ""
+    return (
+        ", and it was saved with --no-save-full-state: it has no layout-independent state to "
+        "resume elsewhere from (resume it at its own layout and save once without that flag to "
+        "move it)"
+    )
+
+
+def _check_zero_stage(meta: dict, zero_stage: int, loads_optimizer: bool, path: str) -> None:
+    """Refuse a ZeRO stage DeepSpeed's own load cannot cross (any to or from 3; 0 <-> 1/2 with the
+    optimizer state: their files differ), rather than fail inside DeepSpeed as a "damaged"
+    checkpoint. Only for checkpoints without the full state (with it, any stage resumes)."""
+    saved = meta["parallel"]["zero_stage"]
+    if saved == zero_stage or {saved, zero_stage} == {1, 2}:
+        return
+    if 3 not in (saved, zero_stage) and not loads_optimizer:
+        return  # the module weights alone are in the same files
+    raise UserError(
+        f"--load {path}: the checkpoint was written with --zero-stage {saved}, this run uses "
+        f"{zero_stage}{_without_full_state(meta)}; DeepSpeed's files differ between these stages: "
+        f"run with --zero-stage {saved}"
+        + ("" if 3 in (saved, zero_stage) else " (or --no-load-optim: weights and position only)")
+    )
+
+
+def _same_layout(saved: dict, parallel: ParallelConfig) -> bool:
+    keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
+    return all(saved[k] == getattr(parallel, k) for k in keys) and saved["zero_stage"] == (
+        parallel.zero_stage
+    )
+
+
+def relayout_possible(step_dir: str, meta: dict, parallel: ParallelConfig) -> bool:
+    """True when the checkpoint in `step_dir` was saved at another layout and resumes at this one
+    through its layout-independent state (pretrain/training/reshard.py), or holds only that
+    state (written by tools/reshard_checkpoint.py)."""
+    if is_full_state_only(meta):
+        return True
+    return not _same_layout(meta["parallel"], parallel) and has_full_state(step_dir)
+
+
+def check_compatible(
+    config: CheckpointConfig,
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    meta: dict,
+    path: str,
+    relayout: bool = False,
+) -> None:
+    """Refuse (one line) a checkpoint this run cannot resume: another model, or (unless
+    `relayout`: it resumes through its full state) another TP/PP, or a ZeRO optimizer state split
+    over another number of data-parallel ranks."""
+    if meta.get("weights_only") and not config.finetune:
+        raise UserError(
+            f"--load {path}: a weights-only checkpoint (converted, no optimizer or data position); "
+            f"start from it with --finetune"
+        )
+    if meta.get("weights_only") and parallel.zero_stage == 3:
+        raise UserError(
+            f"--load {path}: a weights-only (converted) checkpoint cannot start a ZeRO-3 run "
+            f"(DeepSpeed reads ZeRO-3 weights from optimizer files it does not have); use "
+            f"--zero-stage 0-2"
+        )
+    check_same_model(meta, model, path)
+    if relayout:
+        return
+    saved = meta["parallel"]
+    for key, flag in (
+        ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
+        ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
+    ):
+        if saved[key] != getattr(parallel, key):
+            raise UserError(
+                f"--load {path}: the checkpoint was written with {flag} {saved[key]}, this run uses "
+                f"{getattr(parallel, key)}{_without_full_state(meta)}; DeepSpeed checkpoints are "
+                f"split per TP/PP rank: "
+                f"{RELAYOUT_HINT}, or run with {flag} {saved[key]}"
+            )
+    padded = model.padded_vocab_size(parallel.tensor_model_parallel_size)
+    if meta.get("padded_vocab_size", padded) != padded:
+        raise UserError(
+            f"--load {path}: the checkpoint's embedding has {meta['padded_vocab_size']} rows "
+            f"(padded vocabulary), this run pads to {padded} (--make-vocab-size-divisible-by "
+            f"{model.make_vocab_size_divisible_by}); use the checkpoint's "
+            f"--make-vocab-size-divisible-by {meta['model'].get('make_vocab_size_divisible_by')}"
+        )
+    loads_optimizer = not (config.finetune or config.no_load_optim)
+    dp = parallel.data_parallel_size
+    if (
+        saved["data_parallel_size"] != dp
+        and parallel.zero_stage > 0
+        and (loads_optimizer or saved["zero_stage"] == 3 or parallel.zero_stage == 3)
+    ):
+        ranks = (
+            saved["data_parallel_size"]
+            * parallel.tensor_model_parallel_size
+            * parallel.pipeline_model_parallel_size
+        )
+        raise UserError(
+            f"--load {path}: the checkpoint's ZeRO-{saved['zero_stage']} optimizer state is split "
+            f"over {saved['data_parallel_size']} data-parallel ranks, this run has {dp}"
+            f"{_without_full_state(meta)}: resume "
+            f"with --finetune (weights only) or convert it with DeepSpeed's ds_to_universal.py, or "
+            f"launch {ranks} ranks"
+        )
+    _check_zero_stage(meta, parallel.zero_stage, loads_optimizer, path)
+
+
+def check_before_launch(
+    config: CheckpointConfig, model: ModelConfig, parallel: ParallelConfig
+) -> Choice | None:
+    """Pick the step `--load` resumes from and refuse an incompatible or damaged one, before the
+    process group exists (one line on every rank, no hang). None: nothing to load."""
+    refuse_foreign_checkpoint(config.load)
+    choice = choose_checkpoint(config.load)
+    if choice is not None:
+        step_dir = os.path.join(config.load, choice.tag)
+        relayout = relayout_possible(step_dir, choice.meta, parallel)
+        check_compatible(config, model, parallel, choice.meta, config.load, relayout)
+    return choice
+
+
+def _same_tag_everywhere(config: CheckpointConfig, choice: Choice) -> None:
+    """Every rank chose from its own view of the folder: refuse if the views differ."""
+    tags: list[str | None] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(tags, choice.tag)
+    if len(set(tags)) > 1:
+        raise UserError(
+            f"--load {config.load}: the ranks see different checkpoints ({', '.join(map(str, tags))} "
+            f"by rank); is the folder on a file system every node sees the same?"
+        )
+
+
+def _nonfinite_problem(engine: Engine, where: str, with_optimizer: bool) -> str | None:
+    """One line naming the first NaN/Inf weight or optimizer-state tensor on this rank, or None."""
+    named = dict(engine.ds.module.named_parameters())
+    trees = [({k: v.detach() for k, v in named.items()}, "weights")]
+    if with_optimizer:
+        names = {id(p): n for n, p in named.items()}
+        optimizer = engine.ds.optimizer
+        base = getattr(optimizer, "optimizer", optimizer)  # ZeRO wraps the torch optimizer
+        state = {
+            names.get(id(param), f"partition{i}"): value
+            for i, (param, value) in enumerate(getattr(base, "state", {}).items())
+        }
+        trees.append((state, "optimizer state"))
+        master = getattr(optimizer, "single_partition_of_fp32_groups", None)  # ZeRO-1/2
+        if master is not None:
+            trees.append(
+                ({f"fp32_partition{i}": t for i, t in enumerate(master)}, "fp32 master weights")
+            )
+    try:
+        for tree, what in trees:
+            check_finite(tree, where, what)
+    except UserError as err:
+        return str(err)
+    return None
+
+
+def _load_rng(config: CheckpointConfig, step_dir: str) -> tuple[dict | None, str | None]:
+    """(this rank's RNG states or None, a problem line or None)."""
+    path = os.path.join(step_dir, f"rng_state_{torch.distributed.get_rank()}.pt")
+    if config.no_load_rng:
+        return None, None
+    if not os.path.isfile(path):
+        logger.warning(f"WARNING: {path} missing (different world size?); RNG states not restored")
+        return None, None
+    try:
+        return safe_load.load(path), None  # numpy/torch RNG states only; no pickled code runs
+    except Exception as err:  # noqa: BLE001 - any unpickling failure means a damaged file
+        return None, f"{path}: cannot be read ({type(err).__name__}: {err}); the file is damaged"
+
+
+def _load_relayout(
+    config: CheckpointConfig, engine: Engine, step_dir: str, meta: dict
+) -> tuple[TrainState, None]:
+    """Resume a checkpoint saved at another layout from its layout-independent state."""
+    from pretrain.training.reshard import load_full_state  # imports deepspeed
+
+    loads_optimizer = not (config.finetune or config.no_load_optim)
+    load_full_state(
+        engine, step_dir, vocab_size=meta["model"]["vocab_size"], with_optimizer=loads_optimizer
+    )
+    problem = agree(_nonfinite_problem(engine, step_dir, loads_optimizer))
+    if problem is not None:
+        raise UserError(problem)
+    saved = meta["parallel"]
+    layout = f"TP{saved['tensor_model_parallel_size']} PP{saved['pipeline_model_parallel_size']} "
+    if is_full_state_only(meta):
+        layout += "by tools/reshard_checkpoint.py"
+    else:
+        layout += f"DP{saved['data_parallel_size']} ZeRO-{saved['zero_stage']}"
+    if config.finetune:
+        logger.info(f"loaded weights from {step_dir} (saved at {layout}; --finetune)")
+        return TrainState(), None
+    train_state = TrainState.from_checkpoint(meta)
+    engine.ds.global_steps = train_state.iteration
+    engine.ds.global_samples = train_state.consumed_train_samples
+    logger.info(
+        f"loaded checkpoint {step_dir} at iteration {train_state.iteration} "
+        f"({train_state.consumed_train_samples} samples consumed), saved at {layout}: resharded "
+        f"weights, fp32 master weights, Adam state and LR schedule; RNG states not restored "
+        f"(another layout): generators stay seeded from --seed"
+    )
+    return train_state, None
+
+
+def load_checkpoint(
+    config: CheckpointConfig,
+    engine: Engine,
+    choice: Choice | None,
+    parallel: ParallelConfig | None = None,
+) -> tuple[TrainState, dict | None]:
+    """Resume from the step `check_before_launch` chose: (train state, this rank's RNG states or
+    None). A file that cannot be loaded, or NaN/Inf in the weights or optimizer state, is one
+    line on every rank. Given this run's `parallel` layout, a checkpoint saved at another one
+    resumes from its layout-independent state (`_load_relayout`).
+
+    The caller restores the RNG states with `restore_rng_state` as the last step before training:
+    building data loaders draws from the global torch generator.
+    """
+    if choice is None:
+        if config.finetune:
+            raise UserError(
+                f"--finetune --load {config.load}: no `{LATEST_FILE}` file there (point --load at a "
+                f"checkpoint directory)"
+            )
+        logger.warning(
+            f"WARNING: no checkpoint in {config.load} (no `{LATEST_FILE}` file); starting from "
+            f"scratch"
+        )
+        return TrainState(), None
+    _same_tag_everywhere(config, choice)
+    step_dir = os.path.join(config.load, choice.tag)
+    if parallel is not None and relayout_possible(step_dir, choice.meta, parallel):
+        return _load_relayout(config, engine, step_dir, choice.meta)
+    loads_optimizer = not (config.finetune or config.no_load_optim)
+    problem, client_state = None, None
+    try:
+        load_path, client_state = engine.ds.load_checkpoint(
+            config.load,
+            tag=choice.tag,
+            load_optimizer_states=loads_optimizer,
+            load_lr_scheduler_states=not config.finetune,
+            load_module_only=config.finetune,
+        )
+        if load_path is None:
+            problem = (
+                f"{step_dir}: DeepSpeed could not load it (files missing; see the warnings above)"
+            )
+    except Exception as err:  # noqa: BLE001 - a damaged file must be one line, not a traceback
+        problem = (
+            f"{step_dir}: cannot be loaded ({type(err).__name__}: {err}); the checkpoint is damaged"
+        )
+    problem = problem or _nonfinite_problem(engine, step_dir, loads_optimizer)
+    rng = None
+    if problem is None and not config.finetune:
+        rng, problem = _load_rng(config, step_dir)
+    problem = agree(problem)
+    if problem is not None:
+        raise UserError(problem)
+    if config.finetune:
+        logger.info(f"loaded weights from {step_dir} (--finetune: iteration and data restart at 0)")
+        return TrainState(), None
+    train_state = TrainState.from_checkpoint(client_state)
+    logger.info(
+        f"loaded checkpoint {step_dir} at iteration {train_state.iteration} "
+        f"({train_state.consumed_train_samples} samples consumed)"
+    )
+    return train_state, rng
