@@ -22,10 +22,10 @@ from pretrain.cli.resolve import (
     precision_config,
 )
 from pretrain.data.config import DataConfig
-from pretrain.data.fingerprint import check_data
+from pretrain.data.fingerprint import PrefixFiles, check_data
 from pretrain.errors import UserError
 from pretrain.launch import detect_launch_env
-from pretrain.parallel.config import ParallelConfig
+from pretrain.parallel.config import ParallelConfig, check_world_divisible
 from pretrain.tokenizer import TokenizerConfig, build_tokenizer
 from pretrain.training.checkpointing import CheckpointConfig
 from pretrain.training.deepspeed_config import check_user_config, load_user_config
@@ -33,7 +33,7 @@ from pretrain.training.evaluator import EvalConfig
 from pretrain.training.logging import LoggingConfig
 from pretrain.training.loop import TrainingConfig
 from pretrain.training.optimizer import OptimizerConfig
-from pretrain.training.run import RunConfig
+from pretrain.training.run import Prepared, RunConfig
 from pretrain.training.validation_sets import check_validation_sets
 
 
@@ -69,9 +69,8 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
         },
     )
     launch = detect_launch_env(env, ns.local_rank)
-    parallel_flags = section_values(ns, "parallel")
-    ParallelConfig(**parallel_flags, world_size=launch.world_size)  # the layout check, first
     tp, pp = ns.parallel__tensor_model_parallel_size, ns.parallel__pipeline_model_parallel_size
+    check_world_divisible(launch.world_size, tp, pp)  # the layout check, first
     dp = launch.world_size // (tp * pp)
     if ns.no_pipeline_parallel and pp > 1:
         raise UserError(
@@ -126,7 +125,9 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
             f"--zero-stage {zero} with --pipeline-model-parallel-size {pp}: DeepSpeed's pipeline "
             f"engine supports ZeRO 0 and 1 only (use --zero-stage 1, or PP=1 for ZeRO-2/3)"
         )
-    parallel = ParallelConfig(**parallel_flags, world_size=launch.world_size, zero_stage=zero)
+    parallel = ParallelConfig(
+        **section_values(ns, "parallel"), world_size=launch.world_size, zero_stage=zero
+    )
     if parallel.cpu_offload and zero == 0:
         raise UserError("--cpu-offload needs ZeRO (add --zero-stage 1, 2 or 3)")
     checkpoint = CheckpointConfig(**section_values(ns, "checkpoint"))
@@ -154,15 +155,22 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
     if ns.tokenizer_type is None:  # Megatron's pretrain_gpt.py: args_defaults
         ns.tokenizer_type = "GPT2BPETokenizer"
     tokenizer = TokenizerConfig.from_args(ns)
-    # building the tokenizer checks its files and gives the true vocabulary size
+    # building the tokenizer checks its files and gives the true vocabulary size; `pretrain`
+    # trains with this one (Prepared), so a process builds it once
     built_tokenizer = build_tokenizer(tokenizer)
     model = model_config(ns, built_tokenizer.vocab_size)
     model.validate(tp, pp)
     data = DataConfig.from_args(ns)
+    prepared = Prepared(
+        tokenizer_config=tokenizer,
+        tokenizer=built_tokenizer,
+        data_config=data,
+        files=PrefixFiles(data.data_cache_path),  # read here, reused by pretrain
+    )
     check_data_files(data)
     # data fingerprints: made by this tokenizer, largest token id inside its vocabulary
-    check_data(data, tokenizer, built_tokenizer, built_tokenizer.vocab_size)
-    check_data_splits(data, ns, train_iters, gbs, launch.rank)
+    check_data(data, tokenizer, built_tokenizer, built_tokenizer.vocab_size, prepared.files)
+    check_data_splits(data, ns, train_iters, gbs, launch.rank, prepared.files)
     evaluation = EvalConfig(
         **section_values(ns, "evaluation"), eval_interval=ns.eval_interval, eval_iters=ns.eval_iters
     )
@@ -195,4 +203,5 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
         launch=launch,
         deepspeed_json=ds_json,
         argv=tuple(argv),
+        prepared=prepared,
     )

@@ -16,6 +16,7 @@ import torch
 from pretrain.cli.flags import section_values
 from pretrain.data.builder import check_splits_before_launch
 from pretrain.data.config import DataConfig, train_valid_test_num_samples
+from pretrain.data.fingerprint import PrefixFiles
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
 from pretrain.training.batch_schedule import BatchSchedule, parse_step_schedule
@@ -228,9 +229,11 @@ def check_data_files(data: DataConfig) -> None:
                 )
 
 
-def check_data_splits(data: DataConfig, ns, train_iters: int, gbs: int, rank: int) -> None:
+def check_data_splits(
+    data: DataConfig, ns, train_iters: int, gbs: int, rank: int, files: PrefixFiles
+) -> None:
     """An empty train split is refused here, before launch; a missing validation split while
-    --eval-iters > 0 is said once (by rank 0)."""
+    --eval-iters > 0 is said once (by rank 0). `files` opens the `.idx` files (kept for the run)."""
     counts = train_valid_test_num_samples(
         train_iters, ns.train_samples, ns.eval_interval, ns.eval_iters, gbs
     )
@@ -238,4 +241,4 @@ def check_data_splits(data: DataConfig, ns, train_iters: int, gbs: int, rank: in
     def warn(msg: str) -> None:
         print(f"warning: {msg}", file=sys.stderr, flush=True)
 
-    check_splits_before_launch(data, counts, ns.eval_iters, warn if rank == 0 else None)
+    check_splits_before_launch(data, counts, ns.eval_iters, warn if rank == 0 else None, files)
