@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pretrain.data.blended_dataset import BlendedDataset, normalize
 from pretrain.data.config import Blend, DataConfig, Split
+from pretrain.data.fingerprint import PrefixFiles
 from pretrain.data.gpt_dataset import GPTDataset, split_ranges
 from pretrain.data.indexed_dataset import IndexedDataset
 from pretrain.data.mock import build_mock_datasets
@@ -37,22 +38,31 @@ def sizes_per_dataset(
     ]
 
 
+def _open(files: PrefixFiles, prefix: str) -> IndexedDataset:
+    """`prefix`'s dataset from `files`, or one line saying that the pair does not exist."""
+    if not IndexedDataset.exists(prefix):
+        raise UserError(
+            f"{prefix}: no {prefix}.bin/{prefix}.idx pair (check the --data-path prefix; "
+            "tools/preprocess_data.py writes PREFIX_text_document.bin/.idx)"
+        )
+    return files.indexed(prefix)
+
+
 class _Builder:
-    def __init__(self, cfg: DataConfig, tokenizer, progress: Callable[[str], None] | None):
+    def __init__(
+        self,
+        cfg: DataConfig,
+        tokenizer,
+        progress: Callable[[str], None] | None,
+        files: PrefixFiles | None,
+    ):
         self.cfg = cfg
         self.tokenizer = tokenizer
         self.progress = progress or (lambda what: None)
-        self._indexed = {}
+        self.files = files or PrefixFiles(cfg.data_cache_path)
 
     def indexed(self, prefix: str) -> IndexedDataset:
-        if prefix not in self._indexed:
-            if not IndexedDataset.exists(prefix):
-                raise UserError(
-                    f"{prefix}: no {prefix}.bin/{prefix}.idx pair (check the --data-path prefix; "
-                    "tools/preprocess_data.py writes PREFIX_text_document.bin/.idx)"
-                )
-            self._indexed[prefix] = IndexedDataset(prefix)
-        return self._indexed[prefix]
+        return _open(self.files, prefix)
 
     def gpt(self, prefix: str, matrix, split: int, num_samples: int | None) -> GPTDataset | None:
         if matrix[split] is None:
@@ -150,12 +160,14 @@ def build_train_valid_test_datasets(
     progress: Callable[[str], None] | None = None,
     *,
     multiple_validation_sets: bool = False,
+    files: PrefixFiles | None = None,
 ) -> list:
     """[train, valid, test] datasets (GPTDataset, BlendedDataset or None) for `num_samples` per split.
 
     `multiple_validation_sets` (Megatron's --multiple-validation-sets, per-split data paths only):
     valid is a list of one GPTDataset per valid prefix, in order, each of the valid split's
-    sample count and built as megatron-core builds it (the whole prefix, unblended)."""
+    sample count and built as megatron-core builds it (the whole prefix, unblended).
+    `files`: the prefixes as already opened (start-up opens each once)."""
     sizes = list(num_samples)
     if multiple_validation_sets and (cfg.blend is not None or cfg.mock):
         raise UserError(
@@ -164,7 +176,7 @@ def build_train_valid_test_datasets(
         )
     if cfg.mock:
         return build_mock_datasets(cfg, tokenizer, sizes, progress)
-    b = _Builder(cfg, tokenizer, progress)
+    b = _Builder(cfg, tokenizer, progress, files)
     if cfg.blend is not None:
         prefixes, weights = cfg.blend
         if len(prefixes) == 1 and weights is None:
@@ -250,13 +262,14 @@ def check_splits_before_launch(
     num_samples: Sequence[int | None],
     eval_iters: int = 0,
     warn: Callable[[str], None] | None = None,
+    files: PrefixFiles | None = None,
 ) -> None:
     """Refuse an empty train split with one line saying why; `warn` once if evaluation will find
-    no validation data. Reads only the `.idx` files (validated), so it runs before launch.
-    Mock data (no files) always has every split."""
+    no validation data. Reads only the `.idx` files (validated, through `files`), so it runs
+    before launch. Mock data (no files) always has every split."""
     if cfg.mock:
         return
-    cache: dict[str, IndexedDataset] = {}
+    files = files or PrefixFiles(cfg.data_cache_path)
     for split in (Split.train, Split.valid):
         if split == Split.valid and not (eval_iters > 0 and num_samples[1]):
             continue
@@ -264,15 +277,7 @@ def check_splits_before_launch(
         reasons = [why] if why else []
         total = 0
         for prefix in prefixes:
-            if prefix not in cache:
-                if not IndexedDataset.exists(prefix):
-                    raise UserError(
-                        f"{prefix}: no {prefix}.bin/{prefix}.idx pair (check the "
-                        "--data-path prefix; tools/preprocess_data.py writes "
-                        "PREFIX_text_document.bin/.idx)"
-                    )
-                cache[prefix] = IndexedDataset(prefix)
-            indexed = cache[prefix]
+            indexed = _open(files, prefix)
             ids = split_ranges(len(indexed), matrix)[split]
             tokens = (
                 int(indexed.sequence_lengths[ids[0] : ids[-1] + 1].sum(dtype="int64"))

@@ -2,7 +2,7 @@
 
 `add_data_args` owns the data-side flags; `add_sample_count_args` owns the flags the sample counts
 come from (`--train-iters`, `--global-batch-size`, `--seq-length`, `--seed`, ...), which are also
-training flags: `pretrain/cli.py` reuses this function so there is one definition of each.
+training flags: `pretrain/cli/flags.py` reuses this function so there is one definition of each.
 """
 
 from __future__ import annotations

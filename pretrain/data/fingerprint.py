@@ -125,9 +125,9 @@ def input_files(sources: Iterable[str]) -> list[dict]:
     return out
 
 
-def dataset_counts(prefix: str) -> dict:
+def dataset_counts(prefix: str, files: PrefixFiles | None = None) -> dict:
     """{documents, sequences, tokens, dtype} of a written dataset, from its .idx."""
-    ds = IndexedDataset(prefix)
+    ds = (files or PrefixFiles()).indexed(prefix)
     return {
         "documents": ds.num_documents,
         "sequences": len(ds),
@@ -136,9 +136,8 @@ def dataset_counts(prefix: str) -> dict:
     }
 
 
-def _scan_max_token(prefix: str) -> int:
-    """Largest token id in PREFIX.bin, in one streaming pass (-1 when empty)."""
-    ds = IndexedDataset(prefix)
+def _scan_max_token(ds: IndexedDataset) -> int:
+    """Largest token id in the dataset's .bin, in one streaming pass (-1 when empty)."""
     tokens = ds._bin
     largest = -1
     for start in range(0, len(tokens), _CHUNK_TOKENS):
@@ -156,25 +155,65 @@ def _stats_cache_file(prefix: str, cache_dir: str | None) -> str:
 
 def largest_token_id(prefix: str, cache_dir: str | None = None) -> int:
     """From the sidecar, else from a cached streaming pass over the .bin (computed once)."""
-    sidecar = read_sidecar(prefix)
-    if sidecar is not None and "max_token_id" in sidecar:
-        return int(sidecar["max_token_id"])
-    path = _stats_cache_file(prefix, cache_dir)
-    try:
-        with open(path, encoding="utf-8") as f:
-            return int(json.load(f)["max_token_id"])
-    except (OSError, ValueError, KeyError):
-        pass
-    log.info(
-        "%s: no fingerprint; scanning %s for its largest token id", prefix, get_bin_path(prefix)
-    )
-    largest = _scan_max_token(prefix)
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        atomic_write_bytes(path, json.dumps({"prefix": prefix, "max_token_id": largest}).encode())
-    except OSError as err:  # a read-only data folder: the check still works, just uncached
-        log.warning("could not cache the token scan in %s (%s)", path, err.strerror)
-    return largest
+    return PrefixFiles(cache_dir).largest_token_id(prefix)
+
+
+class PrefixFiles:
+    """The files of data prefixes, each opened or read at most once per instance.
+
+    Start-up shares one instance between the checks before launch (`check_data`,
+    `check_splits_before_launch`), the blend plan, the dataset builder and the checkpoints'
+    `data_fingerprints`, so that each prefix's O(sequences) `.idx` validation, its sidecar and
+    its largest token id (a SHA-256 of the `.idx` without a sidecar) are done once per process.
+    A caller checks that the pair exists first, with its own message.
+    """
+
+    def __init__(self, cache_dir: str | None = None):
+        self.cache_dir = cache_dir
+        """Where scans of data without a sidecar are cached (--data-cache-path)."""
+        self._indexed: dict[str, IndexedDataset] = {}
+        self._sidecars: dict[str, dict | None] = {}
+        self._largest: dict[str, int] = {}
+
+    def indexed(self, prefix: str) -> IndexedDataset:
+        """`prefix`'s dataset, opened (so validated) on first use."""
+        if prefix not in self._indexed:
+            self._indexed[prefix] = IndexedDataset(prefix)
+        return self._indexed[prefix]
+
+    def sidecar(self, prefix: str) -> dict | None:
+        """`read_sidecar(prefix)`, read on first use (treat it as read-only)."""
+        if prefix not in self._sidecars:
+            self._sidecars[prefix] = read_sidecar(prefix)
+        return self._sidecars[prefix]
+
+    def largest_token_id(self, prefix: str) -> int:
+        """From the sidecar, else from a cached streaming pass over the .bin (computed once)."""
+        if prefix not in self._largest:
+            self._largest[prefix] = self._find_largest_token_id(prefix)
+        return self._largest[prefix]
+
+    def _find_largest_token_id(self, prefix: str) -> int:
+        sidecar = self.sidecar(prefix)
+        if sidecar is not None and "max_token_id" in sidecar:
+            return int(sidecar["max_token_id"])
+        path = _stats_cache_file(prefix, self.cache_dir)
+        try:
+            with open(path, encoding="utf-8") as f:
+                return int(json.load(f)["max_token_id"])
+        except (OSError, ValueError, KeyError):
+            pass
+        log.info(
+            "%s: no fingerprint; scanning %s for its largest token id", prefix, get_bin_path(prefix)
+        )
+        largest = _scan_max_token(self.indexed(prefix))
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            data = json.dumps({"prefix": prefix, "max_token_id": largest}).encode()
+            atomic_write_bytes(path, data)
+        except OSError as err:  # a read-only data folder: the check still works, just uncached
+            log.warning("could not cache the token scan in %s (%s)", path, err.strerror)
+        return largest
 
 
 def data_prefixes(cfg: DataConfig) -> list[str]:
@@ -193,9 +232,12 @@ def _describe(tok: dict) -> str:
     )
 
 
-def check_prefix(prefix: str, given: dict, vocab_size: int, cfg: DataConfig) -> None:
+def check_prefix(
+    prefix: str, given: dict, vocab_size: int, cfg: DataConfig, files: PrefixFiles | None = None
+) -> None:
     """Refuse `prefix` if its tokens do not fit `vocab_size` or another tokenizer made it."""
-    sidecar = read_sidecar(prefix)
+    files = files or PrefixFiles(cfg.data_cache_path)
+    sidecar = files.sidecar(prefix)
     made_by = None if sidecar is None else sidecar.get("tokenizer")
     if made_by is not None and made_by.get("sha256") != given["sha256"]:
         line = (
@@ -206,7 +248,7 @@ def check_prefix(prefix: str, given: dict, vocab_size: int, cfg: DataConfig) -> 
                 f"{line} (pass the tokenizer that made the data, or --allow-tokenizer-mismatch)"
             )
         log.warning("%s; continuing (--allow-tokenizer-mismatch)", line)
-    largest = largest_token_id(prefix, cfg.data_cache_path)
+    largest = files.largest_token_id(prefix)
     if largest >= vocab_size:
         by = "" if made_by is None else f" (made by {_describe(made_by)})"
         raise UserError(
@@ -215,24 +257,29 @@ def check_prefix(prefix: str, given: dict, vocab_size: int, cfg: DataConfig) -> 
         )
 
 
-def check_data(cfg: DataConfig, tok_cfg, tokenizer, vocab_size: int) -> None:
+def check_data(
+    cfg: DataConfig, tok_cfg, tokenizer, vocab_size: int, files: PrefixFiles | None = None
+) -> None:
     """Check every prefix of `cfg` against the tokenizer given and a vocabulary of `vocab_size`
-    ids (the model's, or the tokenizer's where there is no model). One-line UserError on a mismatch."""
+    ids (the model's, or the tokenizer's where there is no model). One-line UserError on a mismatch.
+    `files`: the prefixes' files as already read (PrefixFiles(cfg.data_cache_path))."""
     given = tokenizer_fingerprint(tok_cfg, tokenizer)
+    files = files or PrefixFiles(cfg.data_cache_path)
     for prefix in data_prefixes(cfg):
         if IndexedDataset.exists(prefix):  # a missing pair is reported by the builder
-            check_prefix(prefix, given, vocab_size, cfg)
+            check_prefix(prefix, given, vocab_size, cfg, files)
 
 
-def data_fingerprints(cfg: DataConfig) -> dict[str, dict]:
+def data_fingerprints(cfg: DataConfig, files: PrefixFiles | None = None) -> dict[str, dict]:
     """{prefix: summary} of every prefix `cfg` reads, for checkpoints and model cards: the
     sidecar's tokenizer, counts and largest token id, or the counts and largest id from the .idx
-    and the cached scan for data without a sidecar."""
+    and the cached scan for data without a sidecar. `files`: as for `check_data`."""
+    files = files or PrefixFiles(cfg.data_cache_path)
     out = {}
     for prefix in data_prefixes(cfg):
-        sidecar = read_sidecar(prefix) or {}
-        summary = dataset_counts(prefix)
-        summary["max_token_id"] = largest_token_id(prefix, cfg.data_cache_path)
+        sidecar = files.sidecar(prefix) or {}
+        summary = dataset_counts(prefix, files)
+        summary["max_token_id"] = files.largest_token_id(prefix)
         summary["tokenizer"] = sidecar.get("tokenizer")
         summary["sidecar"] = bool(sidecar)
         out[prefix] = summary

@@ -20,6 +20,7 @@ import numpy as np
 from pretrain.data import helpers
 from pretrain.data.blended_dataset import normalize
 from pretrain.data.config import SPLIT_NAMES, Blend, DataConfig
+from pretrain.data.fingerprint import PrefixFiles
 from pretrain.data.gpt_dataset import split_ranges
 from pretrain.data.indexed_dataset import IndexedDataset
 from pretrain.errors import UserError
@@ -68,19 +69,17 @@ def to_sample_weights(weights: Sequence[float], unit: str, tokens_per_sample: Se
 
 
 class _Sources:
-    """Sequence lengths of each prefix, read once (the .idx only)."""
+    """Sequence lengths of each prefix, read once (the .idx only, opened through `files`)."""
 
-    def __init__(self):
-        self._lengths: dict[str, np.ndarray] = {}
+    def __init__(self, files: PrefixFiles):
+        self._files = files
 
     def lengths(self, prefix: str) -> np.ndarray:
-        if prefix not in self._lengths:
-            if not IndexedDataset.exists(prefix):
-                raise UserError(
-                    f"{prefix}: no {prefix}.bin/{prefix}.idx pair (check the --data-path prefix)"
-                )
-            self._lengths[prefix] = IndexedDataset(prefix).sequence_lengths
-        return self._lengths[prefix]
+        if not IndexedDataset.exists(prefix):
+            raise UserError(
+                f"{prefix}: no {prefix}.bin/{prefix}.idx pair (check the --data-path prefix)"
+            )
+        return self._files.indexed(prefix).sequence_lengths
 
     def split(self, prefix: str, matrix, split: int) -> tuple[int, int]:
         """(tokens, documents) of `prefix` in split `split` of `matrix`."""
@@ -151,9 +150,12 @@ def _blend_rows(
     ]
 
 
-def plan_blend(cfg: DataConfig, num_samples: Sequence[int | None]) -> list[PlanRow]:
-    """Rows for every split and prefix of `cfg`'s data, for `num_samples` [train, valid, test]."""
-    src = _Sources()
+def plan_blend(
+    cfg: DataConfig, num_samples: Sequence[int | None], files: PrefixFiles | None = None
+) -> list[PlanRow]:
+    """Rows for every split and prefix of `cfg`'s data, for `num_samples` [train, valid, test];
+    `files`: the prefixes as already opened."""
+    src = _Sources(files or PrefixFiles(cfg.data_cache_path))
     rows = []
     if cfg.blend is not None:
         for split in range(3):
@@ -218,11 +220,12 @@ def log_plan(
     num_samples: Sequence[int | None],
     log: logging.Logger,
     max_epochs: float = DEFAULT_MAX_EPOCHS,
+    files: PrefixFiles | None = None,
 ) -> list[PlanRow]:
     """Log the blend plan table and its warnings (once, at the start of training); return the rows."""
     if cfg.mock:  # no prefixes to plan: pretrain.data.mock logs what it builds
         return []
-    rows = plan_blend(cfg, num_samples)
+    rows = plan_blend(cfg, num_samples, files)
     text = "\n".join([format_plan(rows, cfg.seq_length), *plan_warnings(rows, max_epochs)])
     # info, warnings included: every rank calls this, and only rank 0 logs at info
     log.info("data plan (seq length %d):\n%s", cfg.seq_length, text)

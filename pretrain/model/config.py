@@ -1,6 +1,6 @@
 """`ModelConfig`: the GPT model's only input, with Megatron's defaults and shape checks.
 
-The command line (pretrain/cli.py) builds it from Megatron's flags; tests and tools build it
+The command line (pretrain/cli/) builds it from Megatron's flags; tests and tools build it
 directly. Each field's metadata names the flag that sets it: the one field<->flag mapping that the
 `--finetune` hint and the checkpoint shape check read through `flag_for`. Derived sizes (`ffn_size`, `head_dim`, `query_groups`) resolve Megatron's `None`
 defaults in one place.

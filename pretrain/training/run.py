@@ -11,20 +11,20 @@ import dataclasses
 import functools
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pretrain.data.builder import build_train_valid_test_datasets
 from pretrain.data.config import DataConfig, train_valid_test_num_samples
-from pretrain.data.fingerprint import data_fingerprints, tokens_seen
+from pretrain.data.fingerprint import PrefixFiles, data_fingerprints, tokens_seen
 from pretrain.data.plan import log_plan
 from pretrain.data.samplers import build_pretraining_data_loader
 from pretrain.launch import LaunchEnv
 from pretrain.model.config import ModelConfig
 from pretrain.parallel import state
 from pretrain.parallel.config import ParallelConfig
-from pretrain.tokenizer import TokenizerConfig, build_tokenizer
+from pretrain.tokenizer import Tokenizer, TokenizerConfig, build_tokenizer
 from pretrain.training.checkpointing import CheckpointConfig, Checkpointer
 from pretrain.training.deepspeed_config import PrecisionConfig
 from pretrain.training.distributed import (
@@ -41,6 +41,31 @@ from pretrain.training.lr_schedule import LRScheduleConfig
 from pretrain.training.optimizer import OptimizerConfig
 from pretrain.training.resume import check_before_launch, load_checkpoint, restore_rng_state
 from pretrain.training.state import TrainState
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prepared:
+    """What the checks before launch built (`pretrain.cli`), handed to `pretrain` so that a
+    process builds its tokenizer and opens (validates) each data prefix once."""
+
+    tokenizer_config: TokenizerConfig
+    """The config `tokenizer` was built from."""
+    tokenizer: Tokenizer
+    """The built tokenizer (its files read, its vocabulary size known)."""
+    data_config: DataConfig
+    """The data config `files` was made for."""
+    files: PrefixFiles
+    """The data prefixes' `.idx` files, sidecars and largest token ids as already read."""
+
+    @classmethod
+    def build(cls, tokenizer_config: TokenizerConfig, data_config: DataConfig) -> Prepared:
+        """A tokenizer built now, and no data files read yet."""
+        return cls(
+            tokenizer_config=tokenizer_config,
+            tokenizer=build_tokenizer(tokenizer_config),
+            data_config=data_config,
+            files=PrefixFiles(data_config.data_cache_path),
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,9 +100,21 @@ class RunConfig:
     """The user's --deepspeed_config, already checked against the flags."""
     argv: tuple[str, ...] = ()
     """The command line, recorded in checkpoints and dashboards."""
+    prepared: Prepared | None = field(default=None, compare=False, repr=False)
+    """The tokenizer and data files the checks before launch built; None: `pretrain` builds them.
+    Not part of the configuration (equal configs may differ here)."""
 
 
-def _run_record(cfg: RunConfig) -> dict:
+def _prepared(cfg: RunConfig) -> Prepared:
+    """`cfg.prepared` if made for `cfg`'s tokenizer and data (a config replaced since gets its
+    own), else a new one."""
+    p = cfg.prepared
+    if p is not None and p.tokenizer_config == cfg.tokenizer and p.data_config == cfg.data:
+        return p
+    return Prepared.build(cfg.tokenizer, cfg.data)
+
+
+def _run_record(cfg: RunConfig, files: PrefixFiles) -> dict:
     """How the run was configured, for checkpoint metadata (everything but model and layout)."""
     return {
         "data": dataclasses.asdict(cfg.data),
@@ -87,7 +124,7 @@ def _run_record(cfg: RunConfig) -> dict:
         "precision": dataclasses.asdict(cfg.precision),
         "evaluation": dataclasses.asdict(cfg.evaluation),
         "argv": list(cfg.argv),
-        "data_fingerprints": data_fingerprints(cfg.data),
+        "data_fingerprints": data_fingerprints(cfg.data, files),
     }
 
 
@@ -101,6 +138,7 @@ def _tokens_seen_counter(cfg: RunConfig, train_dataset):
 
 def _data_iterators(
     cfg: RunConfig,
+    prepared: Prepared,
     consumed_train: int,
     consumed_valid: int,
     use_document_ids: bool,
@@ -119,11 +157,13 @@ def _data_iterators(
     )
     train_ds, valid_ds, test_ds = build_train_valid_test_datasets(
         cfg.data,
-        build_tokenizer(cfg.tokenizer),
+        prepared.tokenizer,
         num_samples,
         multiple_validation_sets=ev.multiple_validation_sets,
+        files=prepared.files,
     )
-    log_plan(cfg.data, num_samples, logger)  # the blend plan table, once (rank 0 logs INFO)
+    # the blend plan table, once (rank 0 logs INFO)
+    log_plan(cfg.data, num_samples, logger, files=prepared.files)
     dp_rank, dp = state.get_data_parallel_rank(), state.get_data_parallel_world_size()
     pipeline = cfg.parallel.pipeline_model_parallel_size > 1
 
@@ -215,8 +255,10 @@ def pretrain(cfg: RunConfig) -> TrainState:
     # Causal attention needs no input; document ids (O(S) per sample) only when documents are
     # kept apart (--reset-attention-mask).
     use_document_ids = cfg.data.reset_attention_mask
+    prepared = _prepared(cfg)
     train_batches, valid_sets, test_batches, train_dataset = _data_iterators(
         cfg,
+        prepared,
         train_state.consumed_train_samples,
         train_state.consumed_valid_samples,
         use_document_ids,
@@ -296,7 +338,7 @@ def pretrain(cfg: RunConfig) -> TrainState:
         model=cfg.model,
         parallel=par,
         tokenizer=dataclasses.asdict(cfg.tokenizer),
-        run_record=_run_record(cfg),
+        run_record=_run_record(cfg, prepared.files),
         tokens_seen=_tokens_seen_counter(cfg, train_dataset),
     )
     exit_signal = ExitSignal(t.exit_signal) if t.exit_signal_handler else None

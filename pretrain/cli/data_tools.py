@@ -1,0 +1,40 @@
+"""The data tools' command lines (build_data_cache, plan_blend, explain_batch): training's own
+data, sample-count and tokenizer flags, so a tool takes a run's command line as it is."""
+
+from __future__ import annotations
+
+import argparse
+
+from pretrain.cli.flags import build_parser
+from pretrain.data.config import add_data_args, add_sample_count_args
+from pretrain.errors import UserError
+from pretrain.tokenizer import add_tokenizer_args
+
+
+def data_tool_parser(description: str, *, tokenizer: bool = True) -> argparse.ArgumentParser:
+    """A data tool's parser (build_data_cache, plan_blend, explain_batch): training's own data and
+    sample-count flags (and tokenizer flags), so a tool takes a run's command line as it is."""
+    # allow_abbrev=False: a training flag must never be taken for an abbreviation of a tool's own
+    parser = argparse.ArgumentParser(
+        description=description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    add_data_args(parser)
+    add_sample_count_args(parser)
+    if tokenizer:
+        add_tokenizer_args(parser)
+    return parser
+
+
+def parse_data_tool_args(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
+    """The tool's flags; the rest of the command line must be pretrain_gpt.py flags: a typo of a
+    data flag (say --splt) would otherwise plan, explain or cache other data, silently."""
+    ns, rest = parser.parse_known_args(argv)
+    _, unknown = build_parser().parse_known_args(rest)
+    if unknown:
+        raise UserError(
+            f"unrecognized argument(s): {' '.join(unknown)} (neither a data flag nor a "
+            "pretrain_gpt.py flag; see --help)"
+        )
+    return ns

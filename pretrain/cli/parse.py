@@ -1,0 +1,207 @@
+"""`parse_args(argv)`: Megatron-LM flags (and the launcher's environment) -> a validated `RunConfig`.
+
+The only place that sees the whole command line: it refuses removed flags, parses with the
+`FLAGS` table, resolves the values several flags make together (`pretrain.cli.resolve`) and runs
+every check before launch, in a fixed order, so the first problem is reported in one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+import torch
+
+from pretrain.cli.flags import DEPRECATED_FLAGS, build_parser, section_values
+from pretrain.cli.resolve import (
+    batch_schedule,
+    check_data_files,
+    check_data_splits,
+    lr_schedule,
+    model_config,
+    precision_config,
+)
+from pretrain.data.config import DataConfig
+from pretrain.data.fingerprint import PrefixFiles, check_data
+from pretrain.errors import UserError
+from pretrain.launch import detect_launch_env
+from pretrain.parallel.config import ParallelConfig, check_world_divisible
+from pretrain.tokenizer import TokenizerConfig, build_tokenizer
+from pretrain.training.checkpointing import CheckpointConfig
+from pretrain.training.deepspeed_config import check_user_config, load_user_config
+from pretrain.training.evaluator import EvalConfig
+from pretrain.training.logging import LoggingConfig
+from pretrain.training.loop import TrainingConfig
+from pretrain.training.optimizer import OptimizerConfig
+from pretrain.training.run import Prepared, RunConfig
+from pretrain.training.validation_sets import check_validation_sets
+
+
+def _refuse_deprecated(argv: Sequence[str]) -> None:
+    for arg in argv:
+        flag = arg.split("=", 1)[0]
+        if flag in DEPRECATED_FLAGS:
+            raise UserError(
+                f"{flag} was removed from Megatron-LM; use {DEPRECATED_FLAGS[flag]} instead"
+            )
+
+
+def _require(ns: argparse.Namespace, **dests_by_flag: str) -> None:
+    for flag, dest in dests_by_flag.items():
+        if getattr(ns, dest) is None:
+            raise UserError(f"{flag} is required")
+
+
+def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
+    """Flags (and the launcher's environment) -> a validated `RunConfig`, or one UserError."""
+    argv = list(argv)
+    _refuse_deprecated(argv)
+    ns = build_parser().parse_args(argv)
+    _require(
+        ns,
+        **{
+            "--num-layers": "model__num_layers",
+            "--hidden-size": "model__hidden_size",
+            "--num-attention-heads": "model__num_attention_heads",
+            "--micro-batch-size": "micro_batch_size",
+            "--seq-length": "seq_length",
+            "--lr": "schedule__lr",
+        },
+    )
+    launch = detect_launch_env(env, ns.local_rank)
+    tp, pp = ns.parallel__tensor_model_parallel_size, ns.parallel__pipeline_model_parallel_size
+    check_world_divisible(launch.world_size, tp, pp)  # the layout check, first
+    dp = launch.world_size // (tp * pp)
+    if ns.no_pipeline_parallel and pp > 1:
+        raise UserError(
+            f"--no-pipeline-parallel contradicts --pipeline-model-parallel-size {pp} (drop one)"
+        )
+
+    mbs = ns.micro_batch_size
+    if (ns.train_iters is None) == (ns.train_samples is None):
+        raise UserError("give exactly one of --train-iters and --train-samples")
+    if ns.rotary_percent != 1.0:
+        raise UserError(
+            f"--rotary-percent {ns.rotary_percent}: only 1.0 is implemented (RoPE rotates every "
+            f"dimension of a head; drop the flag)"
+        )
+    batches = batch_schedule(ns, dp, launch.world_size)
+    gbs = batches.global_batch_size
+    ds_json = load_user_config(ns.deepspeed_config) if ns.deepspeed_config else None
+    precision = precision_config(ns, ds_json)
+    if precision.bf16 and precision.fp16:
+        raise UserError("--bf16 and --fp16 are exclusive (keep one)")
+    if precision.fp16 and not torch.cuda.is_available():
+        raise UserError(
+            "--fp16 needs a GPU (DeepSpeed has no fp16 on CPU); use --bf16 or fp32 on CPU"
+        )
+    if ns.schedule__min_lr > ns.schedule__lr:
+        raise UserError(
+            f"--min-lr {ns.schedule__min_lr} is larger than --lr {ns.schedule__lr} (lower --min-lr)"
+        )
+
+    if ds_json is not None:
+        zero = check_user_config(
+            ds_json,
+            ns.deepspeed_config,
+            global_batch_size=gbs,
+            micro_batch_size=mbs,
+            data_parallel_size=dp,
+            precision=precision,
+            clip_grad=ns.optimizer__clip_grad,
+            zero_stage_flag=ns.zero_stage,
+        )
+    else:
+        zero = ns.zero_stage if ns.zero_stage is not None else 0
+    if ns.use_distributed_optimizer:
+        if ns.zero_stage == 0:
+            raise UserError(
+                "--use-distributed-optimizer shards the optimizer state (ZeRO-1) but --zero-stage "
+                "is 0 (drop one)"
+            )
+        zero = max(zero, 1)
+    if pp > 1 and zero > 1:
+        raise UserError(
+            f"--zero-stage {zero} with --pipeline-model-parallel-size {pp}: DeepSpeed's pipeline "
+            f"engine supports ZeRO 0 and 1 only (use --zero-stage 1, or PP=1 for ZeRO-2/3)"
+        )
+    parallel = ParallelConfig(
+        **section_values(ns, "parallel"), world_size=launch.world_size, zero_stage=zero
+    )
+    if parallel.cpu_offload and zero == 0:
+        raise UserError("--cpu-offload needs ZeRO (add --zero-stage 1, 2 or 3)")
+    checkpoint = CheckpointConfig(**section_values(ns, "checkpoint"))
+    if checkpoint.save is not None and checkpoint.save_interval is None:
+        if ns.training__exit_interval is None:
+            raise UserError(
+                "--save needs --save-interval (or --exit-interval to save once at exit)"
+            )
+    if checkpoint.save_total_limit is not None and (
+        checkpoint.save_total_limit < 1 or checkpoint.save is None
+    ):
+        raise UserError(
+            f"--save-total-limit {checkpoint.save_total_limit}: needs --save and a value >= 1 "
+            f"(the number of newest checkpoints to keep)"
+        )
+    if checkpoint.finetune and checkpoint.load is None:
+        raise UserError("--finetune needs --load (the checkpoint to start from)")
+
+    train_iters = (
+        ns.train_iters if ns.train_iters is not None else batches.train_iters(ns.train_samples)
+    )
+    train_samples = ns.train_samples if ns.train_samples is not None else train_iters * gbs
+    schedule = lr_schedule(ns, gbs, train_samples)
+
+    if ns.tokenizer_type is None:  # Megatron's pretrain_gpt.py: args_defaults
+        ns.tokenizer_type = "GPT2BPETokenizer"
+    tokenizer = TokenizerConfig.from_args(ns)
+    # building the tokenizer checks its files and gives the true vocabulary size; `pretrain`
+    # trains with this one (Prepared), so a process builds it once
+    built_tokenizer = build_tokenizer(tokenizer)
+    model = model_config(ns, built_tokenizer.vocab_size)
+    model.validate(tp, pp)
+    data = DataConfig.from_args(ns)
+    prepared = Prepared(
+        tokenizer_config=tokenizer,
+        tokenizer=built_tokenizer,
+        data_config=data,
+        files=PrefixFiles(data.data_cache_path),  # read here, reused by pretrain
+    )
+    check_data_files(data)
+    # data fingerprints: made by this tokenizer, largest token id inside its vocabulary
+    check_data(data, tokenizer, built_tokenizer, built_tokenizer.vocab_size, prepared.files)
+    check_data_splits(data, ns, train_iters, gbs, launch.rank, prepared.files)
+    evaluation = EvalConfig(
+        **section_values(ns, "evaluation"), eval_interval=ns.eval_interval, eval_iters=ns.eval_iters
+    )
+    check_validation_sets(
+        evaluation.multiple_validation_sets, evaluation.validation_set_names, data
+    )
+
+    return RunConfig(
+        model=model,
+        parallel=parallel,
+        training=TrainingConfig(
+            **section_values(ns, "training"),
+            micro_batch_size=mbs,
+            global_batch_size=gbs,
+            num_microbatches=gbs // (mbs * dp),
+            batch_schedule=batches if batches.varies else None,
+            train_iters=train_iters,
+            train_samples=ns.train_samples,
+            seq_length=ns.seq_length,
+            seed=ns.seed,
+        ),
+        schedule=schedule,
+        optimizer=OptimizerConfig(**section_values(ns, "optimizer")),
+        precision=precision,
+        evaluation=evaluation,
+        data=data,
+        tokenizer=tokenizer,
+        checkpoint=checkpoint,
+        logging=LoggingConfig(**section_values(ns, "logging")),
+        launch=launch,
+        deepspeed_json=ds_json,
+        argv=tuple(argv),
+        prepared=prepared,
+    )
