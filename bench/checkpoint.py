@@ -159,21 +159,6 @@ def worker(runs_file: str, timings: str) -> None:
 # ---------------------------------------------------------------- the driver
 
 
-def make_corpus(prefix: str, vocab: int, tokens: int) -> None:
-    import numpy as np
-
-    from pretrain.data.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
-
-    rng = np.random.default_rng(0)
-    builder = IndexedDatasetBuilder(
-        get_bin_path(prefix), dtype=np.int32 if vocab >= 65500 else np.uint16
-    )
-    for _ in range(max(1, tokens // 1000)):
-        builder.add_item(np.append(rng.integers(0, vocab, 999), vocab))
-        builder.end_document()
-    builder.finalize(get_idx_path(prefix))
-
-
 def base_argv(a, corpus: str, iters: int) -> list[str]:
     gbs = 2 * a.nproc
     return [
@@ -323,6 +308,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=a.workdir) as work:
         corpus = os.path.join(work, "corpus")
         tokens = 4 * a.iters * 2 * a.nproc * (a.seq_length + 1) + 10_000
+        from train_step import make_corpus  # bench/: the same synthetic corpus as that bench
+
         make_corpus(corpus, a.vocab_size, tokens)
         records = launch(a, plan(a, corpus, work), work)
         result = summarize(a, records)

@@ -5,24 +5,24 @@ checkpoint across a resume."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 
 import pytest
-import torch
 from training_fixtures import (
     PYTHON,
     REPO,
+    checkpointed_model,
     logged_losses,
     make_corpus,
+    megatron_loss,
     model_flags,
     run,
+    token_losses,
     train_flags,
     training_batch,
 )
 
-from pretrain.convert.checkpoint_reader import find_checkpoint, read_checkpoint
-from pretrain.model.gpt import GPTModel
+from pretrain.convert.checkpoint_reader import find_checkpoint
 from pretrain.training.skip import iteration_spec
 
 GBS, MBS = 8, 2
@@ -34,28 +34,6 @@ def test_iteration_spec_accepts_numbers_and_ranges():
     for bad in ("0", "5-3", "x", "3-"):
         with pytest.raises(argparse.ArgumentTypeError):
             iteration_spec(bad)
-
-
-def _model_loss(checkpoint: str, iteration: int, batch: dict) -> float:
-    """Megatron's iteration loss of the checkpointed model on `batch`: the mean over micro-batches
-    of each micro-batch's masked mean cross-entropy."""
-    ck = read_checkpoint(checkpoint, iteration)
-    config = dataclasses.replace(
-        ck.config, make_vocab_size_divisible_by=1, params_dtype=torch.float32
-    )
-    model = GPTModel(config).eval()
-    model.load_state_dict(ck.state_dict)
-    with torch.no_grad():
-        logits = model(batch["tokens"], position_ids=batch["position_ids"], gather_logits=True)
-    per_token = torch.nn.functional.cross_entropy(
-        logits.double().flatten(0, 1), batch["labels"].flatten(), reduction="none"
-    ).view_as(batch["labels"])
-    mask = batch["loss_mask"].double()
-    micro = [
-        (per_token[i : i + MBS] * mask[i : i + MBS]).sum() / mask[i : i + MBS].sum()
-        for i in range(0, GBS, MBS)
-    ]
-    return float(torch.stack(micro).mean())
 
 
 @pytest.mark.slow
@@ -76,7 +54,9 @@ def test_skipped_iteration_and_resume(tmp_path):
     assert "consumed samples:           24" in out.stdout  # as the uninterrupted run at 3
     # The model that trains at iteration 3 is the one after iteration 1 (the skip changed
     # nothing), and it trains on samples [16, 24): its logged loss is that model's on that batch.
-    expected = _model_loss(ckpt, 1, training_batch(base, 3))
+    expected = megatron_loss(
+        *token_losses(checkpointed_model(ckpt, 1), training_batch(base, 3)), MBS
+    )
     assert losses[3] == pytest.approx(expected, rel=2e-5)
     step_dir, meta = find_checkpoint(ckpt, 3)
     assert meta["skipped_train_samples"] == [[8, 16]]

@@ -11,7 +11,6 @@ one; bad combinations are refused in one line naming the flag.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 
@@ -25,14 +24,23 @@ from test_data_gpt_dataset import (
     random_lengths,
     write_corpus,
 )
-from training_fixtures import PYTHON, REPO, make_corpus, model_flags, run, torchrun_cmd, train_flags
+from training_fixtures import (
+    PYTHON,
+    REPO,
+    checkpointed_model,
+    make_corpus,
+    megatron_loss,
+    model_flags,
+    run,
+    token_losses,
+    torchrun_cmd,
+    train_flags,
+)
 
 from pretrain.cli import parse_args
-from pretrain.convert.checkpoint_reader import read_checkpoint
 from pretrain.data.builder import build_train_valid_test_datasets
 from pretrain.data.config import DataConfig, train_valid_test_num_samples
 from pretrain.errors import UserError
-from pretrain.model.gpt import GPTModel
 from pretrain.tokenizer import build_tokenizer
 
 GBS, MBS, EVAL_ITERS, ITERS = 8, 2, 2, 4
@@ -206,21 +214,6 @@ def test_each_set_prints_megatrons_block(sets_run):
     assert "validation-loss" not in keys
 
 
-def _megatron_loss(model: GPTModel, batch: dict) -> float:
-    """Megatron's validation loss: the mean over micro-batches of each one's masked mean."""
-    with torch.no_grad():
-        logits = model(batch["tokens"], position_ids=batch["position_ids"], gather_logits=True)
-    per_token = torch.nn.functional.cross_entropy(
-        logits.double().flatten(0, 1), batch["labels"].flatten(), reduction="none"
-    ).view_as(batch["labels"])
-    mask = batch["loss_mask"].double()
-    micro = [
-        (per_token[i : i + MBS] * mask[i : i + MBS]).sum() / mask[i : i + MBS].sum()
-        for i in range(0, len(mask), MBS)
-    ]
-    return float(torch.stack(micro).mean())
-
-
 def test_each_sets_loss_is_the_models_loss_on_megatron_cores_samples(sets_run, tmp_path):
     flags, _, records, ckpt = sets_run
     cfg = parse_args(flags, env=ONE_RANK)
@@ -235,13 +228,8 @@ def test_each_sets_loss_is_the_models_loss_on_megatron_cores_samples(sets_run, t
         str(tmp_path / "theirs"),
     )[1]  # fmt: skip
 
-    ck = read_checkpoint(str(ckpt))  # the model at iteration 4, as evaluated there
-    assert ck.iteration == ITERS
-    config = dataclasses.replace(
-        ck.config, make_vocab_size_divisible_by=1, params_dtype=torch.float32
-    )
-    model = GPTModel(config).eval()
-    model.load_state_dict(ck.state_dict)
+    model = checkpointed_model(str(ckpt))  # the model at iteration 4, as evaluated there
+    assert model.iteration == ITERS
     per_pass = EVAL_ITERS * GBS
     for name, dataset in zip(("web", "code"), theirs, strict=True):
         key = f"validation-{name}-loss"
@@ -254,7 +242,7 @@ def test_each_sets_loss_is_the_models_loss_on_megatron_cores_samples(sets_run, t
                 k: torch.stack([torch.as_tensor(s[k]) for s in samples])
                 for k in ("tokens", "labels", "loss_mask", "position_ids")
             }
-            assert loss == pytest.approx(_megatron_loss(model, batch), rel=1e-5)
+            assert loss == pytest.approx(megatron_loss(*token_losses(model, batch), MBS), rel=1e-5)
 
 
 def test_a_resume_goes_on_where_each_set_stopped(corpora):

@@ -5,24 +5,22 @@ per-micro-batch masked means; PP = 2 logs the one-rank run's numbers."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 
 import pytest
-import torch
 from training_fixtures import (
     PYTHON,
     REPO,
+    checkpointed_model,
     make_corpus,
+    megatron_loss,
     model_flags,
     run,
+    token_losses,
     torchrun_cmd,
     train_flags,
 )
-
-from pretrain.convert.checkpoint_reader import read_checkpoint
-from pretrain.model.gpt import GPTModel
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -122,19 +120,9 @@ def test_per_source_losses_equal_the_models_loss_on_those_samples(blended_run):
     ids = batch["dataset_id"]
     assert set(ids.tolist()) == {0, 1}  # both sources are in the pass
 
-    ck = read_checkpoint(str(tmp / "ckpt"))  # the model at iteration 2, as evaluated
-    assert ck.iteration == 2
-    config = dataclasses.replace(
-        ck.config, make_vocab_size_divisible_by=1, params_dtype=torch.float32
-    )
-    model = GPTModel(config).eval()
-    model.load_state_dict(ck.state_dict)
-    with torch.no_grad():
-        logits = model(batch["tokens"], position_ids=batch["position_ids"], gather_logits=True)
-    per_token = torch.nn.functional.cross_entropy(
-        logits.double().flatten(0, 1), batch["labels"].flatten(), reduction="none"
-    ).view_as(batch["labels"])
-    mask = batch["loss_mask"].double()
+    model = checkpointed_model(str(tmp / "ckpt"))  # the model at iteration 2, as evaluated
+    assert model.iteration == 2
+    per_token, mask = token_losses(model, batch)
 
     for source, prefix in enumerate((a, b)):
         rows = ids == source
@@ -144,12 +132,8 @@ def test_per_source_losses_equal_the_models_loss_on_those_samples(blended_run):
     assert periodic["validation-loss/token-weighted"] == pytest.approx(
         float(token_weighted), rel=1e-5
     )
-    # Megatron's total: the mean over micro-batches of each micro-batch's masked mean
-    micro = [
-        (per_token[i : i + MBS] * mask[i : i + MBS]).sum() / mask[i : i + MBS].sum()
-        for i in range(0, EVAL_ITERS * GBS, MBS)
-    ]
-    assert periodic["validation-loss"] == pytest.approx(float(torch.stack(micro).mean()), rel=1e-5)
+    megatron_total = megatron_loss(per_token, mask, MBS)  # Megatron's total
+    assert periodic["validation-loss"] == pytest.approx(megatron_total, rel=1e-5)
 
 
 def test_log_has_megatrons_block_then_one_line_per_source(blended_run):

@@ -242,3 +242,48 @@ def training_batch(argv: list[str], iteration: int) -> dict:
     ]
     first = (iteration - 1) * t.global_batch_size
     return train.__getitems__(list(range(first, first + t.global_batch_size)))
+
+
+def checkpointed_model(checkpoint: str, iteration: int | None = None):
+    """The checkpoint's model as one fp32 GPTModel (unpadded vocabulary, eval mode): the
+    reference the logged losses are checked against."""
+    import dataclasses
+
+    import torch
+
+    from pretrain.convert.checkpoint_reader import read_checkpoint
+    from pretrain.model.gpt import GPTModel
+
+    ck = read_checkpoint(checkpoint, iteration)
+    config = dataclasses.replace(
+        ck.config, make_vocab_size_divisible_by=1, params_dtype=torch.float32
+    )
+    model = GPTModel(config).eval()
+    model.load_state_dict(ck.state_dict)
+    model.iteration = ck.iteration
+    return model
+
+
+def token_losses(model, batch: dict):
+    """(per-token cross-entropy [b, s], loss mask), both float64, of `model` on `batch`."""
+    import torch
+
+    with torch.no_grad():
+        logits = model(batch["tokens"], position_ids=batch["position_ids"], gather_logits=True)
+    per_token = torch.nn.functional.cross_entropy(
+        logits.double().flatten(0, 1), batch["labels"].flatten(), reduction="none"
+    ).view_as(batch["labels"])
+    return per_token, batch["loss_mask"].double()
+
+
+def megatron_loss(per_token, mask, micro_batch_size: int) -> float:
+    """Megatron's iteration (and validation) loss: the mean over micro-batches of each
+    micro-batch's masked mean."""
+    import torch
+
+    micro = [
+        (per_token[i : i + micro_batch_size] * mask[i : i + micro_batch_size]).sum()
+        / mask[i : i + micro_batch_size].sum()
+        for i in range(0, len(mask), micro_batch_size)
+    ]
+    return float(torch.stack(micro).mean())
