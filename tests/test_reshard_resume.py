@@ -172,3 +172,17 @@ def test_the_converter_reads_the_same_weights_from_an_offline_checkpoint(moved):
     assert source.keys() == offline.keys()
     for name, tensor in source.items():
         assert torch.equal(tensor.float(), offline[name]), name
+
+
+def test_the_data_parallel_ranks_share_the_full_state_writes(moved):
+    """Saved at DP2: each DP rank wrote every other parameter, disjoint, together all of them."""
+    tmp, _ = moved
+    step = tmp / "ckpt_dp2_zero2_to_tp2_zero1" / f"global_step{STOP_AT}"
+    first = torch.load(step / "full_state_tp00_pp00.pt", weights_only=True)
+    second = torch.load(step / "full_state_tp00_pp00_dp001.pt", weights_only=True)
+    assert (first["data_parallel_rank"], second["data_parallel_rank"]) == (0, 1)
+    a, b = set(first["entries"]), set(second["entries"])
+    assert a and b and not a & b
+    names = set(read_checkpoint(str(tmp / "ckpt_dp2_zero2_to_tp2_zero1")).state_dict)
+    assert a | b == names
+    assert abs(len(a) - len(b)) <= 1

@@ -6,16 +6,19 @@ DeepSpeed imports); `pretrain/training/` fills it from a live engine and sets an
 
 On disk, beside DeepSpeed's files of a tag:
 
-    <save>/global_step<N>/full_state_tp<t:02d>_pp<p:02d>.pt     one per model-parallel rank
+    <save>/global_step<N>/full_state_tp<t:02d>_pp<p:02d>.pt          DP rank 0 of (TP t, stage p)
+    <save>/global_step<N>/full_state_tp<t:02d>_pp<p:02d>_dp<d:03d>.pt   DP rank d > 0
 
 (flat in the step folder, so that the step's file list in its metadata covers them).
 
-Each file is written by data-parallel rank 0 of one (TP rank t, PP stage p) and holds the
-parameters that stage owns, *TP-local* but complete over data parallelism (ZeRO partitions
-already gathered), in fp32:
+The files of one (TP rank t, PP stage p) together hold the parameters that stage owns, *TP-local*
+but complete over data parallelism (ZeRO partitions already gathered), in fp32; its DP ranks
+share them (each writes every DP-th parameter), so the writes run in parallel. Readers merge
+every file of a TP rank by parameter name, whatever the split:
 
     {"format_version": 1, "tensor_parallel_size": T, "tensor_parallel_rank": t,
-     "pipeline_stage": p, "extra": {plain values: the LR schedule position},
+     "pipeline_stage": p, "data_parallel_rank": d,
+     "extra": {plain values: the LR schedule position},
      "entries": {name: {"partition": [dim, stride] | None,   # None: replicated over TP
                         "param": fp32 master weight, "exp_avg": ..., "exp_avg_sq": ...,
                         "step": int}}}                       # moments/step absent: no optimizer
@@ -61,9 +64,11 @@ class FullEntry:
     """Adam's step count for this parameter (bias correction)."""
 
 
-def shard_file(step_dir: str, tp_rank: int, pp_stage: int) -> str:
-    """The path of the file written by model-parallel rank (tp_rank, pp_stage)."""
-    return os.path.join(step_dir, f"{FULL_STATE_PREFIX}tp{tp_rank:02d}_pp{pp_stage:02d}.pt")
+def shard_file(step_dir: str, tp_rank: int, pp_stage: int, dp_rank: int = 0) -> str:
+    """The path of the file written by data-parallel rank `dp_rank` of model-parallel rank
+    (tp_rank, pp_stage)."""
+    part = f"_dp{dp_rank:03d}" if dp_rank else ""
+    return os.path.join(step_dir, f"{FULL_STATE_PREFIX}tp{tp_rank:02d}_pp{pp_stage:02d}{part}.pt")
 
 
 def has_full_state(step_dir: str) -> bool:
@@ -86,6 +91,7 @@ def write_shard(
     tp_size: int,
     pp_stage: int,
     entries: dict[str, dict],
+    dp_rank: int = 0,
     extra: dict | None = None,
     write: Callable[[dict, str], None] | None = None,
 ) -> str:
@@ -93,12 +99,13 @@ def write_shard(
     values (numbers, strings) that are the same on every rank (the LR schedule). `write(payload,
     path)` does the writing (training: its fsynced, fail-softly writer inside the step's
     temporary folder); by default an atomic torch.save."""
-    path = shard_file(step_dir, tp_rank, pp_stage)
+    path = shard_file(step_dir, tp_rank, pp_stage, dp_rank)
     payload = {
         "format_version": FULL_STATE_VERSION,
         "tensor_parallel_size": tp_size,
         "tensor_parallel_rank": tp_rank,
         "pipeline_stage": pp_stage,
+        "data_parallel_rank": dp_rank,
         "entries": {name: _storable(entry) for name, entry in entries.items()},
         "extra": extra or {},
     }
@@ -113,10 +120,18 @@ def _storable(entry: dict) -> dict:
     out = {"partition": list(entry["partition"]) if entry.get("partition") else None}
     for key in TENSOR_KEYS:
         if entry.get(key) is not None:
-            out[key] = entry[key].detach().to("cpu", torch.float32).contiguous().clone()
+            out[key] = _standalone(entry[key].detach().to("cpu", torch.float32).contiguous())
     if entry.get("step") is not None:
         out["step"] = int(entry["step"])
     return out
+
+
+def _standalone(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, copied only if it is a view of a larger storage (torch.save would write all of
+    that storage)."""
+    if tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
+        return tensor
+    return tensor.clone()
 
 
 def _load_shard(path: str) -> dict:

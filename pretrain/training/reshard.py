@@ -3,7 +3,7 @@
 `save_full_state` runs on every rank after DeepSpeed's own save: each parameter's fp32 master
 weight and Adam moments are gathered over data parallelism (ZeRO 1-3: DeepSpeed's fp32
 partitions through its `safe_get_full_*` functions; ZeRO-0: the plain optimizer's state) and
-written, TP-local, by data-parallel rank 0 of each TP rank. `load_full_state` does the reverse
+written, TP-local, by one data-parallel rank of each TP rank (the DP ranks take turns). `load_full_state` does the reverse
 at another layout, after the engine is built: it cuts each parameter for this TP rank and puts
 it into the module, the fp32 partition and the optimizer state.
 
@@ -79,13 +79,17 @@ def _named_parameters(engine: Engine, owned: bool = False) -> dict[str, torch.nn
     return out
 
 
-def _collect(engine: Engine) -> dict[str, dict]:
+def _collect(engine: Engine, keep: Callable[[int], bool]) -> dict[str, dict]:
+    """The entries of the parameters `keep(i)` selects (i: position in this rank's parameter
+    order), on the CPU. Every rank gathers every parameter (ZeRO's gathers are collectives over
+    DP), one at a time, and drops at once what it does not keep: the device holds one full
+    parameter at a time, the CPU this rank's share."""
     zero = _zero_stage(engine)
     step = _zero_step(engine) if zero else None
     if step is not None and zero < 3:
         _relink(engine)
     entries = {}
-    for name, param in _named_parameters(engine, owned=True).items():
+    for i, (name, param) in enumerate(_named_parameters(engine, owned=True).items()):
         entry = {"partition": _partition(param)}
         if zero:
             entry["param"] = safe_get_full_fp32_param(param)
@@ -97,24 +101,30 @@ def _collect(engine: Engine) -> dict[str, dict]:
             saved = engine.ds.optimizer.state.get(param, {})
             if "step" in saved:
                 entry.update({k: saved[k] for k in MOMENTS}, step=int(saved["step"]))
-        entries[name] = entry
+        if keep(i):
+            entries[name] = {
+                k: v.detach().to("cpu", torch.float32, copy=True) if torch.is_tensor(v) else v
+                for k, v in entry.items()
+            }
     return entries
 
 
 def save_full_state(engine: Engine, step_dir: str, write: Callable[[dict, str], None]) -> None:
     """Write this rank's part of the layout-independent state into `step_dir` with
-    `write(payload, path)` (collective: every rank gathers, DP rank 0 writes)."""
-    entries = _collect(engine)  # every rank: the ZeRO gathers are collectives over DP
-    if state.get_data_parallel_rank() == 0:
-        write_shard(
-            step_dir,
-            tp_rank=state.get_tensor_model_parallel_rank(),
-            tp_size=state.get_tensor_model_parallel_world_size(),
-            pp_stage=state.get_pipeline_model_parallel_rank(),
-            entries=entries,
-            extra={"lr_scheduler": engine.scheduler.state_dict()},
-            write=write,
-        )
+    `write(payload, path)` (collective over DP). The data-parallel ranks of one (TP rank, PP
+    stage) share the writing: DP rank d writes every DP-th parameter, d, d + DP, ..., so each
+    writes (and holds on the CPU) 1/DP of the state, all at once."""
+    dp, dp_rank = state.get_data_parallel_world_size(), state.get_data_parallel_rank()
+    write_shard(
+        step_dir,
+        tp_rank=state.get_tensor_model_parallel_rank(),
+        tp_size=state.get_tensor_model_parallel_world_size(),
+        pp_stage=state.get_pipeline_model_parallel_rank(),
+        dp_rank=dp_rank,
+        entries=_collect(engine, keep=lambda i: i % dp == dp_rank),
+        extra={"lr_scheduler": engine.scheduler.state_dict()},
+        write=write,
+    )
 
 
 def _init_zero_state(engine: Engine, step: int) -> None:
