@@ -264,7 +264,7 @@ def summarize(a, records: list[dict]) -> dict:
     write_s = median("save full", "write_shard")
     print(
         f"of the full save: full state {full_state_s:.2f} s (gathering over DP and copying "
-        f"{full_state_s - write_s:.2f} s, writing on DP rank 0 {write_s:.2f} s)"
+        f"{full_state_s - write_s:.2f} s, DP rank 0 writing its share {write_s:.2f} s)"
     )
     print(
         f"full / deepspeed: save time x{save_s['full'] / save_s['deepspeed']:.2f}, "
