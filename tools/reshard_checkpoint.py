@@ -89,7 +89,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     from tqdm import tqdm
 
-    from pretrain.checkpoint.relayout import TargetLayout, check_target, reshard
+    from pretrain.checkpoint.relayout import TargetLayout, reshard
 
     if _inside(args.save, args.load):
         raise UserError(
@@ -103,17 +103,15 @@ def main(argv=None) -> None:
         tensor_parallel_size=args.target_tensor_parallel_size,
         pipeline_parallel_size=args.target_pipeline_parallel_size,
     )
-    check_target(meta, target)
-    saved = meta["parallel"]
-    print(
-        f"resharding {step_dir} (iteration {meta['iteration']}, saved at TP"
-        f"{saved['tensor_model_parallel_size']} PP{saved['pipeline_model_parallel_size']}) "
-        f"to TP{target.tensor_parallel_size} PP{target.pipeline_parallel_size}"
-    )
     files = target.tensor_parallel_size * target.pipeline_parallel_size
     with tqdm(total=files, unit="file", desc="writing", disable=None) as bar:
         out = reshard(step_dir, meta, args.save, target, progress=bar.update)
-    print(f"wrote {out}")
+    saved = meta["parallel"]
+    print(
+        f"wrote {out}: {step_dir} (iteration {meta['iteration']}, saved at TP"
+        f"{saved['tensor_model_parallel_size']} PP{saved['pipeline_model_parallel_size']}) "
+        f"resharded to TP{target.tensor_parallel_size} PP{target.pipeline_parallel_size}"
+    )
     print(
         f"resume with: pretrain_gpt.py --load {args.save} --tensor-model-parallel-size "
         f"{target.tensor_parallel_size} --pipeline-model-parallel-size "

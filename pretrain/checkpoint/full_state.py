@@ -152,12 +152,16 @@ def _load_shard(path: str) -> dict:
     return payload
 
 
-def _shards_by_tp_rank(step_dir: str) -> list[dict[str, dict]]:
+def _shards_by_tp_rank(step_dir: str) -> tuple[list[dict[str, dict]], dict]:
+    """(each TP rank's entries, merged over its files; the `extra` values)."""
     payloads = [_load_shard(os.path.join(step_dir, n)) for n in _shard_names(step_dir)]
     if not payloads:
         raise UserError(
-            f"{step_dir}: no {FULL_STATE_PREFIX}*.pt files (saved with --no-save-full-state, by a "
-            f"converter, or incomplete): it resumes only at the layout it was saved at"
+            f"{step_dir}: no {FULL_STATE_PREFIX}*.pt files: it was saved with "
+            f"--no-save-full-state, by a converter or by an older version, and can be resumed "
+            f"only at its own layout; resume it there and save once (the new step has them), or "
+            f"go through tools/convert_to_hf.py and tools/convert_from_hf.py "
+            f"--target-tensor-parallel-size (weights only)"
         )
     tp = payloads[0]["tensor_parallel_size"]
     per_rank: list[dict[str, dict]] = [{} for _ in range(tp)]
@@ -170,12 +174,7 @@ def _shards_by_tp_rank(step_dir: str) -> list[dict[str, dict]]:
             f"{step_dir}: the TP ranks hold different parameters ({counts}); the checkpoint is "
             f"incomplete (copy every rank's full_state file)"
         )
-    return per_rank
-
-
-def read_extra(step_dir: str) -> dict:
-    """The `extra` values saved with the state (from TP rank 0, PP stage 0)."""
-    return _load_shard(shard_file(step_dir, 0, 0)).get("extra", {})
+    return per_rank, payloads[0].get("extra", {})  # the same in every file
 
 
 class FullState:
@@ -188,7 +187,8 @@ class FullState:
 
     def __init__(self, step_dir: str, vocab_size: int):
         self.step_dir, self.vocab_size = step_dir, vocab_size
-        self._per_rank = _shards_by_tp_rank(step_dir)
+        # extra: the plain values saved with the state (the LR schedule position)
+        self._per_rank, self.extra = _shards_by_tp_rank(step_dir)
 
     @property
     def tensor_parallel_size(self) -> int:

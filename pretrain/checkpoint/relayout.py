@@ -29,14 +29,10 @@ from dataclasses import dataclass
 from pretrain.atomic import atomic_write_bytes
 from pretrain.checkpoint.commit import commit_latest, directory_size, fsync_path, new_unique
 from pretrain.checkpoint.format import FILES_KEY, META_FILE, model_config_from_meta, tag_for
-from pretrain.checkpoint.full_state import (
-    FullState,
-    has_full_state,
-    read_extra,
-    write_shard,
-)
+from pretrain.checkpoint.full_state import FullState, write_shard
 from pretrain.checkpoint.integrity import manifest
 from pretrain.errors import UserError
+from pretrain.model.config import ModelConfig
 
 FULL_STATE_ONLY = "full_state_only"
 
@@ -57,8 +53,7 @@ def is_full_state_only(meta: dict) -> bool:
     return bool(meta.get(FULL_STATE_ONLY))
 
 
-def _target_meta(meta: dict, source_dir: str, target: TargetLayout) -> dict:
-    config = model_config_from_meta(meta["model"])
+def _target_meta(meta: dict, config: ModelConfig, source_dir: str, target: TargetLayout) -> dict:
     out = {k: v for k, v in meta.items() if k != FILES_KEY}
     out["padded_vocab_size"] = config.padded_vocab_size(target.tensor_parallel_size)
     out["parallel"] = {
@@ -74,12 +69,13 @@ def _target_meta(meta: dict, source_dir: str, target: TargetLayout) -> dict:
     return out
 
 
-def _files(state: FullState, meta: dict, target: TargetLayout) -> Iterator[tuple[int, int, dict]]:
+def _files(
+    state: FullState, config: ModelConfig, target: TargetLayout
+) -> Iterator[tuple[int, int, dict]]:
     """(TP rank, stage, entries) of every target file, built one file at a time (bounded
     memory: one file's tensors plus the parameter being merged)."""
     from pretrain.model.pipeline import stage_of_parameter  # imports deepspeed
 
-    config = model_config_from_meta(meta["model"])
     tp, pp = target.tensor_parallel_size, target.pipeline_parallel_size
     padded = config.padded_vocab_size(tp)
     for stage in range(pp):
@@ -96,9 +92,8 @@ def _files(state: FullState, meta: dict, target: TargetLayout) -> Iterator[tuple
             yield rank, stage, entries
 
 
-def check_target(meta: dict, target: TargetLayout) -> None:
+def _check_target(config: ModelConfig, target: TargetLayout) -> None:
     """Refuse (one line naming the flag) a layout the model cannot be split into."""
-    config = model_config_from_meta(meta["model"])
     try:
         config.validate(tp=target.tensor_parallel_size, pp=target.pipeline_parallel_size)
     except UserError as err:
@@ -112,16 +107,11 @@ def check_target(meta: dict, target: TargetLayout) -> None:
 def reshard(source_dir: str, meta: dict, save: str, target: TargetLayout, progress=None) -> str:
     """Write the state of the step folder `source_dir` (its metadata `meta`) cut for `target`
     as the checkpoint folder `save` (which must not exist yet); returns its step folder.
-    `progress(n)` is called after each file."""
-    if not has_full_state(source_dir):
-        raise UserError(
-            f"{source_dir}: no full_state_*.pt files: it was saved with --no-save-full-state, by a "
-            f"converter or by an older version, and can be resumed only at its own layout; resume "
-            f"it there and save once (the new step has them), or go through tools/convert_to_hf.py "
-            f"and tools/convert_from_hf.py --target-tensor-parallel-size (weights only)"
-        )
-    check_target(meta, target)
-    state = FullState(source_dir, meta["model"]["vocab_size"])
+    `progress(n)` is called after each file. A target the model cannot take, or a source
+    without a full state, is refused before anything is written."""
+    config = model_config_from_meta(meta["model"])
+    _check_target(config, target)
+    state = FullState(source_dir, config.vocab_size)
     parent = os.path.dirname(os.path.abspath(save))
     tmp_root = os.path.join(
         parent, f".{os.path.basename(os.path.abspath(save))}.tmp-{new_unique()}"
@@ -130,19 +120,18 @@ def reshard(source_dir: str, meta: dict, save: str, target: TargetLayout, progre
     step_dir = os.path.join(tmp_root, tag)
     try:
         os.makedirs(step_dir)
-        extra = read_extra(source_dir)
-        for rank, stage, entries in _files(state, meta, target):
+        for rank, stage, entries in _files(state, config, target):
             write_shard(
                 step_dir,
                 tp_rank=rank,
                 tp_size=target.tensor_parallel_size,
                 pp_stage=stage,
                 entries=entries,
-                extra=extra,
+                extra=state.extra,
             )
             if progress is not None:
                 progress(1)
-        out_meta = _target_meta(meta, source_dir, target)
+        out_meta = _target_meta(meta, config, source_dir, target)
         out_meta[FILES_KEY] = manifest(step_dir)
         atomic_write_bytes(
             os.path.join(step_dir, META_FILE), json.dumps(out_meta, indent=2).encode()

@@ -23,7 +23,7 @@ from deepspeed.utils import (
     safe_set_full_optimizer_state,
 )
 
-from pretrain.checkpoint.full_state import FullState, read_extra, write_shard
+from pretrain.checkpoint.full_state import FullState, write_shard
 from pretrain.errors import UserError
 from pretrain.parallel import state
 from pretrain.training.engine import Engine
@@ -193,4 +193,4 @@ def load_full_state(
                 "step": torch.tensor(float(full.step(name))),
                 **{key: local[key].clone() for key in MOMENTS},
             }
-    engine.scheduler.load_state_dict(read_extra(step_dir)["lr_scheduler"])
+    engine.scheduler.load_state_dict(full.extra["lr_scheduler"])
