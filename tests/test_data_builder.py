@@ -11,10 +11,9 @@ import pytest
 import torch
 from test_data_gpt_dataset import (
     TOKENIZER,
-    MegatronView,
     assert_same_arrays,
     assert_same_samples,
-    megatron_gpt,
+    megatron_core_datasets,
     random_lengths,
     write_corpus,
 )
@@ -52,11 +51,6 @@ def corpora(tmp_path_factory):
 
 
 def build_both(tmp_path, sizes, blend=None, blend_per_split=None, split=None):
-    mg, _, _ = megatron_gpt()
-    from megatron.core.datasets.blended_megatron_dataset_builder import (
-        BlendedMegatronDatasetBuilder,
-    )
-
     cfg = DataConfig(
         seq_length=S,
         seed=99,
@@ -66,19 +60,16 @@ def build_both(tmp_path, sizes, blend=None, blend_per_split=None, split=None):
         data_cache_path=str(tmp_path / "ours"),
     )
     ours = build_train_valid_test_datasets(cfg, TOKENIZER, sizes)
-    mcfg = mg.GPTDatasetConfig(
+    theirs = megatron_core_datasets(
+        sizes,
+        TOKENIZER,
+        str(tmp_path / "theirs"),
         random_seed=99,
         sequence_length=S,
         blend=blend,
         blend_per_split=blend_per_split,
         split=split,
-        path_to_cache=str(tmp_path / "theirs"),
-        tokenizer=MegatronView(TOKENIZER),
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
     )
-    theirs = BlendedMegatronDatasetBuilder(mg.GPTDataset, sizes, lambda: True, mcfg).build()
     return ours, theirs
 
 
@@ -137,28 +128,21 @@ def test_extreme_weights_oversampling_is_fixed_not_an_index_error(tmp_path, mega
     """weights 0.001/3/0.001/0.001 and N=159 over prefixes of 33 tokens (S=8): the greedy blend takes
     161 samples from the big prefix, whose mid-level dataset has ceil(159*1.005)=160. megatron-core
     raises IndexError; we build that prefix with the samples the blend needs."""
-    mg, _, _ = megatron_gpt()
     from megatron.core.datasets import helpers_cpp
-    from megatron.core.datasets.blended_megatron_dataset_builder import (
-        BlendedMegatronDatasetBuilder,
-    )
 
     prefixes = [write_corpus(str(tmp_path / n), [10, 12, 11], seed=i) for i, n in enumerate("pqrs")]
     raw = [0.001, 3, 0.001, 0.001]
     per_split = [(prefixes, raw), None, None]
     sizes = [159, 0, 0]
-    mcfg = mg.GPTDatasetConfig(
-        random_seed=1,
-        sequence_length=8,
-        blend_per_split=per_split,
-        path_to_cache=str(tmp_path / "theirs"),
-        tokenizer=MegatronView(TOKENIZER),
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-    )
     with pytest.raises(IndexError, match="oversamples"):
-        BlendedMegatronDatasetBuilder(mg.GPTDataset, sizes, lambda: True, mcfg).build()
+        megatron_core_datasets(
+            sizes,
+            TOKENIZER,
+            str(tmp_path / "theirs"),
+            random_seed=1,
+            sequence_length=8,
+            blend_per_split=per_split,
+        )
 
     cfg = DataConfig(
         seq_length=8, seed=1, blend_per_split=per_split, data_cache_path=str(tmp_path / "ours")

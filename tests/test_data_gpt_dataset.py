@@ -57,6 +57,23 @@ def megatron_gpt():
     return mg, MIndexed, Split
 
 
+def megatron_core_datasets(sizes, tokenizer, cache: str, **config) -> list:
+    """The oracle: megatron-core's BlendedMegatronDatasetBuilder over GPTDataset (train, valid,
+    test), its caches in `cache`; `config` is GPTDatasetConfig's (random_seed, sequence_length,
+    blend, blend_per_split, split, ...), with Megatron's default document handling (positions
+    and attention not reset, EOD not masked)."""
+    mg, _, _ = megatron_gpt()
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+
+    defaults = {"reset_position_ids": False, "reset_attention_mask": False, "eod_mask_loss": False}
+    mcfg = mg.GPTDatasetConfig(
+        **{**defaults, **config}, path_to_cache=cache, tokenizer=MegatronView(tokenizer)
+    )
+    return BlendedMegatronDatasetBuilder(mg.GPTDataset, sizes, lambda: True, mcfg).build()
+
+
 def assert_same_arrays(ours, theirs, names):
     for name in names:
         a, b = np.asarray(getattr(ours, name)), np.asarray(getattr(theirs, name))

@@ -11,8 +11,7 @@ import pytest
 import torch
 from test_data_gpt_dataset import (
     TOKENIZER,
-    MegatronView,
-    megatron_gpt,
+    megatron_core_datasets,
     random_lengths,
     write_corpus,
 )
@@ -49,24 +48,16 @@ def corpora(tmp_path_factory):
 
 
 def megatron_datasets(tmp_path, sizes, blend=None, blend_per_split=None, split=None):
-    mg, _, _ = megatron_gpt()
-    from megatron.core.datasets.blended_megatron_dataset_builder import (
-        BlendedMegatronDatasetBuilder,
-    )
-
-    mcfg = mg.GPTDatasetConfig(
+    return megatron_core_datasets(
+        sizes,
+        TOKENIZER,
+        str(tmp_path / "theirs"),
         random_seed=7,
         sequence_length=S,
         blend=blend,
         blend_per_split=blend_per_split,
         split=split,
-        path_to_cache=str(tmp_path / "theirs"),
-        tokenizer=MegatronView(TOKENIZER),
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
     )
-    return BlendedMegatronDatasetBuilder(mg.GPTDataset, sizes, lambda: True, mcfg).build()
 
 
 def expected_rows(theirs):

@@ -14,8 +14,7 @@ import pytest
 import torch
 from test_data_gpt_dataset import (
     TOKENIZER,
-    MegatronView,
-    megatron_gpt,
+    megatron_core_datasets,
     random_lengths,
     write_corpus,
 )
@@ -35,28 +34,20 @@ def megatron_run(tmp_path_factory):
     b = write_corpus(str(d / "b"), random_lengths(80, seed=2, hi=70), seed=2)
     cache = str(d / "cache")
     sizes = list(train_valid_test_num_samples(ITERS, None, 10, 1, GBS))
-    mg, _, _ = megatron_gpt()
-    from megatron.core.datasets.blended_megatron_dataset_builder import (
-        BlendedMegatronDatasetBuilder,
-    )
-
     store = d / "store"
     torch.distributed.init_process_group(
         "gloo", init_method=f"file://{store}", rank=0, world_size=1
     )
     try:
-        mcfg = mg.GPTDatasetConfig(
+        train = megatron_core_datasets(
+            sizes,
+            TOKENIZER,
+            cache,
             random_seed=7,
             sequence_length=S,
             blend=([a, b], [0.4, 0.6]),
             split="90,10,0",
-            path_to_cache=cache,
-            tokenizer=MegatronView(TOKENIZER),
-            reset_position_ids=False,
-            reset_attention_mask=False,
-            eod_mask_loss=False,
-        )
-        train = BlendedMegatronDatasetBuilder(mg.GPTDataset, sizes, lambda: True, mcfg).build()[0]
+        )[0]
     finally:
         torch.distributed.destroy_process_group()
     flags = ["--data-path", "0.4", a, "0.6", b, "--split", "90,10,0", "--seq-length", str(S)]

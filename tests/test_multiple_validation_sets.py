@@ -19,8 +19,7 @@ import torch
 from test_data_builder import S, assert_same_dataset
 from test_data_gpt_dataset import (
     TOKENIZER,
-    MegatronView,
-    megatron_gpt,
+    megatron_core_datasets,
     random_lengths,
     write_corpus,
 )
@@ -47,25 +46,6 @@ GBS, MBS, EVAL_ITERS, ITERS = 8, 2, 2, 4
 ONE_RANK = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 
 
-def megatron_core_build(cfg_kwargs: dict, sizes, tokenizer, cache: str):
-    """megatron-core's BlendedMegatronDatasetBuilder with multiple_validation_sets=True."""
-    mg, _, _ = megatron_gpt()
-    from megatron.core.datasets.blended_megatron_dataset_builder import (
-        BlendedMegatronDatasetBuilder,
-    )
-
-    mcfg = mg.GPTDatasetConfig(
-        **cfg_kwargs,
-        multiple_validation_sets=True,
-        path_to_cache=cache,
-        tokenizer=MegatronView(tokenizer),
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=False,
-    )
-    return BlendedMegatronDatasetBuilder(mg.GPTDataset, sizes, lambda: True, mcfg).build()
-
-
 def test_validation_sets_equal_megatron_cores(tmp_path):
     prefixes = [
         write_corpus(str(tmp_path / name), random_lengths(n, seed=i, hi=50), seed=i)
@@ -77,11 +57,14 @@ def test_validation_sets_equal_megatron_cores(tmp_path):
         seq_length=S, seed=5, blend_per_split=per_split, data_cache_path=str(tmp_path / "ours")
     )
     ours = build_train_valid_test_datasets(cfg, TOKENIZER, sizes, multiple_validation_sets=True)
-    theirs = megatron_core_build(
-        dict(random_seed=5, sequence_length=S, blend_per_split=per_split),
+    theirs = megatron_core_datasets(
         sizes,
         TOKENIZER,
         str(tmp_path / "theirs"),
+        random_seed=5,
+        sequence_length=S,
+        blend_per_split=per_split,
+        multiple_validation_sets=True,
     )
     assert isinstance(ours[1], list) and len(ours[1]) == len(theirs[1]) == 3
     for o, t in zip(ours[1], theirs[1], strict=True):
@@ -221,12 +204,15 @@ def test_each_sets_loss_is_the_models_loss_on_megatron_cores_samples(sets_run, t
     sizes = train_valid_test_num_samples(
         t.train_iters, None, ev.eval_interval, ev.eval_iters, t.global_batch_size
     )
-    theirs = megatron_core_build(
-        dict(random_seed=t.seed, sequence_length=t.seq_length, blend_per_split=cfg.data.blend_per_split),
+    theirs = megatron_core_datasets(
         sizes,
         build_tokenizer(cfg.tokenizer),
         str(tmp_path / "theirs"),
-    )[1]  # fmt: skip
+        random_seed=t.seed,
+        sequence_length=t.seq_length,
+        blend_per_split=cfg.data.blend_per_split,
+        multiple_validation_sets=True,
+    )[1]
 
     model = checkpointed_model(str(ckpt))  # the model at iteration 4, as evaluated there
     assert model.iteration == ITERS
