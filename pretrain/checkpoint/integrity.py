@@ -135,12 +135,21 @@ def nonfinite_tensors(tree, prefix: str = "") -> Iterator[str]:
             yield from nonfinite_tensors(value, f"{prefix}.{i}" if prefix else str(i))
 
 
+def nonfinite_summary(tree, what: str = "weights") -> str | None:
+    """`non-finite values (NaN/Inf) in <what> <first tensor>[ (and N more)]`, or None when every
+    floating-point tensor of `tree` is finite."""
+    bad = list(nonfinite_tensors(tree))
+    if not bad:
+        return None
+    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+    return f"non-finite values (NaN/Inf) in {what} {bad[0]}{more}"
+
+
 def check_finite(tree, where: str, what: str = "weights") -> None:
     """Refuse (one line naming the tensor) a checkpoint whose tensors hold NaN or Inf."""
-    bad = list(nonfinite_tensors(tree))
-    if bad:
-        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+    summary = nonfinite_summary(tree, what)
+    if summary is not None:
         raise UserError(
-            f"{where}: non-finite values (NaN/Inf) in {what} {bad[0]}{more}; the run diverged "
-            f"before this save or the file is damaged: use an earlier checkpoint"
+            f"{where}: {summary}; the run diverged before this save or the file is damaged: "
+            f"use an earlier checkpoint"
         )

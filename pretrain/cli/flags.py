@@ -144,6 +144,8 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _flag("--exit-duration-in-mins", field="training.exit_duration_in_mins", type=float, help="save and exit after this many minutes"),
         _flag("--exit-signal-handler", field="training.exit_signal_handler", action="store_true", help="on --exit-signal every rank finishes its iteration, saves (with --save) and exits 0"),
         _flag("--exit-signal", field="training.exit_signal", choices=list(SIGNALS), default="SIGTERM", help="the signal --exit-signal-handler waits for [SIGTERM]"),
+        _flag("--check-for-nan-in-loss-and-grad", field="training.check_for_nan_in_loss_and_grad", action="store_true", default=True, help="accepted: on by default (Megatron-LM main): a NaN/Inf loss or grad norm stops every rank at that iteration, before any save, exit 2"),
+        _flag("--no-check-for-nan-in-loss-and-grad", field="training.check_for_nan_in_loss_and_grad", action="store_false", default=True, help="train on past a NaN/Inf loss or grad norm; saves of non-finite weights are still refused (one warning each)"),
     )),
     ("batch-size schedule", (
         _flag("--rampup-batch-size", nargs=3, type=int, metavar=("START", "INCREMENT", "SAMPLES"), help="grow the global batch from START by INCREMENT up to --global-batch-size over SAMPLES samples (needs --train-samples)"),

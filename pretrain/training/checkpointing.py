@@ -57,6 +57,7 @@ from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.random import get_tensor_parallel_rng
 from pretrain.testing_hooks import SIGKILL_BEFORE_COMMIT, armed_save, kill_here, save_event
 from pretrain.training.checkpoint_writes import RankFiles, agree
+from pretrain.training.divergence import nonfinite_state
 from pretrain.training.logging import logger
 from pretrain.training.state import TrainState
 
@@ -147,9 +148,13 @@ class Checkpointer:
 
     def save(self, engine: Engine, train_state: TrainState) -> str | None:
         """Write the checkpoint for `train_state.iteration` on every rank and commit it; returns
-        its tag, or None when the step `latest` names already has that tag (it is kept)."""
+        its tag, or None when the step `latest` names already has that tag (it is kept) or when
+        the weights or optimizer state hold NaN/Inf on any rank (nothing is written)."""
         iteration = train_state.iteration
         with armed_save(iteration):
+            if self._nonfinite(engine, iteration):
+                self.last_saved = iteration
+                return None
             unique = self._begin(iteration)
             self.last_saved = iteration
             if unique is None:
@@ -174,6 +179,29 @@ class Checkpointer:
                         f"removed {os.path.join(self.config.save, removed)} (--save-total-limit)"
                     )
         return tag_for(iteration)
+
+    def newest_checkpoint(self) -> str | None:
+        """The step a relaunch would resume from: the one `latest` names in --save, else in
+        --load; None without either (or before the first save)."""
+        for folder in (self.config.save, self.config.load):
+            tag = latest_tag_or_none(folder) if folder else None
+            if tag is not None:
+                return os.path.join(folder, tag)
+        return None
+
+    def _nonfinite(self, engine: Engine, iteration: int) -> bool:
+        """Whether any rank's weights or optimizer state hold NaN/Inf: then nothing is written
+        and rank 0 says so in one warning line (every rank gets the same answer)."""
+        problem = agree(nonfinite_state(engine))
+        if problem is None:
+            return False
+        if torch.distributed.get_rank() == 0:
+            kept = self.newest_checkpoint()
+            logger.warning(
+                f"WARNING: not saving iteration {iteration}: {problem} (the run diverged); "
+                + (f"the last checkpoint, {kept}, is kept" if kept else "no checkpoint is kept")
+            )
+        return True
 
     def _begin(self, iteration: int) -> str | None:
         """Rank 0 prepares the folder and names the save's temporary folder (None: skip);

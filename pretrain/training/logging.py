@@ -250,6 +250,12 @@ class MetricsLogger:
         self._loss_sum, self._iterations, self._seconds, self._nan_iterations = 0.0, 0, 0.0, 0
         self._batch_scale = 0.0  # sum over the interval of (iteration's batch / global batch)
 
+    def _interval_loss(self) -> float:
+        """The mean finite loss of the interval; NaN when no iteration of it was finite (what
+        Megatron prints then, `lm loss: NAN`), never a number."""
+        finite = self._iterations - self._nan_iterations
+        return self._loss_sum / finite if finite else math.nan
+
     def record_iteration(
         self,
         *,
@@ -301,7 +307,7 @@ class MetricsLogger:
             elapsed_ms=per_iteration * 1000,
             learning_rate=learning_rate,
             global_batch_size=batch,
-            lm_loss=self._loss_sum / max(1, self._iterations - self._nan_iterations),
+            lm_loss=self._interval_loss(),
             loss_scale=loss_scale,
             grad_norm=grad_norm,
             skipped_iterations=skipped_steps - self._skipped_before,

@@ -16,6 +16,7 @@ import torch
 from pretrain.training.batch_schedule import BatchSchedule
 from pretrain.training.checkpointing import Checkpointer
 from pretrain.training.distributed import collective_device
+from pretrain.training.divergence import DivergenceCheck
 from pretrain.training.evaluator import Evaluator
 from pretrain.training.exit_signal import ExitSignal
 from pretrain.training.logging import MetricsLogger, logger
@@ -61,6 +62,9 @@ class TrainingConfig:
     """The signal --exit-signal-handler waits for (--exit-signal)."""
     iterations_to_skip: list[list[int]] | None = None
     """1-indexed iterations whose batches are read and dropped (--iterations-to-skip N|A-B ...)."""
+    check_for_nan_in_loss_and_grad: bool = True
+    """Stop every rank at the first NaN/Inf loss or grad norm, before any save
+    (--check-for-nan-in-loss-and-grad; off: --no-check-for-nan-in-loss-and-grad)."""
 
 
 def _all_ranks_agree(flag: bool) -> bool:
@@ -114,6 +118,7 @@ def train(
     final evaluation only in the first case)."""
     started, first_iteration = time.monotonic(), train_state.iteration
     to_skip = flatten_iterations(config.iterations_to_skip)
+    divergence = DivergenceCheck(config.check_for_nan_in_loss_and_grad, engine)
     while train_state.iteration < config.train_iters and not _tokens_done(config, train_state):
         # Megatron's update_num_microbatches(consumed): the batch of this iteration
         global_batch, num_microbatches = _batch_at(config, train_state.consumed_train_samples)
@@ -137,6 +142,7 @@ def train(
             loss_scale=engine.loss_scale(),
             skipped_steps=engine.skipped_steps,
         )
+        divergence.after_step(train_state.iteration, loss, checkpointer.newest_checkpoint)
         if evaluator.should_evaluate(train_state.iteration):
             evaluator.evaluate(engine, train_state)
         if checkpointer.should_save(train_state.iteration):

@@ -29,6 +29,7 @@ from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.random import get_tensor_parallel_rng
 from pretrain.training.checkpoint_writes import agree
 from pretrain.training.checkpointing import CheckpointConfig
+from pretrain.training.divergence import state_trees
 from pretrain.training.logging import logger
 from pretrain.training.state import TrainState
 
@@ -190,24 +191,8 @@ def _same_tag_everywhere(config: CheckpointConfig, choice: Choice) -> None:
 
 def _nonfinite_problem(engine: Engine, where: str, with_optimizer: bool) -> str | None:
     """One line naming the first NaN/Inf weight or optimizer-state tensor on this rank, or None."""
-    named = dict(engine.ds.module.named_parameters())
-    trees = [({k: v.detach() for k, v in named.items()}, "weights")]
-    if with_optimizer:
-        names = {id(p): n for n, p in named.items()}
-        optimizer = engine.ds.optimizer
-        base = getattr(optimizer, "optimizer", optimizer)  # ZeRO wraps the torch optimizer
-        state = {
-            names.get(id(param), f"partition{i}"): value
-            for i, (param, value) in enumerate(getattr(base, "state", {}).items())
-        }
-        trees.append((state, "optimizer state"))
-        master = getattr(optimizer, "single_partition_of_fp32_groups", None)  # ZeRO-1/2
-        if master is not None:
-            trees.append(
-                ({f"fp32_partition{i}": t for i, t in enumerate(master)}, "fp32 master weights")
-            )
     try:
-        for tree, what in trees:
+        for tree, what in state_trees(engine, with_optimizer):
             check_finite(tree, where, what)
     except UserError as err:
         return str(err)
@@ -320,6 +305,9 @@ def load_checkpoint(
         logger.info(f"loaded weights from {step_dir} (--finetune: iteration and data restart at 0)")
         return TrainState(), None
     train_state = TrainState.from_checkpoint(client_state)
+    # ZeRO loads its optimizer state, with the saved lr, after the LR scheduler: this run's
+    # schedule (e.g. a lower --lr after a divergence) at the loaded position, not the saved lr
+    engine.scheduler.step(increment=0)
     logger.info(
         f"loaded checkpoint {step_dir} at iteration {train_state.iteration} "
         f"({train_state.consumed_train_samples} samples consumed)"

@@ -1,0 +1,125 @@
+"""A run that diverges stops, says so, and saves nothing non-finite.
+
+`--check-for-nan-in-loss-and-grad` (Megatron-LM main's flag, on by default;
+`--no-check-for-nan-in-loss-and-grad` turns it off): after every iteration the ranks agree, with
+one all-reduce of two flags, whether the loss or the global grad norm was NaN/Inf anywhere. If
+so, rank 0 prints one `error: iteration N: ...` line (what was non-finite, the fix, the checkpoint
+to resume from), the other ranks wait for it, and every rank exits with status 2
+(`EXIT_USER_ERROR`) at that iteration, before the evaluator or the checkpointer run. With fp16, a
+non-finite grad norm on a step the loss scaler skipped (an overflow: the weights were not
+updated, the scale is lowered) is not a divergence; a non-finite loss always is.
+
+Whatever the flag, the checkpointer asks `nonfinite_state` before every save and refuses one whose
+weights or optimizer state hold NaN/Inf on any rank (docs/CHECKPOINTS.md, "Non-finite state").
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from pretrain.checkpoint.integrity import nonfinite_summary
+from pretrain.errors import EXIT_USER_ERROR
+from pretrain.training.distributed import collective_device
+
+if TYPE_CHECKING:  # imports deepspeed, which must wait for the launch environment
+    from pretrain.training.engine import Engine
+
+
+def state_trees(engine: Engine, with_optimizer: bool) -> list[tuple[dict, str]]:
+    """(tensors by name, what they are) for this rank's weights and, `with_optimizer`, its
+    optimizer state and ZeRO-1/2 fp32 master partitions."""
+    named = dict(engine.ds.module.named_parameters())
+    trees = [({k: v.detach() for k, v in named.items()}, "weights")]
+    if not with_optimizer:
+        return trees
+    names = {id(p): n for n, p in named.items()}
+    optimizer = engine.ds.optimizer
+    base = getattr(optimizer, "optimizer", optimizer)  # ZeRO wraps the torch optimizer
+    state = {
+        names.get(id(param), f"partition{i}"): value
+        for i, (param, value) in enumerate(getattr(base, "state", {}).items())
+    }
+    trees.append((state, "optimizer state"))
+    master = getattr(optimizer, "single_partition_of_fp32_groups", None)  # ZeRO-1/2
+    if master is not None:
+        trees.append(
+            ({f"fp32_partition{i}": t for i, t in enumerate(master)}, "fp32 master weights")
+        )
+    return trees
+
+
+def nonfinite_state(engine: Engine) -> str | None:
+    """This rank's first weight, optimizer-state or master tensor holding NaN/Inf, as
+    `non-finite values (NaN/Inf) in <what> <name>[ (and N more)]`; None if all are finite."""
+    for tree, what in state_trees(engine, with_optimizer=True):
+        summary = nonfinite_summary(tree, what)
+        if summary is not None:
+            return summary
+    return None
+
+
+def _described(name: str, value: float | None, flagged: bool) -> str | None:
+    if not flagged:
+        return None
+    if value is not None and not math.isfinite(value):
+        return f"{name} is {value}"
+    return f"{name} is NaN/Inf on another rank"
+
+
+def divergence_message(
+    iteration: int,
+    loss: float,
+    grad_norm: float | None,
+    flags: tuple[bool, bool],
+    resume: str | None,
+) -> str:
+    """The one line: the iteration, what was non-finite, the fix and where to resume from."""
+    what = [_described("loss", loss, flags[0]), _described("grad norm", grad_norm, flags[1])]
+    where = (
+        f"resume from the last checkpoint, {resume} (nothing was saved after it)"
+        if resume is not None
+        else "start again (no checkpoint was saved; --save with --save-interval keeps one)"
+    )
+    return (
+        f"iteration {iteration}: {' and '.join(w for w in what if w)} "
+        f"(--check-for-nan-in-loss-and-grad): training diverged; lower --lr or enable "
+        f"--clip-grad and {where}"
+    )
+
+
+class DivergenceCheck:
+    """Asked after every optimizer step (`after_step`); does nothing when the check is off."""
+
+    def __init__(self, enabled: bool, engine: Engine):
+        self.enabled, self.engine = enabled, engine
+        self._skipped = engine.skipped_steps
+
+    def after_step(self, iteration: int, loss: float, resume: Callable[[], str | None]) -> None:
+        """Stop every rank here (SystemExit, status 2; rank 0 prints the one line, naming
+        `resume()`, the checkpoint to resume from) if this iteration's loss or grad norm was
+        NaN/Inf on any rank (a grad norm the fp16 loss scaler skipped the step for excepted)."""
+        skipped = self.engine.skipped_steps != self._skipped
+        self._skipped = self.engine.skipped_steps
+        if not self.enabled:
+            return
+        grad_norm = self.engine.grad_norm()
+        scaler_handles_it = self.engine.fp16 and skipped
+        local = [
+            not math.isfinite(loss),
+            grad_norm is not None and not math.isfinite(grad_norm) and not scaler_handles_it,
+        ]
+        flags = torch.tensor(local, dtype=torch.int32, device=collective_device())
+        torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+        bad = (bool(flags[0]), bool(flags[1]))
+        if not any(bad):
+            return
+        if torch.distributed.get_rank() == 0:
+            message = divergence_message(iteration, loss, grad_norm, bad, resume())
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        torch.distributed.barrier()  # the line is out before any rank exits (and its launcher kills)
+        raise SystemExit(EXIT_USER_ERROR)
