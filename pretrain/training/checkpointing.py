@@ -11,7 +11,8 @@ state into a hidden temporary folder, each file fsynced; the ranks agree that al
 succeeded; rank 0 writes the metadata with every file's size, renames the folder into place and
 replaces `latest`; a final agreement. A failure on any rank (a full disk) is one line on every
 rank, the temporary folder is removed, and the previous checkpoint is untouched. A process
-killed at any point leaves `latest` naming a complete checkpoint.
+killed at any point leaves `latest` naming a complete checkpoint. A save whose weights or
+optimizer state hold NaN/Inf on any rank writes nothing (one warning; `pretrain.training.divergence`).
 """
 
 from __future__ import annotations
