@@ -20,13 +20,17 @@ from convert_fixtures import load_tool
 from training_fixtures import (
     PYTHON,
     REPO,
+    checkpointed_model,
     layout_flags,
     make_corpus,
+    megatron_loss,
     model_flags,
     multirun_cmd,
     read_metrics,
     run,
+    token_losses,
     train_flags,
+    training_batch,
 )
 from training_fixtures import test_env as clean_env
 
@@ -38,6 +42,7 @@ from pretrain.training.logging import LoggingConfig, MetricsLogger, ScalarWriter
 
 DIVERGE = ["--lr", "1e8", "--clip-grad", "0"]  # after train_flags: these win
 GOOD = 2
+MBS = 2  # train_flags' micro-batch size
 
 
 def _flags(corpus: str, iters: int, metrics: Path, zero: int, *extra: str) -> list[str]:
@@ -66,45 +71,79 @@ def _errors(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith("error: ")]
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_diverging_run_stops_at_the_bad_iteration_and_its_last_checkpoint_resumes(tmp_path):
-    """Two ranks (DP2, ZeRO-1). A run trains GOOD iterations and saves; its continuation with
-    `--lr 1e8 --clip-grad 0` stops at the first NaN/Inf: one line from rank 0 naming the
-    iteration and the checkpoint, exit 2, no save (it would have saved at its end). Resumed from
-    that checkpoint with the first run's flags, the losses are an uninterrupted run's, bit for
-    bit: nothing was lost."""
-    corpus = make_corpus(tmp_path / "corpus")
-    ckpt = tmp_path / "ckpt"
-    runs = [
-        _flags(corpus, GOOD + 3, tmp_path / "reference.jsonl", 1),
-        _flags(corpus, GOOD, tmp_path / "good.jsonl", 1, "--save", str(ckpt), "--save-interval", "1"),
-        _flags(corpus, GOOD + 4, tmp_path / "diverged.jsonl", 1, "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "100")
+@pytest.fixture(scope="module")
+def diverged(tmp_path_factory):
+    """Two ranks (DP2, ZeRO-1), two launches. First: an uninterrupted reference; a run that
+    trains GOOD iterations and saves each; its continuation with `--lr 1e8 --clip-grad 0` (a save
+    due only at its end), which stops. Second: that checkpoint resumed with the first run's flags,
+    and resumed with `--lr 0` (a lower --lr after a divergence, taken to the limit)."""
+    tmp = tmp_path_factory.mktemp("divergence")
+    corpus = make_corpus(tmp / "corpus")
+    ckpt = tmp / "ckpt"
+    first = [
+        _flags(corpus, GOOD + 3, tmp / "reference.jsonl", 1),
+        _flags(corpus, GOOD, tmp / "good.jsonl", 1, "--save", str(ckpt), "--save-interval", "1"),
+        _flags(corpus, GOOD + 4, tmp / "diverged.jsonl", 1, "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "100")
         + DIVERGE,
     ]  # fmt: skip
-    diverged = run(multirun_cmd(2, runs, tmp_path / "first.json"), timeout=400)
-    assert diverged.returncode == 2, diverged.stdout[-6000:]
-    metrics = read_metrics(tmp_path / "diverged.jsonl")
+    stopped = run(multirun_cmd(2, first, tmp / "first.json"), timeout=400)
+    steps, latest = _steps(ckpt), (ckpt / "latest").read_text()  # before the resumes
+    second = [
+        _flags(corpus, GOOD + 3, tmp / "resumed.jsonl", 1, "--load", str(ckpt)),
+        _flags(corpus, GOOD + 2, tmp / "lr0.jsonl", 1, "--load", str(ckpt), "--lr", "0", "--min-lr", "0"),
+    ]  # fmt: skip
+    resumed = run(multirun_cmd(2, second, tmp / "second.json"), timeout=400)
+    assert resumed.returncode == 0, resumed.stdout[-6000:]
+    return tmp, corpus, ckpt, stopped, steps, latest
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_diverging_run_stops_at_the_bad_iteration_with_one_line_and_saves_nothing(diverged):
+    """Every rank stops at the first NaN/Inf; one line from rank 0 naming the iteration and the
+    checkpoint; exit 2; the save due at the end never happens."""
+    tmp, _, ckpt, stopped, steps, latest = diverged
+    assert stopped.returncode == 2, stopped.stdout[-6000:]
+    metrics = read_metrics(tmp / "diverged.jsonl")
     bad = _first_bad(metrics)
     assert sorted(metrics) == list(range(GOOD + 1, bad + 1))  # it stopped at the bad iteration
-    errors = _errors(diverged.stdout)
-    assert len(errors) == 1, diverged.stdout[-6000:]  # rank 0's, not one per rank
+    errors = _errors(stopped.stdout)
+    assert len(errors) == 1, stopped.stdout[-6000:]  # rank 0's, not one per rank
     assert errors[0].startswith(f"error: iteration {bad}: loss is nan"), errors[0]
     assert "lower --lr or enable --clip-grad" in errors[0]
     assert f"resume from the last checkpoint, {ckpt / f'global_step{GOOD}'}" in errors[0]
-    assert "Traceback" not in diverged.stdout
-    assert diverged.stdout.count("saved checkpoint at iteration") == GOOD
-    assert _steps(ckpt) == [f"global_step{i}" for i in range(1, GOOD + 1)]
-    assert (ckpt / "latest").read_text() == f"global_step{GOOD}"
+    assert "Traceback" not in stopped.stdout
+    assert stopped.stdout.count("saved checkpoint at iteration") == GOOD
+    assert steps == [f"global_step{i}" for i in range(1, GOOD + 1)]
+    assert latest == f"global_step{GOOD}"
 
-    again = [_flags(corpus, GOOD + 3, tmp_path / "resumed.jsonl", 1, "--load", str(ckpt))]
-    resumed = run(multirun_cmd(2, again, tmp_path / "second.json"), timeout=400)
-    assert resumed.returncode == 0, resumed.stdout[-6000:]
-    reference = read_metrics(tmp_path / "reference.jsonl")
-    after = read_metrics(tmp_path / "resumed.jsonl")
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_resumed_from_the_last_checkpoint_nothing_was_lost(diverged):
+    """Resumed with the first run's flags, it starts right after the checkpoint and prints an
+    uninterrupted run's losses, bit for bit."""
+    tmp = diverged[0]
+    reference = read_metrics(tmp / "reference.jsonl")
+    after = read_metrics(tmp / "resumed.jsonl")
     assert sorted(after) == list(range(GOOD + 1, GOOD + 4))
     for it in after:
         assert after[it]["lm-loss"] == reference[it]["lm-loss"], (it, after[it], reference[it])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_lower_lr_takes_effect_at_the_first_resumed_step(diverged):
+    """ZeRO's optimizer load used to bring back the saved lr for the first resumed step. With
+    `--lr 0` no step moves the weights, so the second resumed iteration's loss is the
+    checkpoint's model's on that iteration's batch (computed here in float64)."""
+    tmp, corpus, ckpt, *_ = diverged
+    losses = read_metrics(tmp / "lr0.jsonl")
+    assert sorted(losses) == [GOOD + 1, GOOD + 2]
+    one_process = model_flags("gpt2") + train_flags(corpus, iters=GOOD + 2)
+    model = checkpointed_model(str(ckpt), GOOD)
+    expected = megatron_loss(*token_losses(model, training_batch(one_process, GOOD + 2)), MBS)
+    assert losses[GOOD + 2]["lm-loss"] == pytest.approx(expected, rel=2e-5)
 
 
 @pytest.mark.slow
