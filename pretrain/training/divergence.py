@@ -64,6 +64,7 @@ def nonfinite_state(engine: Engine) -> str | None:
 
 
 def _described(name: str, value: float | None, flagged: bool) -> str | None:
+    """`<name> is nan` (or inf) for a flagged value; None for one that was not flagged."""
     if not flagged:
         return None
     if value is not None and not math.isfinite(value):
@@ -71,7 +72,7 @@ def _described(name: str, value: float | None, flagged: bool) -> str | None:
     return f"{name} is NaN/Inf on another rank"
 
 
-def divergence_message(
+def _message(
     iteration: int,
     loss: float,
     grad_norm: float | None,
@@ -119,7 +120,7 @@ class DivergenceCheck:
         if not any(bad):
             return
         if torch.distributed.get_rank() == 0:
-            message = divergence_message(iteration, loss, grad_norm, bad, resume())
+            message = _message(iteration, loss, grad_norm, bad, resume())
             print(f"error: {message}", file=sys.stderr, flush=True)
         torch.distributed.barrier()  # the line is out before any rank exits (and its launcher kills)
         raise SystemExit(EXIT_USER_ERROR)
