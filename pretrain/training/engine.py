@@ -11,6 +11,7 @@ grad norm); the loop and the metrics ask it.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import deepspeed
@@ -71,6 +72,34 @@ class Engine:
     def loss_scale(self) -> float:
         """The current fp16 loss scale (1.0 without fp16)."""
         return float(getattr(self.ds.optimizer, "cur_scale", 1.0)) if self.fp16 else 1.0
+
+    @contextlib.contextmanager
+    def withheld_update(self, num_microbatches: int):
+        """Inside: the boundary `ds.step()` of an iteration of `num_microbatches` changes no
+        model state. Our optimizer's and LR scheduler's steps do nothing while DeepSpeed runs the
+        rest of its step (so it clears, and under ZeRO frees, the gradients and copies the
+        unchanged master weights back); after, its step, sample and micro-step counters are as
+        before the iteration. (fp16's dynamic loss scaler still counts the iteration.)"""
+        ds = self.ds
+        inner = getattr(ds.optimizer, "optimizer", ds.optimizer)  # under ZeRO/fp16 wrappers
+        counters = ds.global_steps, ds.global_samples, ds.micro_steps - (num_microbatches - 1)
+        with _does_nothing(inner, "step"), _does_nothing(self.scheduler, "step"):
+            yield
+        ds.global_steps, ds.global_samples, ds.micro_steps = counters
+
+
+@contextlib.contextmanager
+def _does_nothing(obj, method: str):
+    """`obj.method(...)` returns None inside (an instance attribute over the class's method)."""
+    saved = obj.__dict__.get(method)
+    setattr(obj, method, lambda *args, **kwargs: None)
+    try:
+        yield
+    finally:
+        if saved is None:
+            delattr(obj, method)
+        else:
+            setattr(obj, method, saved)
 
 
 PARALLEL_MARKS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared")

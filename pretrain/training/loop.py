@@ -20,6 +20,7 @@ from pretrain.training.evaluator import Evaluator
 from pretrain.training.exit_signal import ExitSignal
 from pretrain.training.logging import MetricsLogger, logger
 from pretrain.training.skip import flatten_iterations, skip_iteration
+from pretrain.training.spikes import Rewinder, SpikeConfig, SpikePolicy
 from pretrain.training.state import TrainState
 from pretrain.training.step import train_step
 
@@ -61,6 +62,8 @@ class TrainingConfig:
     """The signal --exit-signal-handler waits for (--exit-signal)."""
     iterations_to_skip: list[list[int]] | None = None
     """1-indexed iterations whose batches are read and dropped (--iterations-to-skip N|A-B ...)."""
+    spikes: SpikeConfig = SpikeConfig()
+    """Loss-spike detection and policy (--check-for-spiky-loss, --spiky-loss-*)."""
 
 
 def _all_ranks_agree(flag: bool) -> bool:
@@ -106,6 +109,7 @@ def train(
     use_document_ids: bool,
     device: torch.device,
     exit_signal: ExitSignal | None = None,
+    rewinder: Rewinder | None = None,
 ) -> bool:
     """Train from `train_state` to --train-iters (or an early exit); save at the end if any
     iteration ran (a finished run launched again saves nothing).
@@ -114,6 +118,7 @@ def train(
     final evaluation only in the first case)."""
     started, first_iteration = time.monotonic(), train_state.iteration
     to_skip = flatten_iterations(config.iterations_to_skip)
+    spikes = SpikePolicy(config.spikes, train_state, rewinder)
     while train_state.iteration < config.train_iters and not _tokens_done(config, train_state):
         # Megatron's update_num_microbatches(consumed): the batch of this iteration
         global_batch, num_microbatches = _batch_at(config, train_state.consumed_train_samples)
@@ -121,8 +126,18 @@ def train(
         if train_state.iteration + 1 in to_skip:
             skip_iteration(train_batches, num_microbatches, global_batch, train_state)
             continue
+        if spikes.pending():  # a batch a spike rewind marked
+            reason = "--spiky-loss-policy rewind"
+            skip_iteration(train_batches, num_microbatches, global_batch, train_state, reason)
+            continue
         step_start = time.perf_counter()
-        loss = train_step(engine, train_batches, num_microbatches, use_document_ids, device)
+        spikes.before_step()
+        loss = train_step(
+            engine, train_batches, num_microbatches, use_document_ids, device, spikes.judge
+        )
+        if not spikes.applied:  # a spike under skip/rewind: no update was made
+            train_batches = spikes.withhold(global_batch, train_batches)
+            continue
         seconds = time.perf_counter() - step_start
         train_state.iteration += 1
         train_state.consumed_train_samples += global_batch

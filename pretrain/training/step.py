@@ -8,7 +8,8 @@ depend on TP/PP/DP/ZeRO.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -78,21 +79,39 @@ def _dp_mean(value: torch.Tensor) -> torch.Tensor:
 
 
 def train_step(
-    engine: Engine, batches, num_microbatches: int, use_document_ids: bool, device: torch.device
+    engine: Engine,
+    batches,
+    num_microbatches: int,
+    use_document_ids: bool,
+    device: torch.device,
+    judge: Callable[[float], bool] | None = None,
 ) -> float:
-    """Forward/backward over the global batch and one optimizer step; returns the iteration's loss."""
+    """Forward/backward over the global batch and one optimizer step; returns the iteration's loss.
+
+    `judge(loss)` (called on every rank before the optimizer step) returning False withholds the
+    update (`Engine.withheld_update`). The pipeline engine steps inside `train_batch`: there the
+    judge only hears the loss afterwards and must not withhold (the flags refuse that)."""
     if engine.pipeline:
-        return float(engine.ds.train_batch(data_iter=batches))
+        loss = float(engine.ds.train_batch(data_iter=batches))
+        if judge is not None and not judge(loss):
+            raise RuntimeError("a pipeline update cannot be withheld after train_batch")
+        return loss
     losses = []
     for i in range(num_microbatches):
         # Say where the iteration ends: DeepSpeed's own count (micro steps modulo the
         # accumulation steps) is off once a batch-size schedule has changed the count.
-        engine.ds.set_gradient_accumulation_boundary(i == num_microbatches - 1)
+        last = i == num_microbatches - 1
+        engine.ds.set_gradient_accumulation_boundary(last)
         loss = _micro_batch_loss(engine, next(batches), use_document_ids, device)
         engine.ds.backward(loss)
-        engine.ds.step()  # DeepSpeed steps the optimizer at the last micro-batch only
         losses.append(loss.detach())
-    return float(_dp_mean(torch.stack(losses).mean()))
+        if not last:
+            engine.ds.step()  # DeepSpeed steps the optimizer at the last micro-batch only
+    mean = float(_dp_mean(torch.stack(losses).mean()))
+    apply = judge is None or judge(mean)
+    with contextlib.nullcontext() if apply else engine.withheld_update(num_microbatches):
+        engine.ds.step()
+    return mean
 
 
 @torch.no_grad()
