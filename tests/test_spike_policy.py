@@ -190,11 +190,13 @@ def test_rewind_without_a_checkpoint_skips(corpus, reference, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_two_data_parallel_ranks_take_the_same_decision(corpus, tmp_path):
-    """DP = 2: each rank sees half the batch, the decision comes from the DP-averaged loss; the
-    skip run equals the --iterations-to-skip run at the same layout."""
-    runs = {}
+    """DP = 2 under ZeRO-2, with dropout: each rank sees half the batch, the decision comes from
+    the DP-averaged loss; the skip run (gradient partitions freed by DeepSpeed's own step, RNG
+    states put back) equals the --iterations-to-skip run at the same layout."""
+    runs, layout = {}, "--zero-stage 2 --hidden-dropout 0.1 --attention-dropout 0.1"
     for name, extra in (("ref", f"--iterations-to-skip {SPIKE}"), ("skip", DETECT)):
-        flags = _flags(corpus, extra, "--spiky-loss-policy skip" if name == "skip" else "")
+        policy = "--spiky-loss-policy skip" if name == "skip" else ""
+        flags = _flags(corpus, extra, policy, layout)
         metrics = tmp_path / f"{name}.jsonl"
         out = run(deepspeed_cmd(2, [*flags, "--metrics-file", str(metrics)]), timeout=600)
         assert out.returncode == 0, out.stdout[-4000:]
