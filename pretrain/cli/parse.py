@@ -133,7 +133,7 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
         raise UserError("--cpu-offload needs ZeRO (add --zero-stage 1, 2 or 3)")
     checkpoint = CheckpointConfig(**section_values(ns, "checkpoint"))
     spikes = SpikeConfig(**section_values(ns, "spikes"))
-    if problems := spikes.problems(pipeline=pp > 1, save=checkpoint.save):
+    if problems := spikes.problems(save=checkpoint.save):
         raise UserError("; ".join(problems))
     if checkpoint.save is not None and checkpoint.save_interval is None:
         if ns.training__exit_interval is None:

@@ -59,7 +59,7 @@ class SpikeConfig:
         """The window fill at which detection starts."""
         return self.min_fill if self.min_fill is not None else max(2, self.window // 2)
 
-    def problems(self, pipeline: bool, save: str | None) -> list[str]:
+    def problems(self, save: str | None) -> list[str]:
         """What is wrong with the flags (empty when detection is off)."""
         if not self.check_for_spiky_loss:
             return []
@@ -71,11 +71,6 @@ class SpikeConfig:
             )
         if not self.factor > 0:
             out.append(f"--spiky-loss-factor {self.factor}: must be > 0")
-        if pipeline and self.policy != "warn":
-            out.append(
-                f"--spiky-loss-policy {self.policy} with --pipeline-model-parallel-size > 1: the "
-                f"pipeline engine steps inside train_batch, before the loss is known (use warn)"
-            )
         if self.policy == "rewind" and not save:
             out.append("--spiky-loss-policy rewind needs --save (it reloads the last checkpoint)")
         return out
@@ -102,12 +97,15 @@ the train batch iterator positioned after its consumed samples; None when there 
 
 class SpikePolicy:
     """The loop's spike hook. Per iteration: `before_step` (keeps the RNG states a withheld
-    update puts back), `judge` (the loss, before the update: apply it?), and after a withheld
-    update `withhold` (skip, or rewind); `pending` says the next batch is one a rewind marked."""
+    update puts back), `judge` for the step (the loss, before the update: apply it?), and after
+    a withheld update `withhold` (skip, or rewind); `pending` says the next batch is one a
+    rewind marked."""
 
     def __init__(self, config: SpikeConfig, train_state: TrainState, rewinder: Rewinder | None):
         self.config, self.state, self.rewinder = config, train_state, rewinder
         self.applied, self._loss, self._rng = True, math.nan, None
+        self.judge = self._judge if config.check_for_spiky_loss else None
+        """The step's judge (None without --check-for-spiky-loss: nothing to ask)."""
 
     def pending(self) -> bool:
         """True if the next batch lies in a range a rewind marked (ranges behind are dropped)."""
@@ -121,12 +119,12 @@ class SpikePolicy:
         if self.config.check_for_spiky_loss and self.config.policy != "warn":
             self._rng = rng_state()
 
-    def judge(self, loss: float) -> bool:
+    def _judge(self, loss: float) -> bool:
         """Called on every rank with the iteration's loss before the update: True to apply it.
         The same answer on every rank; an applied loss joins the window."""
         c = self.config
         window = self.state.spike_loss_window
-        spike = c.check_for_spiky_loss and _any_rank(is_spike(window, loss, c.factor, c.required))
+        spike = _any_rank(is_spike(window, loss, c.factor, c.required))
         self.applied, self._loss = not spike or c.policy == "warn", loss
         if spike:
             logger.warning(
@@ -136,7 +134,7 @@ class SpikePolicy:
                 + ("training on it" if self.applied else "update withheld")
                 + f" (--spiky-loss-policy {c.policy})"
             )
-        if self.applied and c.check_for_spiky_loss and math.isfinite(loss):
+        if self.applied and math.isfinite(loss):
             window.append(loss)
             del window[: -c.window]
         return self.applied

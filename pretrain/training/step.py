@@ -89,14 +89,12 @@ def train_step(
     """Forward/backward over the global batch and one optimizer step; returns the iteration's loss.
 
     `judge(loss)` (called on every rank before the optimizer step) returning False withholds the
-    update (`Engine.withheld_update`). The pipeline engine steps inside `train_batch`: there the
-    judge only hears the loss afterwards and must not withhold (the flags refuse that)."""
+    update (`Engine.withheld_update`)."""
     if engine.pipeline:
-        loss = float(engine.ds.train_batch(data_iter=batches))
-        if judge is not None and not judge(loss):
-            raise RuntimeError("a pipeline update cannot be withheld after train_batch")
-        return loss
-    losses = []
+        if judge is None:
+            return float(engine.ds.train_batch(data_iter=batches))
+        return engine.pipeline_train_batch(batches, judge)
+    counters, losses = engine.step_counters(), []
     for i in range(num_microbatches):
         # Say where the iteration ends: DeepSpeed's own count (micro steps modulo the
         # accumulation steps) is off once a batch-size schedule has changed the count.
@@ -109,7 +107,7 @@ def train_step(
             engine.ds.step()  # DeepSpeed steps the optimizer at the last micro-batch only
     mean = float(_dp_mean(torch.stack(losses).mean()))
     apply = judge is None or judge(mean)
-    with contextlib.nullcontext() if apply else engine.withheld_update(num_microbatches):
+    with contextlib.nullcontext() if apply else engine.withheld_update(counters):
         engine.ds.step()
     return mean
 
