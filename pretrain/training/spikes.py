@@ -148,7 +148,7 @@ class SpikePolicy:
             # skips since the checkpoint must happen again after it, and this batch too
             again = state.spike_pending_skips + state.skipped_train_samples
             again = again + [(start, start + global_batch_size)]
-            batches = self.rewinder(state)
+            batches = self.rewinder(state) if self.rewinder is not None else None
             if batches is not None:
                 done = state.skipped_train_samples
                 state.spike_pending_skips[:] = [
