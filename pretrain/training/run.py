@@ -202,30 +202,6 @@ def _batches(
     return it
 
 
-def _rewinder(cfg: RunConfig, engine, train_dataset, use_document_ids: bool, device):
-    """--spiky-loss-policy rewind: reload the newest committed checkpoint in --save into the
-    train state (in place) and return train batches after its samples; None without one."""
-
-    def rewind(train_state: TrainState):
-        ckpt = dataclasses.replace(
-            cfg.checkpoint, load=cfg.checkpoint.save, finetune=False, no_load_optim=False
-        )
-        choice = check_before_launch(ckpt, cfg.model, cfg.parallel)
-        if choice is None:
-            return None
-        loaded, rng = load_checkpoint(ckpt, engine, choice, cfg.parallel)
-        vars(train_state).update(vars(loaded))
-        consumed = loaded.consumed_train_samples
-        batches = _batches(
-            cfg, train_dataset, consumed, use_document_ids=use_document_ids, device=device
-        )
-        if rng is not None:  # last, as at start-up
-            restore_rng_state(rng)
-        return batches
-
-    return rewind
-
-
 def _start_batch_schedule(t: TrainingConfig, consumed: int) -> None:
     """Check the batches still to come against this run's DP size (a resume may change it) and
     say where in the schedule the run starts."""
@@ -270,6 +246,7 @@ def pretrain(cfg: RunConfig) -> TrainState:
     from pretrain.training.flops import flops_per_iteration, peak_tflops_per_device
     from pretrain.training.logging import MetricsLogger, ScalarWriter, Throughput
     from pretrain.training.loop import train
+    from pretrain.training.spikes import checkpoint_rewinder
 
     t, par = cfg.training, cfg.parallel
     engine = build_engine(
@@ -392,7 +369,19 @@ def pretrain(cfg: RunConfig) -> TrainState:
                 use_document_ids=use_document_ids,
                 device=device,
                 exit_signal=exit_signal,
-                rewinder=_rewinder(cfg, engine, train_dataset, use_document_ids, device),
+                rewinder=checkpoint_rewinder(
+                    cfg.checkpoint,
+                    cfg.model,
+                    cfg.parallel,
+                    engine,
+                    functools.partial(
+                        _batches,
+                        cfg,
+                        train_dataset,
+                        use_document_ids=use_document_ids,
+                        device=device,
+                    ),
+                ),
             )
         if completed:
             evaluator.evaluate_at_end(engine, train_state)

@@ -21,19 +21,26 @@ all-reduce of the verdict).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from pretrain.training.checkpointing import rng_state
+from pretrain.model.config import ModelConfig
+from pretrain.parallel.config import ParallelConfig
+from pretrain.training.checkpointing import CheckpointConfig, rng_state
 from pretrain.training.distributed import collective_device
 from pretrain.training.logging import logger
-from pretrain.training.resume import restore_rng_state
+from pretrain.training.resume import check_before_launch, load_checkpoint, restore_rng_state
 from pretrain.training.skip import record_skip
 from pretrain.training.state import TrainState
+
+if TYPE_CHECKING:  # imports deepspeed, which must wait for the launch environment
+    from pretrain.training.engine import Engine
 
 POLICIES = ("warn", "skip", "rewind")
 
@@ -93,6 +100,31 @@ def _any_rank(flag: bool) -> bool:
 Rewinder = Callable[[TrainState], object | None]
 """Reloads the last committed checkpoint in --save into the given state (in place) and returns
 the train batch iterator positioned after its consumed samples; None when there is none."""
+
+
+def checkpoint_rewinder(
+    config: CheckpointConfig,
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    engine: Engine,
+    batches_after: Callable[[int], object],
+) -> Rewinder:
+    """The `Rewinder` of a run: resume (as --load does) from the newest complete checkpoint in
+    --save; `batches_after(consumed)` gives the train batches after that many samples."""
+
+    def rewind(train_state: TrainState):
+        ckpt = dataclasses.replace(config, load=config.save, finetune=False, no_load_optim=False)
+        choice = check_before_launch(ckpt, model, parallel)
+        if choice is None:
+            return None
+        loaded, rng = load_checkpoint(ckpt, engine, choice, parallel)
+        vars(train_state).update(vars(loaded))
+        batches = batches_after(loaded.consumed_train_samples)
+        if rng is not None:  # last, as at start-up: building loaders draws from the generator
+            restore_rng_state(rng)
+        return batches
+
+    return rewind
 
 
 class SpikePolicy:
