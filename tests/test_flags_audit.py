@@ -160,6 +160,8 @@ def changes(f) -> dict:
         "--exit-interval": ["2"], "--exit-duration-in-mins": ["5"],
         "--exit-signal-handler": [], "--exit-signal": ["SIGUSR1"], "--iterations-to-skip": ["2", "4-5"],
         "--no-check-for-nan-in-loss-and-grad": [],
+        "--check-for-spiky-loss": [], "--spiky-loss-policy": ["skip"], "--spiky-loss-window": ["16"],
+        "--spiky-loss-factor": ["3"], "--spiky-loss-min-window": ["4"],
         # checkpointing
         "--save": (d + ["--save-interval", "2"], d + ["--save-interval", "2", "--save", f["dir"]], None),
         "--save-interval": ["2"], "--load": [f["dir"]], "--no-save-rng": [], "--no-save-full-state": [], "--no-load-optim": [],

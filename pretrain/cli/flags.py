@@ -21,6 +21,7 @@ from pretrain.tokenizer import add_tokenizer_args
 from pretrain.training.exit_signal import SIGNALS
 from pretrain.training.lr_schedule import DECAY_STYLES, WSD_DECAY_STYLES
 from pretrain.training.skip import iteration_spec
+from pretrain.training.spikes import POLICIES
 
 # Megatron removed these; say what replaced them instead of "unrecognized arguments".
 DEPRECATED_FLAGS = {
@@ -146,6 +147,13 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _flag("--exit-signal", field="training.exit_signal", choices=list(SIGNALS), default="SIGTERM", help="the signal --exit-signal-handler waits for [SIGTERM]"),
         _flag("--check-for-nan-in-loss-and-grad", field="training.check_for_nan_in_loss_and_grad", action="store_true", default=True, help="accepted: on by default (Megatron-LM main): a NaN/Inf loss or grad norm stops every rank at that iteration, before any save, exit 2"),
         _flag("--no-check-for-nan-in-loss-and-grad", field="training.check_for_nan_in_loss_and_grad", action="store_false", default=True, help="train on past a NaN/Inf loss or grad norm; saves of non-finite weights are still refused (one warning each)"),
+    )),
+    ("loss spikes", (
+        _flag("--check-for-spiky-loss", field="spikes.check_for_spiky_loss", action="store_true", help="detect loss spikes: a loss above mean + K x sigma of the trailing window; what happens is --spiky-loss-policy"),
+        _flag("--spiky-loss-policy", field="spikes.policy", choices=list(POLICIES), default="warn", help="warn: one line, train on; skip: withhold the update and record the batch as skipped (as --iterations-to-skip); rewind: reload the last checkpoint in --save and skip the batch when it comes again [warn]"),
+        _flag("--spiky-loss-window", field="spikes.window", type=int, default=128, help="trailing iterations the mean and sigma come from [128]"),
+        _flag("--spiky-loss-factor", field="spikes.factor", type=float, default=6.0, help="K: a spike exceeds mean + K x sigma [6]"),
+        _flag("--spiky-loss-min-window", field="spikes.min_fill", type=int, help="losses the window must hold before detection starts [half the window]"),
     )),
     ("batch-size schedule", (
         _flag("--rampup-batch-size", nargs=3, type=int, metavar=("START", "INCREMENT", "SAMPLES"), help="grow the global batch from START by INCREMENT up to --global-batch-size over SAMPLES samples (needs --train-samples)"),

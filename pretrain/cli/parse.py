@@ -34,6 +34,7 @@ from pretrain.training.logging import LoggingConfig
 from pretrain.training.loop import TrainingConfig
 from pretrain.training.optimizer import OptimizerConfig
 from pretrain.training.run import Prepared, RunConfig
+from pretrain.training.spikes import SpikeConfig
 from pretrain.training.validation_sets import check_validation_sets
 
 
@@ -131,6 +132,9 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
     if parallel.cpu_offload and zero == 0:
         raise UserError("--cpu-offload needs ZeRO (add --zero-stage 1, 2 or 3)")
     checkpoint = CheckpointConfig(**section_values(ns, "checkpoint"))
+    spikes = SpikeConfig(**section_values(ns, "spikes"))
+    if problems := spikes.problems(save=checkpoint.save):
+        raise UserError("; ".join(problems))
     if checkpoint.save is not None and checkpoint.save_interval is None:
         if ns.training__exit_interval is None:
             raise UserError(
@@ -191,6 +195,7 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
             train_samples=ns.train_samples,
             seq_length=ns.seq_length,
             seed=ns.seed,
+            spikes=spikes,
         ),
         schedule=schedule,
         optimizer=OptimizerConfig(**section_values(ns, "optimizer")),

@@ -92,7 +92,8 @@ class CheckpointConfig:
     (--save-total-limit); the step `latest` names is never deleted."""
 
 
-def _rng_state() -> dict:
+def rng_state() -> dict:
+    """This rank's python/numpy/torch/CUDA/TP-dropout generator states."""
     rng = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
@@ -258,7 +259,7 @@ class Checkpointer:
             files.close()
         if not self.config.no_save_rng:
             rank = torch.distributed.get_rank()
-            files.write(_rng_state(), os.path.join(save_dir, tmp_name, f"rng_state_{rank}.pt"))
+            files.write(rng_state(), os.path.join(save_dir, tmp_name, f"rng_state_{rank}.pt"))
         if not self.config.no_save_full_state:
             from pretrain.training.reshard import save_full_state  # imports deepspeed
 
@@ -281,6 +282,8 @@ class Checkpointer:
             consumed_train_samples=train_state.consumed_train_samples,
             consumed_valid_samples=train_state.consumed_valid_samples,
             skipped_train_samples=train_state.skipped_train_samples,
+            spike_loss_window=train_state.spike_loss_window,
+            spike_pending_skips=train_state.spike_pending_skips,
             model=self.model,
             parallel=self.parallel,
             pipeline_engine=engine.pipeline,

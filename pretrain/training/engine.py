@@ -11,10 +11,13 @@ grad norm); the loop and the metrics ask it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import deepspeed
 import torch
+from deepspeed.runtime.pipe.schedule import OptimizerStep
 
 from pretrain.model.config import ModelConfig
 from pretrain.model.gpt import GPTModel
@@ -71,6 +74,71 @@ class Engine:
     def loss_scale(self) -> float:
         """The current fp16 loss scale (1.0 without fp16)."""
         return float(getattr(self.ds.optimizer, "cur_scale", 1.0)) if self.fp16 else 1.0
+
+    def step_counters(self) -> tuple[int, int, int]:
+        """DeepSpeed's step, sample and micro-step counters (`withheld_update` puts them back)."""
+        return self.ds.global_steps, self.ds.global_samples, self.ds.micro_steps
+
+    @contextlib.contextmanager
+    def withheld_update(self, counters: tuple[int, int, int]):
+        """Inside: DeepSpeed's optimizer step changes no model state. Our optimizer's and LR
+        scheduler's steps do nothing while DeepSpeed runs the rest of its step (so it clears, and
+        under ZeRO frees, the gradients and copies the unchanged master weights back); after,
+        its counters are `counters` (`step_counters()` before the iteration). fp16's dynamic
+        loss scaler still counts the iteration."""
+        inner = getattr(self.ds.optimizer, "optimizer", self.ds.optimizer)  # under ZeRO/fp16
+        with _does_nothing(inner, "step"), _does_nothing(self.scheduler, "step"):
+            yield
+        self.ds.global_steps, self.ds.global_samples, self.ds.micro_steps = counters
+
+    def pipeline_train_batch(self, batches, judge: Callable[[float], bool]) -> float:
+        """DeepSpeed's pipeline `train_batch`, asking `judge(loss)` on every rank at the
+        optimizer step (the schedule's last instruction, after every backward) and withholding
+        the update when it says False; returns the iteration's loss."""
+        ds, counters = self.ds, self.step_counters()
+        step = type(ds)._INSTRUCTION_MAP[OptimizerStep]
+
+        def judged_step(engine, **kwargs):
+            if judge(self._pipeline_loss()):
+                return step(engine, **kwargs)
+            with self.withheld_update(counters):
+                return step(engine, **kwargs)
+
+        ds._INSTRUCTION_MAP = {**type(ds)._INSTRUCTION_MAP, OptimizerStep: judged_step}
+        try:
+            return float(ds.train_batch(data_iter=batches))
+        finally:
+            del ds._INSTRUCTION_MAP
+
+    def _pipeline_loss(self) -> float:
+        """The loss `train_batch` will return, before it returns: the last stage's micro-batch
+        mean, averaged over data-parallel ranks, broadcast to the other stages (DeepSpeed's
+        arithmetic, so the same value)."""
+        ds = self.ds
+        if ds.is_last_stage():
+            loss = ds._scale_loss_by_gas(ds.total_loss).clone().detach().float()
+            if ds.is_data_parallel:
+                torch.distributed.all_reduce(loss, group=ds.mpu.get_data_parallel_group())
+                loss /= ds.dp_world_size
+        else:
+            loss = torch.zeros((), dtype=torch.float32, device=ds.device)
+        group = ds.grid.get_pipe_parallel_group()
+        torch.distributed.broadcast(loss, src=ds._loss_stage_global_rank(), group=group)
+        return float(loss)
+
+
+@contextlib.contextmanager
+def _does_nothing(obj, method: str):
+    """`obj.method(...)` returns None inside (an instance attribute over the class's method)."""
+    saved = obj.__dict__.get(method)
+    setattr(obj, method, lambda *args, **kwargs: None)
+    try:
+        yield
+    finally:
+        if saved is None:
+            delattr(obj, method)
+        else:
+            setattr(obj, method, saved)
 
 
 PARALLEL_MARKS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared")

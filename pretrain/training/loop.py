@@ -21,6 +21,7 @@ from pretrain.training.evaluator import Evaluator
 from pretrain.training.exit_signal import ExitSignal
 from pretrain.training.logging import MetricsLogger, logger
 from pretrain.training.skip import flatten_iterations, skip_iteration
+from pretrain.training.spikes import Rewinder, SpikeConfig, SpikePolicy
 from pretrain.training.state import TrainState
 from pretrain.training.step import train_step
 
@@ -65,6 +66,8 @@ class TrainingConfig:
     check_for_nan_in_loss_and_grad: bool = True
     """Stop every rank at the first NaN/Inf loss or grad norm, before any save
     (--check-for-nan-in-loss-and-grad; off: --no-check-for-nan-in-loss-and-grad)."""
+    spikes: SpikeConfig = SpikeConfig()
+    """Loss-spike detection and policy (--check-for-spiky-loss, --spiky-loss-*)."""
 
 
 def _all_ranks_agree(flag: bool) -> bool:
@@ -110,6 +113,7 @@ def train(
     use_document_ids: bool,
     device: torch.device,
     exit_signal: ExitSignal | None = None,
+    rewinder: Rewinder | None = None,
 ) -> bool:
     """Train from `train_state` to --train-iters (or an early exit); save at the end if any
     iteration ran (a finished run launched again saves nothing).
@@ -119,6 +123,7 @@ def train(
     started, first_iteration = time.monotonic(), train_state.iteration
     to_skip = flatten_iterations(config.iterations_to_skip)
     divergence = DivergenceCheck(config.check_for_nan_in_loss_and_grad, engine)
+    spikes = SpikePolicy(config.spikes, train_state, rewinder)
     while train_state.iteration < config.train_iters and not _tokens_done(config, train_state):
         # Megatron's update_num_microbatches(consumed): the batch of this iteration
         global_batch, num_microbatches = _batch_at(config, train_state.consumed_train_samples)
@@ -126,8 +131,18 @@ def train(
         if train_state.iteration + 1 in to_skip:
             skip_iteration(train_batches, num_microbatches, global_batch, train_state)
             continue
+        if spikes.pending():  # a batch a spike rewind marked
+            reason = "--spiky-loss-policy rewind"
+            skip_iteration(train_batches, num_microbatches, global_batch, train_state, reason)
+            continue
         step_start = time.perf_counter()
-        loss = train_step(engine, train_batches, num_microbatches, use_document_ids, device)
+        spikes.before_step()
+        loss = train_step(
+            engine, train_batches, num_microbatches, use_document_ids, device, spikes.judge
+        )
+        if not spikes.applied:  # a spike under skip/rewind: no update was made
+            train_batches = spikes.withhold(global_batch, train_batches)
+            continue
         seconds = time.perf_counter() - step_start
         train_state.iteration += 1
         train_state.consumed_train_samples += global_batch

@@ -148,7 +148,6 @@ def _data_iterators(
     validation sets without a valid split or with --eval-iters 0; train and validation
     positioned after the consumed samples."""
     from pretrain.training.per_source import source_names
-    from pretrain.training.step import PipelineBatches
     from pretrain.training.validation_sets import ValidationSet, set_suffixes
 
     t, ev = cfg.training, cfg.evaluation
@@ -164,15 +163,7 @@ def _data_iterators(
     )
     # the blend plan table, once (rank 0 logs INFO)
     log_plan(cfg.data, num_samples, logger, files=prepared.files)
-    dp_rank, dp = state.get_data_parallel_rank(), state.get_data_parallel_world_size()
-    pipeline = cfg.parallel.pipeline_model_parallel_size > 1
-
-    def batches(dataset, consumed, dataset_ids: bool = False):
-        loader = build_pretraining_data_loader(
-            dataset, consumed, t.micro_batch_size, dp_rank, dp, cfg.data
-        )
-        it = iter(loader)
-        return PipelineBatches(it, use_document_ids, device, dataset_ids) if pipeline else it
+    batches = functools.partial(_batches, cfg, use_document_ids=use_document_ids, device=device)
 
     if valid_ds is None or ev.eval_iters == 0:
         valid_sets = []
@@ -187,6 +178,28 @@ def _data_iterators(
         valid_sets = [ValidationSet("", batches(valid_ds, consumed_valid, bool(sources)), sources)]
     test = None if test_ds is None or ev.eval_iters == 0 else batches(test_ds, 0)
     return batches(train_ds, consumed_train), valid_sets, test, train_ds
+
+
+def _batches(
+    cfg: RunConfig,
+    dataset,
+    consumed: int,
+    dataset_ids: bool = False,
+    *,
+    use_document_ids: bool,
+    device: torch.device,
+):
+    """This rank's batches of `dataset` after `consumed` samples (pipeline items with PP > 1)."""
+    from pretrain.training.step import PipelineBatches
+
+    dp_rank, dp = state.get_data_parallel_rank(), state.get_data_parallel_world_size()
+    loader = build_pretraining_data_loader(
+        dataset, consumed, cfg.training.micro_batch_size, dp_rank, dp, cfg.data
+    )
+    it = iter(loader)
+    if cfg.parallel.pipeline_model_parallel_size > 1:
+        return PipelineBatches(it, use_document_ids, device, dataset_ids)
+    return it
 
 
 def _start_batch_schedule(t: TrainingConfig, consumed: int) -> None:
@@ -233,6 +246,7 @@ def pretrain(cfg: RunConfig) -> TrainState:
     from pretrain.training.flops import flops_per_iteration, peak_tflops_per_device
     from pretrain.training.logging import MetricsLogger, ScalarWriter, Throughput
     from pretrain.training.loop import train
+    from pretrain.training.spikes import checkpoint_rewinder
 
     t, par = cfg.training, cfg.parallel
     engine = build_engine(
@@ -355,6 +369,19 @@ def pretrain(cfg: RunConfig) -> TrainState:
                 use_document_ids=use_document_ids,
                 device=device,
                 exit_signal=exit_signal,
+                rewinder=checkpoint_rewinder(
+                    cfg.checkpoint,
+                    cfg.model,
+                    cfg.parallel,
+                    engine,
+                    functools.partial(
+                        _batches,
+                        cfg,
+                        train_dataset,
+                        use_document_ids=use_document_ids,
+                        device=device,
+                    ),
+                ),
             )
         if completed:
             evaluator.evaluate_at_end(engine, train_state)

@@ -39,12 +39,21 @@ def flatten_iterations(specs: list[list[int]] | None) -> frozenset[int]:
 
 
 def skip_iteration(
-    train_batches, num_microbatches: int, global_batch_size: int, train_state: TrainState
+    train_batches,
+    num_microbatches: int,
+    global_batch_size: int,
+    train_state: TrainState,
+    reason: str = "--iterations-to-skip",
 ) -> None:
-    """Read and drop this rank's micro-batches of the next iteration; advance the state and
-    record the skipped samples [start, end)."""
+    """Read and drop this rank's micro-batches of the next iteration, then `record_skip`."""
     for _ in range(num_microbatches):
         next(train_batches)
+    record_skip(train_state, global_batch_size, reason)
+
+
+def record_skip(train_state: TrainState, global_batch_size: int, reason: str) -> None:
+    """Count the next iteration as done without a step: advance the state, record the skipped
+    samples [start, end) and say so in one line naming `reason`."""
     start = train_state.consumed_train_samples
     end = start + global_batch_size
     train_state.iteration += 1
@@ -55,7 +64,7 @@ def skip_iteration(
     else:
         ranges.append((start, end))
     logger.info(
-        f" iteration {train_state.iteration:8d} | skipped (--iterations-to-skip): training samples "
+        f" iteration {train_state.iteration:8d} | skipped ({reason}): training samples "
         f"[{start}, {end}) consumed without a step"
     )
 

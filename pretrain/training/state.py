@@ -16,11 +16,24 @@ class TrainState:
     consumed_valid_samples: int = 0
     """Validation samples read (the validation sampler's position)."""
     skipped_train_samples: list[tuple[int, int]] = field(default_factory=list)
-    """Training sample ranges [start, end) consumed without a step (--iterations-to-skip)."""
+    """Training sample ranges [start, end) consumed without a step (--iterations-to-skip,
+    --spiky-loss-policy)."""
+    spike_loss_window: list[float] = field(default_factory=list)
+    """The trailing losses --check-for-spiky-loss compares each new loss with."""
+    spike_pending_skips: list[tuple[int, int]] = field(default_factory=list)
+    """Training sample ranges [start, end) a spike rewind will skip when it reaches them."""
 
     @classmethod
     def from_checkpoint(cls, client_state: dict) -> TrainState:
         """The state saved by `dataclasses.asdict` (checkpoints older than a field get its default)."""
         counters = {f.name: int(client_state[f.name]) for f in fields(cls) if f.type == "int"}
-        ranges = client_state.get("skipped_train_samples", [])
-        return cls(**counters, skipped_train_samples=[(int(a), int(b)) for a, b in ranges])
+        return cls(
+            **counters,
+            skipped_train_samples=_ranges(client_state, "skipped_train_samples"),
+            spike_loss_window=[float(x) for x in client_state.get("spike_loss_window", [])],
+            spike_pending_skips=_ranges(client_state, "spike_pending_skips"),
+        )
+
+
+def _ranges(client_state: dict, key: str) -> list[tuple[int, int]]:
+    return [(int(a), int(b)) for a, b in client_state.get(key, [])]

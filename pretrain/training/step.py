@@ -8,7 +8,8 @@ depend on TP/PP/DP/ZeRO.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -78,21 +79,37 @@ def _dp_mean(value: torch.Tensor) -> torch.Tensor:
 
 
 def train_step(
-    engine: Engine, batches, num_microbatches: int, use_document_ids: bool, device: torch.device
+    engine: Engine,
+    batches,
+    num_microbatches: int,
+    use_document_ids: bool,
+    device: torch.device,
+    judge: Callable[[float], bool] | None = None,
 ) -> float:
-    """Forward/backward over the global batch and one optimizer step; returns the iteration's loss."""
+    """Forward/backward over the global batch and one optimizer step; returns the iteration's loss.
+
+    `judge(loss)` (called on every rank before the optimizer step) returning False withholds the
+    update (`Engine.withheld_update`)."""
     if engine.pipeline:
-        return float(engine.ds.train_batch(data_iter=batches))
-    losses = []
+        if judge is None:
+            return float(engine.ds.train_batch(data_iter=batches))
+        return engine.pipeline_train_batch(batches, judge)
+    counters, losses = engine.step_counters(), []
     for i in range(num_microbatches):
         # Say where the iteration ends: DeepSpeed's own count (micro steps modulo the
         # accumulation steps) is off once a batch-size schedule has changed the count.
-        engine.ds.set_gradient_accumulation_boundary(i == num_microbatches - 1)
+        last = i == num_microbatches - 1
+        engine.ds.set_gradient_accumulation_boundary(last)
         loss = _micro_batch_loss(engine, next(batches), use_document_ids, device)
         engine.ds.backward(loss)
-        engine.ds.step()  # DeepSpeed steps the optimizer at the last micro-batch only
         losses.append(loss.detach())
-    return float(_dp_mean(torch.stack(losses).mean()))
+        if not last:
+            engine.ds.step()  # DeepSpeed steps the optimizer at the last micro-batch only
+    mean = float(_dp_mean(torch.stack(losses).mean()))
+    apply = judge is None or judge(mean)
+    with contextlib.nullcontext() if apply else engine.withheld_update(counters):
+        engine.ds.step()
+    return mean
 
 
 @torch.no_grad()

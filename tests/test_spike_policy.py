@@ -1,0 +1,228 @@
+"""Loss spikes (--check-for-spiky-loss, --spiky-loss-policy): a real bad batch, one whose samples
+are a single repeated token the corpus never uses otherwise, placed at iteration 9 by rewriting the
+tokens `tools/explain_batch.py` says iteration 9 reads (document lengths, and so every index,
+unchanged). `warn` trains on it; `skip` and `rewind` end with the losses of a run given
+`--iterations-to-skip 9`, exactly (fp32), and so does a resume across the skip."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+from training_fixtures import (
+    PYTHON,
+    REPO,
+    VOCAB,
+    deepspeed_cmd,
+    model_flags,
+    read_metrics,
+    run,
+    train_flags,
+)
+
+from pretrain.cli import parse_args
+from pretrain.convert.checkpoint_reader import find_checkpoint
+from pretrain.data.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
+from pretrain.errors import UserError
+from pretrain.training.spikes import is_spike
+
+SPIKE, ITERS, BAD_TOKEN = 9, 12, VOCAB - 1  # the corpus draws ids 0..9 only
+DETECT = "--check-for-spiky-loss --spiky-loss-window 4 --spiky-loss-min-window 3 "
+DETECT += "--spiky-loss-factor 3"
+
+
+def test_detector_on_plain_sequences():
+    window = [1.0, 2.0, 3.0, 4.0]  # mean 2.5, sample sigma sqrt(5/3) = 1.2909944
+    assert not is_spike(window, 2.5 + 2 * 1.2909944 - 1e-6, 2.0, 4)
+    assert is_spike(window, 2.5 + 2 * 1.2909945, 2.0, 4)
+    assert not is_spike(window, 100.0, 2.0, 5)  # the window is not filled enough yet
+    assert not is_spike([5.0, 4.0, 3.0, 2.0], 1.5, 1.0, 2)  # a falling loss never is
+    assert not is_spike(window, math.nan, 1.0, 2) and not is_spike(window, math.inf, 1.0, 2)
+    assert is_spike([3.0, 3.0, 3.0], 3.0 + 1e-9, 6.0, 3)  # flat: anything above it
+
+
+def _write(prefix, docs) -> str:
+    builder = IndexedDatasetBuilder(get_bin_path(str(prefix)), dtype=np.uint16)
+    for doc in docs:
+        builder.add_item(doc)
+        builder.end_document()
+    builder.finalize(get_idx_path(str(prefix)))
+    return str(prefix)
+
+
+def _flags(prefix: str, *extra: str) -> list[str]:
+    flags = model_flags("gpt2") + train_flags(prefix, iters=ITERS) + ["--lr", "1e-2"]
+    return flags + [x for e in extra for x in e.split()]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> str:
+    """A corpus whose iteration-9 batch is all BAD_TOKEN (EODs kept), other batches skewed ids
+    0..9: the prefix's documents written again with iteration 9's token ranges replaced."""
+    root = tmp_path_factory.mktemp("spikes")
+    rng = np.random.default_rng(0)
+    p = 1 / np.arange(1, 11) ** 2
+    docs = [
+        np.append(rng.choice(10, size=int(rng.integers(5, 60)), p=p / p.sum()), VOCAB)
+        for _ in range(300)
+    ]
+    clean = _write(root / "clean", docs)
+    tool = [PYTHON, str(REPO / "tools" / "explain_batch.py"), *_flags(clean)]
+    out = run([*tool, "--iteration", str(SPIKE), "--json"], timeout=200)
+    assert out.returncode == 0, out.stdout[-3000:]
+    rows = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
+    assert [r["sample"] for r in rows] == list(range(64, 72))  # gbs 8
+    for row in rows:
+        for doc, first, end in row["documents"]:
+            part = docs[doc][first:end]
+            docs[doc][first:end] = np.where(part == VOCAB, VOCAB, BAD_TOKEN)
+    return _write(root / "bad", docs)
+
+
+def _train(tmp_path, name: str, flags: list[str], *extra: str) -> tuple[str, dict]:
+    """Run pretrain_gpt.py with its own metrics file: (output, metrics by iteration)."""
+    metrics = tmp_path / f"{name}.jsonl"
+    cmd = [PYTHON, str(REPO / "pretrain_gpt.py"), *flags, "--metrics-file", str(metrics)]
+    out = run([*cmd, *[x for e in extra for x in e.split()]], timeout=400)
+    assert out.returncode == 0, out.stdout[-4000:]
+    return out.stdout, read_metrics(metrics)
+
+
+def _losses(metrics: dict) -> dict[int, float]:
+    return {i: m["lm-loss"] for i, m in metrics.items() if "lm-loss" in m}
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory) -> dict[int, float]:
+    """The losses of the run given --iterations-to-skip 9."""
+    _, metrics = _train(
+        tmp_path_factory.mktemp("ref"), "ref", _flags(corpus), f"--iterations-to-skip {SPIKE}"
+    )
+    assert sorted(_losses(metrics)) == [i for i in range(1, ITERS + 1) if i != SPIKE]
+    return _losses(metrics)
+
+
+def _spike_lines(output: str) -> list[str]:
+    return [x for x in output.splitlines() if "is a spike" in x]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_warn_trains_on_the_spike_as_without_the_check(corpus, reference, tmp_path):
+    _, plain = _train(tmp_path, "plain", _flags(corpus))
+    out, warned = _train(tmp_path, "warn", _flags(corpus, DETECT))
+    lines = _spike_lines(out)
+    assert len(lines) == 1 and lines[0].startswith(f"WARNING: iteration {SPIKE}: lm loss ")
+    assert lines[0].endswith("training on it (--spiky-loss-policy warn)")
+    assert _losses(warned) == _losses(plain)  # warn changes nothing
+    # the spike was trained on: its loss is far above the others, and later losses differ
+    assert _losses(plain)[SPIKE] > 1.5 * _losses(plain)[SPIKE - 1]
+    assert all(_losses(plain)[i] != reference[i] for i in range(SPIKE + 1, ITERS + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_skip_equals_iterations_to_skip_and_resumes_exactly(corpus, reference, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    skip = _flags(corpus, DETECT, "--spiky-loss-policy skip", f"--save {ckpt}")
+    out, first = _train(tmp_path, "skip", skip, "--save-interval 5 --exit-interval 10")
+    assert (
+        " iteration        9 | skipped (--spiky-loss-policy skip, lm loss " in out
+        and "training samples [64, 72) consumed without a step" in out
+    )
+    assert len(_spike_lines(out)) == 1
+    assert _losses(first) == {i: reference[i] for i in reference if i <= 10}
+    _, meta = find_checkpoint(ckpt, 10)
+    assert meta["skipped_train_samples"] == [[64, 72]]
+    assert len(meta["spike_loss_window"]) == 4  # the window is in the checkpoint
+
+    # a resume across the skip: the resumed run writes its own metrics, from iteration 11
+    _, resumed = _train(tmp_path, "resumed", skip, f"--load {ckpt} --save-interval 5")
+    assert _losses(resumed) == {i: reference[i] for i in (11, 12)}
+    _, meta = find_checkpoint(ckpt, 12)
+    assert meta["skipped_train_samples"] == [[64, 72]]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_resume_before_the_spike_detects_it_from_the_saved_window(corpus, reference, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    skip = _flags(corpus, DETECT, "--spiky-loss-policy skip", f"--save {ckpt}")
+    out, first = _train(tmp_path, "first", skip, "--exit-interval 6")
+    assert _spike_lines(out) == [] and sorted(_losses(first)) == list(range(1, 7))
+    # a fresh window would hold only iterations 7 and 8 at the spike (< --spiky-loss-min-window)
+    out, resumed = _train(tmp_path, "resumed", skip, f"--load {ckpt} --save-interval 100")
+    assert len(_spike_lines(out)) == 1
+    assert _losses(resumed) == {i: reference[i] for i in reference if i > 6}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_rewind_reloads_the_checkpoint_and_skips_the_batch(corpus, reference, tmp_path):
+    ckpt = str(tmp_path / "ckpt")
+    rewind = _flags(corpus, DETECT, "--spiky-loss-policy rewind", f"--save {ckpt}")
+    out, metrics = _train(tmp_path, "rewind", rewind, "--save-interval 6")
+    assert "rewound to iteration 6 (--spiky-loss-policy rewind)" in out
+    assert f"loaded checkpoint {ckpt}/global_step6 at iteration 6" in out
+    assert (
+        " iteration        9 | skipped (--spiky-loss-policy rewind): training samples [64, 72)"
+        in (out)
+    )
+    lines = (tmp_path / "rewind.jsonl").read_text().splitlines()
+    trained = [json.loads(x)["iteration"] for x in lines if "lm-loss" in x]
+    assert trained == [1, 2, 3, 4, 5, 6, 7, 8, 7, 8, 10, 11, 12]  # 7 and 8 again after the rewind
+    assert _losses(metrics) == reference
+    _, meta = find_checkpoint(ckpt, 12)
+    assert meta["skipped_train_samples"] == [[64, 72]] and meta["spike_pending_skips"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_rewind_without_a_checkpoint_skips(corpus, reference, tmp_path):
+    rewind = _flags(corpus, DETECT, "--spiky-loss-policy rewind", f"--save {tmp_path / 'ckpt'}")
+    out, metrics = _train(tmp_path, "rewind", rewind, "--save-interval 10")
+    assert "--spiky-loss-policy rewind: no committed checkpoint in --save yet; skipping" in out
+    assert _losses(metrics) == reference
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    "layout",
+    ["--zero-stage 2", "--pipeline-model-parallel-size 2"],
+    ids=["dp2-zero2", "pp2"],
+)
+def test_two_ranks_take_the_same_decision(corpus, tmp_path, layout):
+    """Two ranks, with dropout. DP = 2 under ZeRO-2: each rank sees half the batch, the decision
+    comes from the DP-averaged loss, DeepSpeed's own step frees the gradient partitions. PP = 2:
+    the pipeline engine steps inside train_batch; the judge runs at its optimizer step, on the
+    last stage's loss broadcast to the first. Either way the skip run equals the
+    --iterations-to-skip run at the same layout (RNG states put back, too)."""
+    runs, layout = {}, f"{layout} --hidden-dropout 0.1 --attention-dropout 0.1"
+    for name, extra in (("ref", f"--iterations-to-skip {SPIKE}"), ("skip", DETECT)):
+        policy = "--spiky-loss-policy skip" if name == "skip" else ""
+        flags = _flags(corpus, extra, policy, layout)
+        metrics = tmp_path / f"{name}.jsonl"
+        out = run(deepspeed_cmd(2, [*flags, "--metrics-file", str(metrics)]), timeout=600)
+        assert out.returncode == 0, out.stdout[-4000:]
+        runs[name] = _losses(read_metrics(metrics))
+        if name == "skip":
+            lines = _spike_lines(out.stdout)  # warnings come from every rank
+            assert len(lines) == 2 and all("update withheld" in x for x in lines)
+    assert runs["skip"] == runs["ref"] and SPIKE not in runs["skip"]
+
+
+def test_policies_refused_where_they_cannot_work(tmp_path):
+    corpus = _write(tmp_path / "c", [np.array([1, 2, 3, VOCAB])] * 20)
+    cases = [
+        ("--spiky-loss-policy rewind", "--spiky-loss-policy rewind needs --save"),
+        ("--spiky-loss-window 8 --spiky-loss-min-window 9", "need 2 <= min-window"),
+        ("--spiky-loss-factor 0", "--spiky-loss-factor 0.0: must be > 0"),
+    ]
+    for extra, message in cases:
+        with pytest.raises(UserError, match=message):
+            parse_args(_flags(corpus, DETECT, extra), env={})
+    cfg = parse_args(_flags(corpus, "--check-for-spiky-loss"), env={}).training.spikes
+    assert (cfg.policy, cfg.window, cfg.factor, cfg.required) == ("warn", 128, 6.0, 64)
