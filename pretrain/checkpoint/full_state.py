@@ -27,7 +27,7 @@ every file of a TP rank by parameter name, whatever the split:
 (they depend on TP: Megatron pads to a multiple of divisible_by * TP; they are zero and never in
 the softmax, so dropping and re-adding zero rows changes nothing). `local_shard` cuts the tensors
 of one TP rank at the target layout, re-padding the vocabulary. Files are read with
-`weights_only=True`: loading one runs no pickled code.
+`safe_load` (memory-mapped): loading one runs no pickled code.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from pretrain.atomic import atomic_write
+from pretrain.checkpoint import safe_load
 from pretrain.errors import UserError
 from pretrain.parallel.sharding import merge_shards, shard_tensor
 
@@ -137,13 +138,7 @@ def _standalone(tensor: torch.Tensor) -> torch.Tensor:
 def _load_shard(path: str) -> dict:
     """One file, memory-mapped: its tensors are read from disk only when used, so a rank that
     needs a few parameters of a large state reads only their bytes."""
-    try:
-        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as err:  # noqa: BLE001 - a damaged or foreign file, refused by name
-        raise UserError(
-            f"{path}: cannot be read as a full training state ({type(err).__name__}: {err}); the "
-            f"checkpoint is damaged or not written by pretrain_gpt.py"
-        ) from None
+    payload = safe_load.load(path, mmap=True)  # allowlisted: a pickled global is refused by name
     if not isinstance(payload, dict) or payload.get("format_version") != FULL_STATE_VERSION:
         version = payload.get("format_version") if isinstance(payload, dict) else None
         raise UserError(

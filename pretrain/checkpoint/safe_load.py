@@ -19,6 +19,9 @@ plus a short allowlist of the types these files really hold:
 Anything else (e.g. `os.system`, `builtins.eval`, a custom class) is refused with a one-line
 `UserError` naming every such global in the file; the restricted unpickler stops at the first one,
 before anything from the file is called.
+
+Third-party readers (DeepSpeed's engine load, zero_to_fp32) call `torch.load(weights_only=False)`
+themselves: they run inside `checked_torch_loads`, which routes each of their reads through `load`.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ NUMPY_RNG_TYPES = [_NUMPY_RECONSTRUCT, np.ndarray, np.dtype, type(np.dtype(np.ui
 MEGATRON_TYPES = [argparse.Namespace, io.BytesIO]
 MEGATRON_PREFIX = "megatron."
 _UNSUPPORTED = re.compile(r"GLOBAL ([\w.]+)")  # torch's message names the refused global
+_TORCH_LOAD = torch.load  # torch's own: `checked_torch_loads` replaces torch.load while it runs
 
 
 class ForeignValue:
@@ -136,8 +140,9 @@ def _only(allowed: list):
         torch.serialization.add_safe_globals(previous)
 
 
-def load(path: str, *, megatron: bool = False, deepspeed: bool = False) -> Any:
-    """`torch.load(path)` on CPU with the restricted unpickler and this module's allowlist.
+def load(path: str, *, megatron: bool = False, deepspeed: bool = False, mmap: bool = False) -> Any:
+    """`torch.load(path)` on CPU with the restricted unpickler and this module's allowlist
+    (`mmap`: tensors memory-mapped from the file, read only when used).
 
     UserError (one line) for a file that names a global outside the allowlist (all of them are
     listed) and for a damaged or unreadable file.
@@ -145,11 +150,10 @@ def load(path: str, *, megatron: bool = False, deepspeed: bool = False) -> Any:
     if not os.path.isfile(path):
         raise UserError(f"{path}: no such file (the checkpoint is incomplete)")
     allowed = _allowed(megatron, deepspeed, path)
-    permitted = {getattr(t, "__module__", "") + "." + getattr(t, "__name__", "") for t in allowed}
-    permitted |= {t[1] for t in allowed if isinstance(t, tuple)}
+    permitted = _permitted(allowed)
     try:
         with _only(allowed):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            return _TORCH_LOAD(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:  # noqa: BLE001 - classified below, re-raised as one line
         message = str(err)
         refused = _UNSUPPORTED.search(message)
@@ -166,6 +170,12 @@ def load(path: str, *, megatron: bool = False, deepspeed: bool = False) -> Any:
         ) from None
 
 
+def _permitted(allowed: list) -> set[str]:
+    """The `module.name` of each allowlisted type (or stand-in)."""
+    permitted = {getattr(t, "__module__", "") + "." + getattr(t, "__name__", "") for t in allowed}
+    return permitted | {t[1] for t in allowed if isinstance(t, tuple)}
+
+
 def _torch_allows(name: str) -> bool:
     """Whether torch's restricted unpickler accepts `name` by itself (tensor rebuilds, dtypes...)."""
     if name.startswith("torch."):  # tensor rebuilds, storages, dtypes
@@ -175,3 +185,60 @@ def _torch_allows(name: str) -> bool:
     except ImportError:  # a private helper: without it the error lists only the first refusal
         return True
     return name in _get_allowed_globals()
+
+
+def _checked_torch_load(f, map_location=None, *args, **kwargs) -> Any:
+    """torch.load's signature, `load`'s behaviour (allowlist, CPU; DeepSpeed's loads map to CPU
+    and copy into the engine's tensors): what third-party code gets inside `checked_torch_loads`."""
+    if not isinstance(f, str | os.PathLike):
+        raise UserError(f"refused to load a checkpoint from {type(f).__name__} (not a file path)")
+    path = os.fspath(f)
+    # only the zip format maps; a legacy file is read whole, so its globals are named, not "damaged"
+    return load(path, deepspeed=True, mmap=bool(kwargs.get("mmap")) and zipfile.is_zipfile(path))
+
+
+@contextlib.contextmanager
+def checked_torch_loads():
+    """While open, every `torch.load(path, ...)` in this process is `load(path, deepspeed=True)`.
+
+    DeepSpeed's checkpoint loading unpickles with `torch.load(weights_only=False)` from several
+    places (its checkpoint engine for model, optimizer and pipeline-layer files, zero_to_fp32 for
+    ZeRO-3 weights, the universal-checkpoint readers). Around a call into it, this makes each of
+    those reads the allowlisted one: the file that is checked is the file that is loaded, and a
+    refused global is the one-line UserError of `load`.
+    """
+    previous = torch.load
+    torch.load = _checked_torch_load
+    try:
+        yield
+    finally:
+        torch.load = previous
+
+
+def refusal(path: str, *, megatron: bool = False, deepspeed: bool = False) -> str | None:
+    """The one-line refusal `load` would raise for the globals the pickle in `path` names outside
+    the allowlist, found by reading its opcodes (nothing is unpickled, no tensor is read), or None.
+
+    For processes that must agree before a load (a refusal inside DeepSpeed's load on one rank
+    would leave the others waiting in its collectives). Not the check that counts: a pickle can
+    spell a global in ways this scan does not follow; `load` refuses those while unpickling.
+    """
+    permitted = _permitted(_allowed(megatron, deepspeed, path))
+    names = pickled_globals(path) if zipfile.is_zipfile(path) else _legacy_globals(path)
+    foreign = [n for n in names if n not in permitted and not _torch_allows(n)]
+    return str(_refusal(path, sorted(set(foreign)))) if foreign else None
+
+
+def _legacy_globals(path: str) -> list[str]:
+    """The GLOBAL names in the leading pickles of torch's legacy (non-zip) format: magic number,
+    protocol, system info, the object, the storage keys (the raw tensor bytes follow them)."""
+    names: list[str] = []
+    try:
+        with open(path, "rb") as f:
+            for _ in range(5):
+                names += [
+                    a.replace(" ", ".") for o, a, _ in pickletools.genops(f) if o.name == "GLOBAL"
+                ]
+    except (ValueError, OSError):
+        pass  # not (or not all) pickles: torch.load reports it
+    return names

@@ -151,11 +151,9 @@ def _read_zero3(step_dir: str, tp: int, dp: int) -> list[dict]:
             "ZeRO-3 optimizer-state (at ZeRO-3 they hold the weights; copy "
             "every rank's files into the checkpoint folder)",
         )
-        for path in model_files + optim_files:
-            # zero_to_fp32 unpickles with weights_only=False: let it read only files that the
-            # restricted unpickler has accepted (they then name no other callable)
-            _load(path)
-        with contextlib.redirect_stdout(io.StringIO()):  # zero_to_fp32 prints progress lines
+        # zero_to_fp32 unpickles with torch.load(weights_only=False): inside checked_torch_loads
+        # each of its reads is safe_load's (the file checked is the file it reads)
+        with contextlib.redirect_stdout(io.StringIO()), safe_load.checked_torch_loads():
             states = zero_to_fp32.parse_model_states(model_files)
             stage, world, flat_groups, _ = zero_to_fp32.parse_optim_states(optim_files, step_dir)
             if stage != 3:

@@ -209,8 +209,23 @@ def _load_rng(config: CheckpointConfig, step_dir: str) -> tuple[dict | None, str
         return None, None
     try:
         return safe_load.load(path), None  # numpy/torch RNG states only; no pickled code runs
+    except UserError as err:  # a refused global or a damaged file, in one line
+        return None, str(err)
     except Exception as err:  # noqa: BLE001 - any unpickling failure means a damaged file
         return None, f"{path}: cannot be read ({type(err).__name__}: {err}); the file is damaged"
+
+
+def _refuse_pickled_code(step_dir: str) -> None:
+    """Refuse on every rank, in one line, a step whose files name a global outside safe_load's
+    allowlist, before any rank starts loading (a rank stopped inside DeepSpeed's load would leave
+    the others waiting in its collectives). The ranks share the scan: rank r reads the pickle
+    (not the tensors) of every world-th file. The loads themselves stay allowlisted."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    mine = sorted(n for n in os.listdir(step_dir) if n.endswith(".pt"))[rank::world]
+    problems = (safe_load.refusal(os.path.join(step_dir, n), deepspeed=True) for n in mine)
+    problem = agree(next((p for p in problems if p), None))
+    if problem is not None:
+        raise UserError(problem)
 
 
 def _load_relayout(
@@ -274,22 +289,26 @@ def load_checkpoint(
         return TrainState(), None
     _same_tag_everywhere(config, choice)
     step_dir = os.path.join(config.load, choice.tag)
+    _refuse_pickled_code(step_dir)
     if parallel is not None and relayout_possible(step_dir, choice.meta, parallel):
         return _load_relayout(config, engine, step_dir, choice.meta)
     loads_optimizer = not (config.finetune or config.no_load_optim)
     problem, client_state = None, None
     try:
-        load_path, client_state = engine.ds.load_checkpoint(
-            config.load,
-            tag=choice.tag,
-            load_optimizer_states=loads_optimizer,
-            load_lr_scheduler_states=not config.finetune,
-            load_module_only=config.finetune,
-        )
+        with safe_load.checked_torch_loads():  # DeepSpeed's unpickling reads, allowlisted
+            load_path, client_state = engine.ds.load_checkpoint(
+                config.load,
+                tag=choice.tag,
+                load_optimizer_states=loads_optimizer,
+                load_lr_scheduler_states=not config.finetune,
+                load_module_only=config.finetune,
+            )
         if load_path is None:
             problem = (
                 f"{step_dir}: DeepSpeed could not load it (files missing; see the warnings above)"
             )
+    except UserError as err:  # a refused global or a damaged file, named by safe_load
+        problem = str(err)
     except Exception as err:  # noqa: BLE001 - a damaged file must be one line, not a traceback
         problem = (
             f"{step_dir}: cannot be loaded ({type(err).__name__}: {err}); the checkpoint is damaged"
