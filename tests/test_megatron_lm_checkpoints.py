@@ -3,7 +3,8 @@
 The fixtures under tests/fixtures/megatron_lm/ were made by make_checkpoints.py there: Megatron-LM
 main's `pretrain_gpt.py` trained a tiny GPT-2-style and a Llama-style model for 3 iterations on
 one CPU gloo rank and wrote them with its own `save_checkpoint` (`--ckpt-format torch`), with and
-without `--no-save-optim`; right after saving, Megatron's own GPTModel computed the logits of a
+without `--no-save-optim`, and the Llama one in Megatron-LM's default `--ckpt-format torch_dist`
+(main keeps args etc. as one `common_state` object inside the .distcp files); right after saving, Megatron's own GPTModel computed the logits of a
 fixed batch (NAME.reference.pt) and the generator recorded the model's args (NAME.args.json).
 Each file's saved `args` holds what Megatron-LM main really pickles: `signal.Signals`
 (exit_signal), megatron-core enums (AttnBackend, InferenceCudaGraphScope) and torch dtypes.
@@ -34,7 +35,8 @@ convert_from_megatron = load_tool("convert_from_megatron")
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests" / "fixtures" / "megatron_lm"
-NAMES = ["gpt2", "gpt2-no-optim", "llama", "llama-no-optim"]
+NAMES = ["gpt2", "gpt2-no-optim", "llama", "llama-no-optim"]  # --ckpt-format torch
+DIST = "llama-torch-dist"
 ITERATION = 3
 
 
@@ -69,8 +71,26 @@ def test_the_file_holds_what_megatron_lm_main_pickles(name):
     assert args.params_dtype is torch.float32
 
 
+def test_torch_dist_common_state_holds_rerun_state_as_inert_records():
+    """Main's torch_dist has no common.pt: args and the rerun state machine's state are read
+    from the `common_state` object in the .distcp file, Megatron's enums as inert records."""
+    from pretrain.convert import megatron_dist
+
+    step = FIXTURES / DIST / f"iter_{ITERATION:07d}"
+    assert not (step / "common.pt").exists()
+    common = megatron_dist.read_common(str(step))
+    assert common["iteration"] == ITERATION and common["checkpoint_version"] == 3.0
+    assert common["args"].exit_signal is signal.SIGTERM
+    assert common["args"].ckpt_format == "torch_dist"
+    rerun = common["rerun_state_machine"]
+    assert isinstance(rerun["mode"], safe_load.ForeignValue)
+    assert rerun["mode"].qualified_name == "megatron.core.rerun_state_machine.RerunMode"
+    assert rerun["mode"].args == ("validate_results",)
+    assert rerun["state"].qualified_name == "megatron.core.rerun_state_machine.RerunState"
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [*NAMES, DIST])
 def test_converts_with_megatron_lm_logits(name, tmp_path, capsys):
     reference = torch.load(FIXTURES / f"{name}.reference.pt", weights_only=True)
     megatron = _megatron_args(name)
@@ -80,7 +100,8 @@ def test_converts_with_megatron_lm_logits(name, tmp_path, capsys):
         + ["--output-dir", str(tmp_path / "hf")]
     )
     out = capsys.readouterr().out
-    assert f"torch format, TP=1, PP=1, iteration {ITERATION}" in out
+    layout = "torch_dist" if name == DIST else "torch"
+    assert f"({layout} format, TP=1, PP=1, iteration {ITERATION}" in out
     assert f"vocabulary {tokens}" in out  # the padding rows (to 256) are dropped
 
     ours = read_checkpoint(str(tmp_path / "ours"))
