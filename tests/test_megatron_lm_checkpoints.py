@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+import shutil
 import signal
 import struct
 import subprocess
@@ -206,3 +208,43 @@ def test_the_fixture_with_an_os_system_payload_is_refused(name, tmp_path):
     with pytest.raises(UserError, match=r"refused to load: it holds pickled global\(s\) posix\."):
         safe_load.load(str(doctored), megatron=True)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("payload", [False, True], ids=["relocated", "payload"])
+def test_torch_dist_common_state_with_an_os_system_payload_is_refused(tmp_path, payload):
+    """The torch_dist fixture whose `common_state` blob is appended again to the .distcp, with
+    .metadata pointing at the copy: read as before (the control); with the payload added to that
+    copy: refused, naming the .distcp file, and the command never runs."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+    from pretrain.convert import megatron_dist
+
+    step = tmp_path / DIST / f"iter_{ITERATION:07d}"
+    shutil.copytree(FIXTURES / DIST, tmp_path / DIST)
+    metadata = megatron_dist._metadata(str(step))
+    index, place = next(
+        (i, p) for i, p in metadata.storage_data.items() if i.fqn.startswith("common_state")
+    )
+    shard = step / place.relative_path
+    with open(shard, "rb") as f:
+        f.seek(place.offset)
+        (tmp_path / "common.pt").write_bytes(f.read(place.length))
+    marker = tmp_path / "pwned"
+    if payload:
+        _with_payload(tmp_path / "common.pt", tmp_path / "doctored.pt", marker)
+    blob = (tmp_path / ("doctored.pt" if payload else "common.pt")).read_bytes()
+    offset = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(blob)
+    metadata.storage_data[index] = _StorageInfo(place.relative_path, offset, len(blob))
+    metadata.storage_meta = None
+    (step / ".metadata").write_bytes(pickle.dumps(metadata))
+    if not payload:
+        assert megatron_dist.read_common(str(step))["iteration"] == ITERATION
+        return
+    with pytest.raises(
+        UserError, match=r"__0_0\.distcp \(common_state.*refused to load: .* posix\."
+    ):
+        convert_from_megatron.main(["--load", str(tmp_path / DIST), "--save", str(tmp_path / "o")])
+    assert not marker.exists()
+    assert not (tmp_path / "o").exists()
