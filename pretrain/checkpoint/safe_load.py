@@ -11,10 +11,11 @@ plus a short allowlist of the types these files really hold:
 - DeepSpeed model/optimizer files (`deepspeed=True`): `ZeroStageEnum`, the fp16 loss scalers and
   `fragment_address`, plain data classes whose loading sets attributes and calls nothing else.
 - Megatron-LM files (`megatron=True`): `argparse.Namespace` (the saved `args`), `io.BytesIO`
-  (Transformer Engine's `_extra_state` in older versions) and Megatron's own enums in `args`
-  (e.g. `AttnBackend.auto`). Those are *not* imported: each `megatron.*` global is replaced by an
-  inert `ForeignValue` that records its name and arguments, so no Megatron code runs, and
-  Megatron need not be installed.
+  (Transformer Engine's `_extra_state` in older versions), `signal.Signals` (`args.exit_signal`
+  on Megatron-LM main: unpickling looks the member up by its number, nothing else) and Megatron's
+  own enums in `args` (e.g. `AttnBackend.auto`). Those are *not* imported: each `megatron.*`
+  global is replaced by an inert `ForeignValue` that records its name and arguments, so no
+  Megatron code runs, and Megatron need not be installed.
 
 Anything else (e.g. `os.system`, `builtins.eval`, a custom class) is refused with a one-line
 `UserError` naming every such global in the file; the restricted unpickler stops at the first one,
@@ -32,6 +33,7 @@ import io
 import os
 import pickletools
 import re
+import signal
 import zipfile
 from typing import Any
 
@@ -47,7 +49,7 @@ _NUMPY_RECONSTRUCT = (
 )
 # numpy arrays as in np.random.get_state(): ("MT19937", uint32 array, pos, has_gauss, gauss)
 NUMPY_RNG_TYPES = [_NUMPY_RECONSTRUCT, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
-MEGATRON_TYPES = [argparse.Namespace, io.BytesIO]
+MEGATRON_TYPES = [argparse.Namespace, io.BytesIO, signal.Signals]
 MEGATRON_PREFIX = "megatron."
 _UNSUPPORTED = re.compile(r"GLOBAL ([\w.]+)")  # torch's message names the refused global
 _TORCH_LOAD = torch.load  # torch's own: `checked_torch_loads` replaces torch.load while it runs

@@ -30,7 +30,6 @@ REQUIRED = (
     "pipeline_model_parallel_size",
     "position_embedding_type",
     "normalization",
-    "norm_epsilon",
     "swiglu",
     "add_bias_linear",
     "untie_embeddings_and_output_weights",
@@ -40,6 +39,7 @@ REQUIRED = (
 NEUTRAL = (
     ("apply_residual_connection_post_layernorm", False),
     ("qk_layernorm", False),
+    ("qk_l2_norm", False),
     ("apply_layernorm_1p", False),
     ("layernorm_zero_centered_gamma", False),
     ("num_experts", None),
@@ -62,6 +62,9 @@ NEUTRAL = (
     ("heterogeneous_layers_config_path", None),
     ("expert_model_parallel_size", 1),
 )
+# the norm epsilon's key: `norm_epsilon` up to core_v0.15, `layernorm_epsilon` on main (its flags
+# come from TransformerConfig's fields; the flag is still --norm-epsilon)
+EPSILON_KEYS = ("norm_epsilon", "layernorm_epsilon")
 POSITION_TYPES = ("learned_absolute", "rope")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 
@@ -73,6 +76,8 @@ def _value(args: argparse.Namespace, key: str, neutral=None):
 def _problems(args: argparse.Namespace) -> list[str]:
     """Everything in `args` that our model cannot express, as `key=value (why)` strings."""
     problems = [f"{key} missing" for key in REQUIRED if not hasattr(args, key)]
+    if not any(hasattr(args, key) for key in EPSILON_KEYS):
+        problems.append(f"{' (or '.join(EPSILON_KEYS)}) missing")
     for key, neutral in NEUTRAL:
         value = _value(args, key, neutral)
         if value != neutral:
@@ -89,6 +94,10 @@ def _problems(args: argparse.Namespace) -> list[str]:
             "add_qkv_bias=True with add_bias_linear=False (our biases are on every linear or none)"
         )
     return problems
+
+
+def _norm_epsilon(args: argparse.Namespace) -> float:
+    return next(getattr(args, key) for key in EPSILON_KEYS if hasattr(args, key))
 
 
 def _query_groups(args: argparse.Namespace) -> int | None:
@@ -122,7 +131,7 @@ def model_config_from_args(
         use_rope_scaling=bool(_value(args, "use_rope_scaling", False)),
         rope_scaling_factor=float(_value(args, "rope_scaling_factor", 8.0)),
         normalization=args.normalization,
-        norm_epsilon=args.norm_epsilon,
+        norm_epsilon=_norm_epsilon(args),
         swiglu=bool(args.swiglu),
         openai_gelu=bool(_value(args, "openai_gelu", False)) and not args.swiglu,
         add_bias_linear=bool(args.add_bias_linear),

@@ -5,7 +5,9 @@ What megatron.core.dist_checkpointing writes with the torch_dist strategy (megat
     <load>/iter_<N:07d>/ .metadata          torch.distributed.checkpoint's index of all shards
                          __<rank>_<i>.distcp the shards' bytes
                          common.pt          the non-sharded entries: args, checkpoint_version,
-                                            iteration, ...
+                                            iteration, ... (Megatron-LM main: no common.pt;
+                                            they are one object, `common_state`, in the
+                                            .distcp files: a torch.save blob of [that dict])
                          metadata.json      {"sharded_backend": "torch_dist", ...}
 
 Every tensor is stored once as its *global* (TP = 1, all pipeline stages) tensor, whatever the
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import tempfile
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -35,6 +38,7 @@ from pretrain.errors import UserError
 
 METADATA_FILE = ".metadata"
 COMMON_FILE = "common.pt"
+COMMON_STATE = "common_state"  # the object Megatron-LM main stores its common entries as
 _STACKED = "decoder.layers."
 
 
@@ -90,29 +94,61 @@ def is_torch_dist(step_dir: str) -> bool:
 
 
 def read_common(step_dir: str) -> dict:
-    """common.pt (args, checkpoint_version, iteration), read with the safe loader."""
+    """The common entries (args, checkpoint_version, iteration), read with the safe loader from
+    common.pt or, without it, from the `common_state` object in the .distcp files."""
     path = os.path.join(step_dir, COMMON_FILE)
-    if not os.path.isfile(path):
-        raise UserError(
-            f"{step_dir}: a torch_dist checkpoint without {COMMON_FILE} (it holds Megatron's "
-            f"args; copy the whole iteration folder)"
-        )
-    common = safe_load.load(path, megatron=True)
+    if os.path.isfile(path):
+        common = safe_load.load(path, megatron=True)
+    else:
+        path, common = _read_common_state(step_dir)
+    if isinstance(common, list) and len(common) == 1:  # common_state holds [the dict]
+        common = common[0]
     if not isinstance(common, dict) or "args" not in common:
         raise UserError(f"{path}: holds no 'args' (not written by Megatron-LM's checkpointing)")
     return common
 
 
-def _tensor_entries(step_dir: str) -> dict[str, TensorStorageMetadata]:
+def _read_common_state(step_dir: str) -> tuple[str, object]:
+    """(where it is, its value): the `common_state` object's bytes (its byte range in a .distcp
+    file, from `.metadata`) through the safe loader."""
+    places = [
+        (index, place)
+        for index, place in _metadata(step_dir).storage_data.items()
+        if index.fqn.split("/", 1)[0] == COMMON_STATE
+    ]
+    if len(places) != 1 or places[0][1].transform_descriptors:
+        raise UserError(
+            f"{step_dir}: a torch_dist checkpoint without {COMMON_FILE} or one plain "
+            f"'{COMMON_STATE}' object (they hold Megatron's args; copy the whole iteration folder)"
+        )
+    index, place = places[0]
+    where = f"{os.path.join(step_dir, place.relative_path)} ({index.fqn})"
+    with open(os.path.join(step_dir, place.relative_path), "rb") as f:
+        f.seek(place.offset)
+        data = f.read(place.length)
+    with tempfile.TemporaryDirectory() as tmp:
+        blob = os.path.join(tmp, f"{COMMON_STATE}.pt")
+        with open(blob, "wb") as f:
+            f.write(data)
+        try:
+            return where, safe_load.load(blob, megatron=True)
+        except UserError as err:
+            raise UserError(str(err).replace(blob, where)) from None
+
+
+def _metadata(step_dir: str):
     try:
-        metadata = _SafeReader(step_dir).read_metadata()
+        return _SafeReader(step_dir).read_metadata()
     except UserError:
         raise
     except Exception as err:  # noqa: BLE001 - any unreadable index is the same user problem
         raise UserError(f"{step_dir}/{METADATA_FILE}: unreadable ({err}); copy it again") from err
+
+
+def _tensor_entries(step_dir: str) -> dict[str, TensorStorageMetadata]:
     return {
         key: entry
-        for key, entry in metadata.state_dict_metadata.items()
+        for key, entry in _metadata(step_dir).state_dict_metadata.items()
         if isinstance(entry, TensorStorageMetadata) and not key.endswith("._extra_state")
     }
 
