@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import deepspeed
 import torch
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 
 from pretrain.model.config import ModelConfig
 from pretrain.model.gpt import GPTModel
@@ -43,6 +44,13 @@ class Engine:
     padded_vocab_size: int
     ds_config: dict
     fp16: bool
+
+    @property
+    def precision(self) -> str:
+        """The module weights' precision: "bf16", "fp16" or "fp32"."""
+        if self.fp16:
+            return "fp16"
+        return "bf16" if self.ds_config.get("bf16", {}).get("enabled") else "fp32"
 
     @property
     def skipped_steps(self) -> int:
@@ -88,6 +96,18 @@ def _mark_master_copies(ds_optimizer) -> None:
             for mark in PARALLEL_MARKS:
                 if hasattr(p16, mark):
                     setattr(p32, mark, getattr(p16, mark))
+
+
+def _undo_warmup_step(ds_optimizer) -> None:
+    """DeepSpeed's fp16/bf16 ZeRO-0 wrapper steps our AdamW once on zero gradients when it is
+    built (to create Adam's state): Adam's step count then runs one ahead of the iterations (its
+    bias correction differs: bf16 ZeRO-0 left fp32 and every other bf16 layout by 1e-4 in the
+    loss at iteration 3), and where the LR at sample 0 is not 0 weight decay shrinks the fp32
+    copies once. Drop that state (the first real step creates it) and copy the copies back from
+    the module weights they were cloned from."""
+    if isinstance(ds_optimizer, FP16_UnfusedOptimizer):
+        ds_optimizer.optimizer.state.clear()
+        ds_optimizer.refresh_fp32_params()
 
 
 def _count_parameters(model: torch.nn.Module) -> int:
@@ -155,6 +175,7 @@ def build_engine(
         mpu=None if pipeline else state.mpu,
     )
     _mark_master_copies(ds_engine.optimizer)
+    _undo_warmup_step(ds_engine.optimizer)
     return Engine(
         ds=ds_engine,
         pipeline=pipeline,
