@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from distributed import run_on_ranks
 from training_fixtures import (
     PYTHON,
     REPO,
@@ -67,6 +68,7 @@ MOVES = {
     "dp2_z3_to_dp2_z0": ("dp2_z3", "dp2_z0"),  # ZeRO 3 -> 0
 }
 PRECISION_MOVES = {"fp32_z1_to_z1": ("fp32_z1", "z1")}  # fp32 checkpoint, --bf16 run, same layout
+SAME_LAYOUT = {"z0_to_z0": ("z0", "z0")}  # DeepSpeed's own load
 # one more resume of z1_to_z0's checkpoint, without its Adam state: (at, flags)
 NO_OPTIM = ("z2", ["--no-load-optim"])
 
@@ -87,7 +89,7 @@ def moved(tmp_path_factory):
     """{world: launch output}; metrics and checkpoints under the returned folder."""
     tmp = tmp_path_factory.mktemp("bf16_relayout")
     corpus = make_corpus(tmp / "corpus")
-    moves = {**MOVES, **PRECISION_MOVES}
+    moves = {**MOVES, **PRECISION_MOVES, **SAME_LAYOUT}
     outputs = {}
     for world in (1, 2):
         runs = [
@@ -144,6 +146,15 @@ def test_an_fp32_checkpoint_resumes_in_bf16_at_its_layout_through_its_full_state
     fp32 and bf16 are about as close as two bf16 layouts over these iterations."""
     tmp, _ = moved
     _check_continues(tmp, "fp32_z1_to_z1", *PRECISION_MOVES["fp32_z1_to_z1"])
+
+
+def test_a_bf16_zero0_resume_at_its_own_layout_is_exact(moved):
+    """DeepSpeed's own load after the build-time Adam step is undone: bit for bit."""
+    tmp, _ = moved
+    resumed, full = _metrics(tmp, "z0_to_z0_resumed"), _metrics(tmp, "z0_full")
+    assert sorted(resumed) == list(range(STOP_AT + 1, ITERS + 1))
+    for it, got in resumed.items():
+        assert (got["lm-loss"], got["grad-norm"]) == (full[it]["lm-loss"], full[it]["grad-norm"])
 
 
 @pytest.mark.parametrize("zero0", ["z0", "dp2_z0"])
@@ -208,6 +219,54 @@ def test_bf16_on_an_fp32_checkpoint_without_full_state_is_one_line(tmp_path):
         f"error: --load {ckpt}: the checkpoint was saved in fp32, this run uses "
     )
     assert "--bf16" in last and "--no-save-full-state" in last
+
+
+def _carry_a_zero_loss_scaler(rank, world_size):
+    """DeepSpeed's ZeRO loss scaler after overflows and growth, carried into a fresh one through
+    the full state's `loss_scaler` values: (scale, hysteresis) of both over the next updates, and
+    of a fresh scaler that was not given them."""
+    from types import SimpleNamespace
+
+    import deepspeed
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    from pretrain.training.distributed import disable_deepspeed_shm_allreduce
+    from pretrain.training.masters import loss_scale_state, set_loss_scale_state
+
+    disable_deepspeed_shm_allreduce()  # (a 40-second JIT build otherwise)
+    deepspeed.init_distributed("gloo", auto_mpi_discovery=False)  # overflow messages ask its rank
+
+    def scaler():
+        args = dict(init_scale=2.0**10, scale_window=3, min_scale=1.0, delayed_shift=2)
+        return DynamicLossScaler(**args, consecutive_hysteresis=False)
+
+    def engine(loss_scaler):
+        return SimpleNamespace(
+            ds=SimpleNamespace(optimizer=SimpleNamespace(loss_scaler=loss_scaler)), fp16=True
+        )
+
+    source, target, fresh = scaler(), scaler(), scaler()
+    for overflow in (False, True, False, True, True, False, False, False, False):
+        source.update_scale(overflow)
+    saved = loss_scale_state(engine(source))
+    assert set_loss_scale_state(engine(target), saved)
+    runs = {"source": [], "target": [], "fresh": []}
+    for overflow in (False, False, True, False, False, False, False, True, True):
+        for name, one in (("source", source), ("target", target), ("fresh", fresh)):
+            one.update_scale(overflow)
+            runs[name].append((one.cur_scale, one.cur_hysteresis))
+    return saved, runs
+
+
+def test_the_fp16_loss_scale_and_its_counters_carry_over():
+    """On the CPU, what the GPU test shows end to end: the scale, overflow counters and hysteresis
+    of DeepSpeed's own ZeRO scaler go into the plain values the full state keeps and back, so the
+    carried scaler grows and shrinks at the same updates as the one it was saved from."""
+    saved, runs = run_on_ranks(_carry_a_zero_loss_scaler, world_size=1, timeout=300)[0]
+    assert set(saved) == {"cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis"}
+    assert saved["cur_scale"] != 2.0**10
+    assert runs["target"] == runs["source"]
+    assert runs["fresh"] != runs["source"]
 
 
 FP16 = ["--fp16", "--initial-loss-scale", "1024", "--loss-scale-window", "2"]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.utils import (
     safe_get_full_fp32_param,
     safe_get_full_optimizer_state,
@@ -103,14 +104,13 @@ class _Copies:
 
     def __init__(self, engine: Engine):
         optimizer = engine.ds.optimizer
-        low, high = getattr(optimizer, "fp16_groups", None), getattr(optimizer, "fp32_groups", None)
-        self.wrapped = low is not None and high is not None  # FP16_UnfusedOptimizer
+        self.wrapped = isinstance(optimizer, FP16_UnfusedOptimizer)
         self.adam = optimizer.optimizer if self.wrapped else optimizer
         self.step_count: int | None = None  # the Adam step `set` gives (see prepare_set)
         self.copy_of = {}  # id(module parameter) -> its fp32 master
         if self.wrapped:
-            for group16, group32 in zip(low, high, strict=True):
-                self.copy_of.update({id(p): m for p, m in zip(group16, group32, strict=True)})
+            for low, high in zip(optimizer.fp16_groups, optimizer.fp32_groups, strict=True):
+                self.copy_of.update({id(p): m for p, m in zip(low, high, strict=True)})
 
     def _master(self, param: torch.nn.Parameter) -> torch.Tensor:
         return self.copy_of[id(param)] if self.wrapped else param
@@ -161,7 +161,8 @@ def loss_scale_state(engine: Engine) -> dict | None:
     scaler = _scaler(engine) if engine.fp16 else None
     if scaler is None:
         return None
-    return {k: float(getattr(scaler, k)) for k in LOSS_SCALE_KEYS if hasattr(scaler, k)}
+    values = {k: getattr(scaler, k, None) for k in LOSS_SCALE_KEYS}
+    return {k: float(v) for k, v in values.items() if v is not None}
 
 
 def set_loss_scale_state(engine: Engine, saved: dict | None) -> bool:

@@ -119,11 +119,13 @@ def relayout_possible(
     step_dir: str, meta: dict, parallel: ParallelConfig, precision: str | None = None
 ) -> bool:
     """True when the checkpoint in `step_dir` was saved at another layout or (given this run's
-    `precision`) in another precision and resumes here through its layout-independent state
-    (pretrain/training/reshard.py), or holds only that state (tools/reshard_checkpoint.py)."""
+    `precision`; None: not compared) in another precision and resumes here through its
+    layout-independent state (pretrain/training/reshard.py), or holds only that state
+    (tools/reshard_checkpoint.py)."""
     if is_full_state_only(meta):
         return True
-    same = _same_layout(meta["parallel"], parallel) and saved_precision(meta) in (None, precision)
+    same_precision = precision is None or saved_precision(meta) in (None, precision)
+    same = _same_layout(meta["parallel"], parallel) and same_precision
     return not same and has_full_state(step_dir)
 
 
