@@ -23,6 +23,8 @@ carries_the_loss_scale` runs on one where CUDA exists and is skipped elsewhere.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from distributed import run_on_ranks
@@ -278,6 +280,8 @@ def test_an_fp16_resume_at_another_zero_stage_carries_the_loss_scale(tmp_path):
     STOP_AT it is no longer the initial one; the resumed run logs the uninterrupted run's scales
     (both DeepSpeed ZeRO optimizers count overflows alike) and continues its losses."""
     if not torch.cuda.is_available():
+        if os.environ.get("PRETRAIN_REQUIRE_GPU"):  # bench/gpu_check.py: a GPU must be there
+            pytest.fail("PRETRAIN_REQUIRE_GPU is set but torch.cuda.is_available() is False")
         pytest.skip("fp16 needs CUDA (DeepSpeed has no fp16 on CPU)")
     corpus = make_corpus(tmp_path / "corpus")
     ckpt = str(tmp_path / "ckpt")
