@@ -18,7 +18,9 @@ every file of a TP rank by parameter name, whatever the split:
 
     {"format_version": 1, "tensor_parallel_size": T, "tensor_parallel_rank": t,
      "pipeline_stage": p, "data_parallel_rank": d,
-     "extra": {plain values: the LR schedule position},
+     "extra": {plain values: "lr_scheduler" (the LR schedule position), "precision" ("fp32",
+               "bf16", "fp16"), "fp32_masters" (true: "param" is the fp32 master in every
+               precision), "loss_scaler" (fp16's loss scale and counters, else None)},
      "entries": {name: {"partition": [dim, stride] | None,   # None: replicated over TP
                         "param": fp32 master weight, "exp_avg": ..., "exp_avg_sq": ...,
                         "step": int}}}                       # moments/step absent: no optimizer

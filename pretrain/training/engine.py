@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import deepspeed
 import torch
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
 from deepspeed.runtime.pipe.schedule import OptimizerStep
 
 from pretrain.model.config import ModelConfig
@@ -46,6 +47,13 @@ class Engine:
     padded_vocab_size: int
     ds_config: dict
     fp16: bool
+
+    @property
+    def precision(self) -> str:
+        """The module weights' precision: "bf16", "fp16" or "fp32"."""
+        if self.fp16:
+            return "fp16"
+        return "bf16" if self.ds_config.get("bf16", {}).get("enabled") else "fp32"
 
     @property
     def skipped_steps(self) -> int:
@@ -158,6 +166,18 @@ def _mark_master_copies(ds_optimizer) -> None:
                     setattr(p32, mark, getattr(p16, mark))
 
 
+def _undo_warmup_step(ds_optimizer) -> None:
+    """DeepSpeed's fp16/bf16 ZeRO-0 wrapper steps our AdamW once on zero gradients when it is
+    built (to create Adam's state): Adam's step count then runs one ahead of the iterations (its
+    bias correction differs: bf16 ZeRO-0 left fp32 and every other bf16 layout by 1e-4 in the
+    loss at iteration 3), and where the LR at sample 0 is not 0 weight decay shrinks the fp32
+    copies once. Drop that state (the first real step creates it) and copy the copies back from
+    the module weights they were cloned from."""
+    if isinstance(ds_optimizer, FP16_UnfusedOptimizer):
+        ds_optimizer.optimizer.state.clear()
+        ds_optimizer.refresh_fp32_params()
+
+
 def _count_parameters(model: torch.nn.Module) -> int:
     """Elements of the full model: TP shards summed over TP, tied copies and TP replicas once."""
     tp_rank0 = state.get_tensor_model_parallel_rank() == 0
@@ -223,6 +243,7 @@ def build_engine(
         mpu=None if pipeline else state.mpu,
     )
     _mark_master_copies(ds_engine.optimizer)
+    _undo_warmup_step(ds_engine.optimizer)
     return Engine(
         ds=ds_engine,
         pipeline=pipeline,

@@ -1,59 +1,37 @@
 """A live DeepSpeed engine <-> the layout-independent state of `pretrain.checkpoint.full_state`.
 
 `save_full_state` runs on every rank after DeepSpeed's own save: each parameter's fp32 master
-weight and Adam moments are gathered over data parallelism (ZeRO 1-3: DeepSpeed's fp32
-partitions through its `safe_get_full_*` functions; ZeRO-0: the plain optimizer's state) and
-written, TP-local, by one data-parallel rank of each TP rank (the DP ranks take turns). `load_full_state` does the reverse
-at another layout, after the engine is built: it cuts each parameter for this TP rank and puts
-it into the module, the fp32 partition and the optimizer state.
+weight and Adam moments are gathered over data parallelism, wherever the engine's optimizer keeps
+them (`pretrain.training.masters`: ZeRO 1-3 and BF16_Optimizer partitions, the fp32 copies of
+DeepSpeed's bf16/fp16 ZeRO-0 wrapper, or the fp32 module itself), and written, TP-local, by one
+data-parallel rank of each TP rank (the DP ranks take turns); fp16's loss scale goes with them.
+`load_full_state` does the reverse at another layout or precision, after the engine is built:
+it cuts each parameter for this TP rank and puts it into the module (in the module's precision),
+the fp32 master and the optimizer state.
 
 Any TP, PP, DP and ZeRO stage 0-3 on either side (under the pipeline engine DeepSpeed allows
-ZeRO 0-1); `resume.relayout_possible` chooses this path over DeepSpeed's own load.
+ZeRO 0-1), in fp32, bf16 or fp16; `resume.relayout_possible` chooses this path over DeepSpeed's
+own load.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
-from deepspeed.utils import (
-    safe_get_full_fp32_param,
-    safe_get_full_optimizer_state,
-    safe_set_full_fp32_param,
-    safe_set_full_optimizer_state,
-)
 
 from pretrain.checkpoint.full_state import FullState, write_shard
 from pretrain.errors import UserError
 from pretrain.parallel import state
 from pretrain.training.engine import Engine
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def _zero_stage(engine: Engine) -> int:
-    return int(engine.ds.zero_optimization_stage())
+from pretrain.training.masters import loss_scale_state, masters, set_loss_scale_state
 
 
 def _partition(param: torch.Tensor) -> tuple[int, int] | None:
     if getattr(param, "tensor_model_parallel", False):
         return (int(param.partition_dim), int(getattr(param, "partition_stride", 1)))
     return None
-
-
-def _zero_step(engine: Engine) -> int | None:
-    """Adam's step count of the ZeRO 1-3 flat partitions (one per group, all equal)."""
-    steps = [s["step"] for s in engine.ds.optimizer.optimizer.state.values() if "step" in s]
-    return int(steps[0]) if steps else None
-
-
-def _relink(engine: Engine) -> None:
-    """Point every parameter's fragment at its group's Adam state. DeepSpeed links them after the
-    first group's first step, before the other groups (no weight decay) have any state, and never
-    again, so the fragments of those groups would stay empty."""
-    zero_opt = engine.ds.optimizer
-    zero_opt._hp_optimizer_states_linked = False
-    zero_opt._lazy_init_hp_params_optimizer_state()
 
 
 def _named_parameters(engine: Engine, owned: bool = False) -> dict[str, torch.nn.Parameter]:
@@ -80,27 +58,15 @@ def _named_parameters(engine: Engine, owned: bool = False) -> dict[str, torch.nn
 
 
 def _collect(engine: Engine, keep: Callable[[int], bool]) -> dict[str, dict]:
-    """The entries of the parameters `keep(i)` selects (i: position in this rank's parameter
-    order), on the CPU. Every rank gathers every parameter (ZeRO's gathers are collectives over
-    DP), one at a time, and drops at once what it does not keep: the device holds one full
-    parameter at a time, the CPU this rank's share."""
-    zero = _zero_stage(engine)
-    step = _zero_step(engine) if zero else None
-    if step is not None and zero < 3:
-        _relink(engine)
+    """The entries (fp32 master, moments) of the parameters `keep(i)` selects (i: position in
+    this rank's parameter order), on the CPU. Every rank gathers every parameter (ZeRO's gathers
+    are collectives over DP), one at a time, and drops at once what it does not keep: the device
+    holds one full parameter at a time, the CPU this rank's share."""
+    source = masters(engine)
+    source.prepare_get()
     entries = {}
     for i, (name, param) in enumerate(_named_parameters(engine, owned=True).items()):
-        entry = {"partition": _partition(param)}
-        if zero:
-            entry["param"] = safe_get_full_fp32_param(param)
-            if step is not None:
-                entry.update({k: safe_get_full_optimizer_state(param, k) for k in MOMENTS})
-                entry["step"] = step
-        else:
-            entry["param"] = param.detach()
-            saved = engine.ds.optimizer.state.get(param, {})
-            if "step" in saved:
-                entry.update({k: saved[k] for k in MOMENTS}, step=int(saved["step"]))
+        entry = {"partition": _partition(param), **source.get(param)}
         if keep(i):
             entries[name] = {
                 k: v.detach().to("cpu", torch.float32, copy=True) if torch.is_tensor(v) else v
@@ -122,29 +88,14 @@ def save_full_state(engine: Engine, step_dir: str, write: Callable[[dict, str], 
         pp_stage=state.get_pipeline_model_parallel_rank(),
         dp_rank=dp_rank,
         entries=_collect(engine, keep=lambda i: i % dp == dp_rank),
-        extra={"lr_scheduler": engine.scheduler.state_dict()},
+        extra={
+            "lr_scheduler": engine.scheduler.state_dict(),
+            "precision": engine.precision,
+            "fp32_masters": True,
+            "loss_scaler": loss_scale_state(engine),
+        },
         write=write,
     )
-
-
-def _init_zero_state(engine: Engine, step: int) -> None:
-    """Create the ZeRO 1-3 Adam state (DeepSpeed makes it lazily at the first step) and (ZeRO 1/2)
-    link each parameter's fragment to it, so that `safe_set_full_optimizer_state` can fill it."""
-    zero_opt = engine.ds.optimizer
-    stage3 = _zero_stage(engine) == 3
-    flats = (
-        zero_opt.fp32_partitioned_groups_flat
-        if stage3
-        else zero_opt.single_partition_of_fp32_groups
-    )
-    for flat in flats:
-        zero_opt.optimizer.state[flat] = {
-            "step": torch.tensor(float(step)),
-            "exp_avg": torch.zeros_like(flat),
-            "exp_avg_sq": torch.zeros_like(flat),
-        }
-    if not stage3:
-        _relink(engine)
 
 
 def _set_module_weight(engine: Engine, param: torch.nn.Parameter, value: torch.Tensor) -> None:
@@ -161,12 +112,27 @@ def _set_module_weight(engine: Engine, param: torch.nn.Parameter, value: torch.T
         param.copy_(value.to(param.dtype))
 
 
+@dataclass(frozen=True, kw_only=True)
+class Carried:
+    """What `load_full_state` set from a full state, for the log line."""
+
+    fp32_masters: bool
+    """The saved weights are fp32 master weights (older versions saved bf16/fp16 ZeRO-0 module
+    weights in their place)."""
+    adam_state: bool
+    """Adam's moments and step count were set."""
+    loss_scale: bool
+    """fp16's loss scale and overflow counters were set."""
+    precision: str | None
+    """The saving run's precision ("fp32", "bf16", "fp16"; None: not recorded)."""
+
+
 def load_full_state(
     engine: Engine, step_dir: str, *, vocab_size: int, with_optimizer: bool
-) -> None:
-    """Set this rank's weights (and optimizer state, LR schedule) from `step_dir`'s full state."""
+) -> Carried:
+    """Set this rank's weights (and optimizer state, LR schedule, fp16 loss scale) from
+    `step_dir`'s full state; say what was set."""
     full = FullState(step_dir, vocab_size)
-    zero = _zero_stage(engine)
     tp_rank = state.get_tensor_model_parallel_rank()
     tp = state.get_tensor_model_parallel_world_size()
     named = _named_parameters(engine)
@@ -176,21 +142,19 @@ def load_full_state(
             f"({sorted(named.keys() - set(full.names()))[:4]})"
         )
     with_optimizer = with_optimizer and full.has_optimizer()
-    if with_optimizer and zero:
-        _init_zero_state(engine, max(full.step(n) for n in named))
+    target = masters(engine)
+    if with_optimizer:
+        target.prepare_set(max(full.step(n) for n in named))
     for name, param in named.items():
         local = full.local(
             name, tp_rank=tp_rank, tp_size=tp, padded_vocab_size=engine.padded_vocab_size
         )
         _set_module_weight(engine, param, local["param"])
-        if zero:
-            safe_set_full_fp32_param(param, local["param"])
-            if with_optimizer:
-                for key in MOMENTS:
-                    safe_set_full_optimizer_state(param, local[key], key)
-        elif with_optimizer:
-            engine.ds.optimizer.state[param] = {
-                "step": torch.tensor(float(full.step(name))),
-                **{key: local[key].clone() for key in MOMENTS},
-            }
+        target.set(param, local, with_optimizer)
     engine.scheduler.load_state_dict(full.extra["lr_scheduler"])
+    return Carried(
+        fp32_masters=bool(full.extra.get("fp32_masters")),
+        adam_state=with_optimizer,
+        loss_scale=set_loss_scale_state(engine, full.extra.get("loss_scaler")),
+        precision=full.extra.get("precision"),
+    )

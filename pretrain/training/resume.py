@@ -81,6 +81,21 @@ def _check_zero_stage(meta: dict, zero_stage: int, loads_optimizer: bool, path: 
     )
 
 
+def _check_precision(meta: dict, precision: str | None, finetune: bool, path: str) -> None:
+    """Refuse a precision DeepSpeed's own load cannot cross (its optimizer files differ between
+    fp32, bf16 and fp16) rather than fail inside DeepSpeed as a "damaged" checkpoint. Only for
+    checkpoints without the full state (with it, any precision resumes)."""
+    saved = saved_precision(meta)
+    if precision is None or saved in (None, precision) or finetune:
+        return
+    raise UserError(
+        f"--load {path}: the checkpoint was saved in {saved}, this run uses "
+        f"{_precision_flag(precision)}{_without_full_state(meta)}; DeepSpeed's optimizer files "
+        f"differ between precisions: resume in {_precision_flag(saved)}, or start from its "
+        f"weights with --finetune"
+    )
+
+
 def _same_layout(saved: dict, parallel: ParallelConfig) -> bool:
     keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
     return all(saved[k] == getattr(parallel, k) for k in keys) and saved["zero_stage"] == (
@@ -88,13 +103,31 @@ def _same_layout(saved: dict, parallel: ParallelConfig) -> bool:
     )
 
 
-def relayout_possible(step_dir: str, meta: dict, parallel: ParallelConfig) -> bool:
-    """True when the checkpoint in `step_dir` was saved at another layout and resumes at this one
-    through its layout-independent state (pretrain/training/reshard.py), or holds only that
-    state (written by tools/reshard_checkpoint.py)."""
+def saved_precision(meta: dict) -> str | None:
+    """The precision ("bf16", "fp16", "fp32") a checkpoint was trained in; None where its
+    metadata does not say (converted checkpoints)."""
+    saved = meta.get("precision")
+    if not isinstance(saved, dict):
+        return None
+    return "bf16" if saved.get("bf16") else ("fp16" if saved.get("fp16") else "fp32")
+
+
+def _precision_flag(precision: str) -> str:
+    return "fp32 (neither --bf16 nor --fp16)" if precision == "fp32" else f"--{precision}"
+
+
+def relayout_possible(
+    step_dir: str, meta: dict, parallel: ParallelConfig, precision: str | None = None
+) -> bool:
+    """True when the checkpoint in `step_dir` was saved at another layout or (given this run's
+    `precision`; None: not compared) in another precision and resumes here through its
+    layout-independent state (pretrain/training/reshard.py), or holds only that state
+    (tools/reshard_checkpoint.py)."""
     if is_full_state_only(meta):
         return True
-    return not _same_layout(meta["parallel"], parallel) and has_full_state(step_dir)
+    same_precision = precision is None or saved_precision(meta) in (None, precision)
+    same = _same_layout(meta["parallel"], parallel) and same_precision
+    return not same and has_full_state(step_dir)
 
 
 def check_compatible(
@@ -104,10 +137,12 @@ def check_compatible(
     meta: dict,
     path: str,
     relayout: bool = False,
+    precision: str | None = None,
 ) -> None:
     """Refuse (one line) a checkpoint this run cannot resume: another model, or (unless
-    `relayout`: it resumes through its full state) another TP/PP, or a ZeRO optimizer state split
-    over another number of data-parallel ranks."""
+    `relayout`: it resumes through its full state) another precision than this run's
+    `precision` (None: not compared), another TP/PP, or a ZeRO optimizer state split over another
+    number of data-parallel ranks."""
     if meta.get("weights_only") and not config.finetune:
         raise UserError(
             f"--load {path}: a weights-only checkpoint (converted, no optimizer or data position); "
@@ -122,6 +157,7 @@ def check_compatible(
     check_same_model(meta, model, path)
     if relayout:
         return
+    _check_precision(meta, precision, config.finetune, path)
     saved = meta["parallel"]
     for key, flag in (
         ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
@@ -165,16 +201,20 @@ def check_compatible(
 
 
 def check_before_launch(
-    config: CheckpointConfig, model: ModelConfig, parallel: ParallelConfig
+    config: CheckpointConfig,
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    precision: str | None = None,
 ) -> Choice | None:
     """Pick the step `--load` resumes from and refuse an incompatible or damaged one, before the
-    process group exists (one line on every rank, no hang). None: nothing to load."""
+    process group exists (one line on every rank, no hang). `precision`: this run's ("bf16",
+    "fp16", "fp32"; None: not compared). None: nothing to load."""
     refuse_foreign_checkpoint(config.load)
     choice = choose_checkpoint(config.load)
     if choice is not None:
         step_dir = os.path.join(config.load, choice.tag)
-        relayout = relayout_possible(step_dir, choice.meta, parallel)
-        check_compatible(config, model, parallel, choice.meta, config.load, relayout)
+        relayout = relayout_possible(step_dir, choice.meta, parallel, precision)
+        check_compatible(config, model, parallel, choice.meta, config.load, relayout, precision)
     return choice
 
 
@@ -228,6 +268,16 @@ def _refuse_pickled_code(step_dir: str) -> None:
         raise UserError(problem)
 
 
+def _carried_words(carried) -> str:
+    """ "resharded weights, fp32 master weights, Adam state and LR schedule", each part only where
+    it was carried (`reshard.Carried`)."""
+    parts = ["resharded weights"]
+    parts += ["fp32 master weights"] if carried.fp32_masters else []
+    parts += ["Adam state"] if carried.adam_state else []
+    parts += ["fp16 loss scale"] if carried.loss_scale else []
+    return ", ".join(parts) + " and LR schedule"
+
+
 def _load_relayout(
     config: CheckpointConfig, engine: Engine, step_dir: str, meta: dict
 ) -> tuple[TrainState, None]:
@@ -235,7 +285,7 @@ def _load_relayout(
     from pretrain.training.reshard import load_full_state  # imports deepspeed
 
     loads_optimizer = not (config.finetune or config.no_load_optim)
-    load_full_state(
+    carried = load_full_state(
         engine, step_dir, vocab_size=meta["model"]["vocab_size"], with_optimizer=loads_optimizer
     )
     problem = agree(_nonfinite_problem(engine, step_dir, loads_optimizer))
@@ -247,6 +297,8 @@ def _load_relayout(
         layout += "by tools/reshard_checkpoint.py"
     else:
         layout += f"DP{saved['data_parallel_size']} ZeRO-{saved['zero_stage']}"
+    if carried.precision not in (None, engine.precision):
+        layout += f" in {carried.precision}, resumed in {engine.precision}"
     if config.finetune:
         logger.info(f"loaded weights from {step_dir} (saved at {layout}; --finetune)")
         return TrainState(), None
@@ -255,9 +307,9 @@ def _load_relayout(
     engine.ds.global_samples = train_state.consumed_train_samples
     logger.info(
         f"loaded checkpoint {step_dir} at iteration {train_state.iteration} "
-        f"({train_state.consumed_train_samples} samples consumed), saved at {layout}: resharded "
-        f"weights, fp32 master weights, Adam state and LR schedule; RNG states not restored "
-        f"(another layout): generators stay seeded from --seed"
+        f"({train_state.consumed_train_samples} samples consumed), saved at {layout}: "
+        f"{_carried_words(carried)}; RNG states not restored (another layout): generators stay "
+        f"seeded from --seed"
     )
     return train_state, None
 
@@ -290,7 +342,9 @@ def load_checkpoint(
     _same_tag_everywhere(config, choice)
     step_dir = os.path.join(config.load, choice.tag)
     _refuse_pickled_code(step_dir)
-    if parallel is not None and relayout_possible(step_dir, choice.meta, parallel):
+    if parallel is not None and relayout_possible(
+        step_dir, choice.meta, parallel, engine.precision
+    ):
         return _load_relayout(config, engine, step_dir, choice.meta)
     loads_optimizer = not (config.finetune or config.no_load_optim)
     problem, client_state = None, None

@@ -219,7 +219,7 @@ def _start_batch_schedule(t: TrainingConfig, consumed: int) -> None:
 def pretrain(cfg: RunConfig) -> TrainState:
     """Run one training job as configured; returns where it stopped."""
     choice = (
-        check_before_launch(cfg.checkpoint, cfg.model, cfg.parallel)
+        check_before_launch(cfg.checkpoint, cfg.model, cfg.parallel, cfg.precision.name)
         if cfg.checkpoint.load
         else None
     )
