@@ -1,6 +1,6 @@
 """Preemption under every launcher: with --exit-signal-handler, SIGTERM to `torchrun`, to the
-`deepspeed` command, or to every process of every task (what Slurm's `scancel --signal=TERM`
-does) ends in a committed checkpoint, and the run resumed from it trains the uninterrupted run's
+`deepspeed` command, to its whole process group, or to every process of every task (what Slurm's
+`scancel --signal=TERM` does) ends in a committed checkpoint, and the run resumed from it trains the uninterrupted run's
 losses, bit for bit. Real launchers, two ranks, a DataLoader worker per rank, real signals sent
 after a logged iteration.
 
@@ -12,6 +12,7 @@ the Slurm-style tasks return.
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -170,6 +171,26 @@ def test_sigterm_to_every_process_of_every_task_saves_and_resumes_exactly(refere
 
     proc, output, stopped = _preempt(tmp_path, corpus, _slurm_tasks, send)
     assert proc.returncode == 0 and "task exit codes: [0, 0]" in output, output[-3000:]
+    _resumes_exactly(tmp_path, corpus, full, stopped)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigterm_to_the_deepspeed_process_group_saves_and_resumes_exactly(reference, tmp_path):
+    """Every process of an `srun deepspeed ...` task: the command (dies of it), its launch.py
+    (SIGTERMs every descendant, SIGKILLs what is left after 30 s, exits 1), the ranks and their
+    workers. The ranks save and reach their end (`done:`) within launch.py's grace period."""
+    corpus, full = reference
+
+    def send(proc, ranks, workers):
+        os.killpg(proc.pid, signal.SIGTERM)  # the deepspeed command's process group: all of them
+
+    proc, output, stopped = _preempt(
+        tmp_path, corpus, lambda flags: start(deepspeed_cmd(2, flags)), send
+    )
+    assert proc.returncode == -signal.SIGTERM, output[-3000:]
+    assert "Main process received SIGTERM, exiting" in output  # launch.py's handler ran
+    assert f"done: {stopped} iterations" in output
     _resumes_exactly(tmp_path, corpus, full, stopped)
 
 
