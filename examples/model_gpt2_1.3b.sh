@@ -24,5 +24,6 @@ TRAIN_ARGS=(
     --bf16 --zero-stage 1
     --log-interval 10 --eval-interval 1000 --eval-iters 10
     --save "$SAVE_DIR" --load "$SAVE_DIR" --save-interval 1000
+    --exit-signal-handler
     --tensorboard-dir "$SAVE_DIR/tensorboard"
 )

@@ -58,4 +58,5 @@ def test_recipe_flags_parse(example_args, world, tp, pp):
     )
     assert cfg.parallel.data_parallel_size == world // (tp * pp)
     assert cfg.precision.bf16 and cfg.parallel.zero_stage == 1
+    assert cfg.training.exit_signal_handler  # preemption saves (docs/RELIABILITY.md)
     assert cfg.training.global_batch_size == 512

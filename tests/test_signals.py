@@ -3,16 +3,13 @@ launcher. Real `deepspeed` launches of two ranks, real signals."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import time
 from pathlib import Path
 
 import psutil
 import pytest
+from signal_fixtures import finish, job, kill_group, start, wait_for_iterations
 from training_fixtures import (
-    REPO,
     deepspeed_cmd,
     layout_flags,
     make_corpus,
@@ -22,7 +19,6 @@ from training_fixtures import (
     run,
     train_flags,
 )
-from training_fixtures import test_env as clean_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -41,63 +37,18 @@ def _flags(corpus: str, iters: int, metrics: Path, *extra: str) -> list[str]:
     )
 
 
-def _start(cmd: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-
-
-def _ranks(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
-    """rank -> the pretrain_gpt.py process under this launcher."""
-    found = {}
-    for child in psutil.Process(launcher.pid).children(recursive=True):
-        try:
-            cmdline = child.cmdline()
-        except psutil.NoSuchProcess:
-            continue
-        if "deepspeed.launcher.launch" in cmdline:
-            continue  # the per-node launcher (its arguments name the script too)
-        if any(a.endswith("pretrain_gpt.py") for a in cmdline):
-            found[int(child.environ()["RANK"])] = child
-    return found
-
-
-def _wait_for_iterations(proc: subprocess.Popen, metrics: Path, count: int) -> None:
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and len(read_metrics(metrics)) >= count:
-            return
-        time.sleep(0.05)
-    proc.kill()
-    raise AssertionError(f"no {count} iterations before the end:\n{proc.communicate()[0][-6000:]}")
-
-
-def _finish(proc: subprocess.Popen, timeout: float) -> str:
-    try:
-        return proc.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError(proc.communicate()[0][-6000:]) from None
-
-
 def test_exit_signal_handler_saves_and_resumes_exactly(tmp_path):
     corpus = make_corpus(tmp_path / "corpus")
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     save = ["--save", str(ckpt), "--save-interval", "1000", "--exit-signal-handler"]
-    proc = _start(deepspeed_cmd(2, _flags(corpus, ITERS, metrics, *save)))
+    proc = start(deepspeed_cmd(2, _flags(corpus, ITERS, metrics, *save)))
     try:
-        _wait_for_iterations(proc, metrics, 2)
-        _ranks(proc)[1].send_signal(signal.SIGTERM)  # one rank only: the ranks must agree
-        output = _finish(proc, 300)
+        wait_for_iterations(proc, metrics, 2)
+        job(proc.pid)[0][1].send_signal(signal.SIGTERM)  # one rank only: the ranks must agree
+        output = finish(proc, 300)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_group(proc)
     assert proc.returncode == 0, output[-6000:]
     stopped = int((ckpt / "latest").read_text().removeprefix("global_step"))
     assert 2 <= stopped < ITERS
@@ -125,10 +76,10 @@ def test_ranks_end_when_the_deepspeed_launcher_is_terminated(tmp_path):
     ranks' own watchdog can end them, and it must, within seconds."""
     corpus = make_corpus(tmp_path / "corpus")
     metrics = tmp_path / "m.jsonl"
-    proc = _start(deepspeed_cmd(2, _flags(corpus, 100000, metrics)))
+    proc = start(deepspeed_cmd(2, _flags(corpus, 100000, metrics)))
     try:
-        _wait_for_iterations(proc, metrics, 1)
-        ranks = _ranks(proc)
+        wait_for_iterations(proc, metrics, 1)
+        ranks = job(proc.pid)[0]
         assert sorted(ranks) == [0, 1]
         everything = psutil.Process(proc.pid).children(recursive=True)  # launch.py and the ranks
         launchers = [p for p in everything if "deepspeed.launcher.launch" in " ".join(p.cmdline())]
@@ -140,10 +91,7 @@ def test_ranks_end_when_the_deepspeed_launcher_is_terminated(tmp_path):
         assert not alive, [p.cmdline()[:3] for p in alive]
         output = proc.communicate(timeout=30)[0]
     finally:
-        try:  # the launcher's whole process group, should anything be left
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_group(proc)
     killed = {proc.pid, *(p.pid for p in launchers)}
     # The watchdog ended the ranks: at least one says so. A rank may instead see its peer's
     # exit first (a failed collective) and end with that; either way every rank is gone (above).

@@ -10,10 +10,16 @@ Both samplers yield micro-batches of sample ids for one data-parallel rank and r
   --seed). With data sharding (default) each rank permutes its own contiguous bucket, so the order
   depends on the DP size, as in Megatron; with --no-data-sharding it is one global permutation dealt
   round-robin.
+
+DataLoader worker processes ignore the exit signals (`ignore_exit_signals`): a scheduler or launcher
+that signals every process of a job must not kill them under a rank that is finishing its iteration
+and saving. They still end with their rank: torch's workers check every 5 s that their parent is
+alive (tests/test_preemption.py::test_workers_ignore_exit_signals_but_end_with_their_rank).
 """
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 
 import torch
@@ -121,6 +127,16 @@ class PretrainingRandomSampler:
                 yield order[k : k + self.mbs]
 
 
+EXIT_SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")  # Megatron's --exit-signal choices
+
+
+def ignore_exit_signals(worker_id: int) -> None:
+    """DataLoader `worker_init_fn`: the worker ignores every signal of `EXIT_SIGNALS`; its rank
+    decides what a signal means (`--exit-signal-handler`: finish the iteration and save)."""
+    for name in EXIT_SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
+
+
 def collate_samples(data):
     """Our datasets build whole micro-batches (`__getitems__`); anything else is stacked by torch."""
     return data if isinstance(data, dict) else torch.utils.data.default_collate(data)
@@ -150,6 +166,7 @@ def build_pretraining_data_loader(
         batch_sampler=sampler,
         num_workers=cfg.num_workers,
         collate_fn=collate_samples,
+        worker_init_fn=ignore_exit_signals,
         pin_memory=torch.cuda.is_available(),
         persistent_workers=cfg.num_workers > 0,
     )

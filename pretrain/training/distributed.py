@@ -1,7 +1,8 @@
 """Bringing up torch.distributed for the launch environment `pretrain.launch` detected.
 
 `exit_with_launcher` makes every rank end when the launcher that started it dies (SIGTERM to the
-`deepspeed` command, a killed torchrun agent), instead of training on as an orphan.
+`deepspeed` command, a killed torchrun agent), instead of training on as an orphan; with
+`--exit-signal-handler` the death counts as the exit signal: the ranks save first.
 
 Two DeepSpeed habits on CPU machines are avoided here (facts in docs/TRAINING.md): the
 first `init_distributed` JIT-builds a shared-memory all-reduce op (~40 s) that training never
@@ -17,7 +18,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 
 import torch
 
@@ -48,6 +49,7 @@ def disable_deepspeed_shm_allreduce() -> None:
 LAUNCHER_POLL_SECONDS = 0.5
 EXIT_LAUNCHER_GONE = 1
 _launcher_watch: threading.Thread | None = None
+_on_launcher_gone: Callable[[], bool] | None = None
 
 
 def _parent_of(pid: int) -> int | None:
@@ -70,33 +72,48 @@ def _is_deepspeed_launch(pid: int) -> bool:
         return False
 
 
-def _watch(rank: int, parent: int, grandparent: int | None) -> None:
+def _wait_until_gone(parent: int, grandparent: int | None) -> int:
+    """Block until the launcher dies; return its PID."""
     while True:
         time.sleep(LAUNCHER_POLL_SECONDS)
-        gone = None
         if os.getppid() != parent:  # re-parented: the launcher died
-            gone = parent
-        elif grandparent is not None and _parent_of(parent) != grandparent:
-            gone = grandparent
-        if gone is not None:
-            sys.stderr.write(
-                f"error: rank {rank}: the launcher (pid {gone}) is gone; stopping this rank "
-                f"(committed checkpoints are intact)\n"
-            )
-            sys.stderr.flush()
-            os._exit(EXIT_LAUNCHER_GONE)
+            return parent
+        if grandparent is not None and _parent_of(parent) != grandparent:
+            return grandparent
 
 
-def exit_with_launcher(rank: int) -> None:
-    """Watch this process's launcher and exit (status 1, one line) within a second of its death.
+def _watch(rank: int, parent: int, grandparent: int | None) -> None:
+    gone = _wait_until_gone(parent, grandparent)
+    on_gone = _on_launcher_gone
+    if on_gone is not None and on_gone():
+        sys.stderr.write(
+            f"warning: rank {rank}: the launcher (pid {gone}) is gone; counting it as the exit "
+            f"signal (--exit-signal-handler): this rank saves after its iteration and exits\n"
+        )
+        sys.stderr.flush()
+        return
+    sys.stderr.write(
+        f"error: rank {rank}: the launcher (pid {gone}) is gone; stopping this rank "
+        f"(committed checkpoints are intact)\n"
+    )
+    sys.stderr.flush()
+    os._exit(EXIT_LAUNCHER_GONE)
+
+
+def exit_with_launcher(rank: int, on_gone: Callable[[], bool] | None = None) -> None:
+    """Watch this process's launcher; within a second of its death call `on_gone` and, unless
+    it returns True (it took the death as a request to stop: `ExitSignal.count`), exit
+    (status 1, one line).
 
     The launcher is the parent process (torchrun's agent, DeepSpeed's per-node launch.py,
     slurmstepd, a shell); under the `deepspeed` command also the command itself, the parent of
     launch.py, which a scheduler signals and which does not pass SIGTERM on. A daemon thread
     polls, rather than PR_SET_PDEATHSIG, because that signal fires when the *thread* that
-    started us exits, which some launchers do long before the process. Idempotent.
+    started us exits, which some launchers do long before the process. One watch per process;
+    a later call (another run in the same process) replaces `on_gone`.
     """
-    global _launcher_watch
+    global _launcher_watch, _on_launcher_gone
+    _on_launcher_gone = on_gone
     parent = os.getppid()
     if _launcher_watch is not None or parent <= 1:
         return  # already watching, or started by init / a container's PID 1: nothing to watch

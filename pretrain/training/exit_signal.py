@@ -4,6 +4,12 @@ The handler only records the signal (whatever the rank is doing when it arrives,
 Once per iteration the loop asks `requested()`, an all-reduce (MAX) of one integer, so a signal
 that reached any rank (Slurm signals every task, a user may signal one) stops all ranks after the
 same iteration; the loop then saves and returns, and the process exits 0.
+
+The launcher's death counts as the signal (`count`, which `exit_with_launcher`'s watch calls): a
+`deepspeed` command killed by SIGTERM does not pass it on, and a Kubernetes or Slurm SIGKILL of
+the launcher may come before the ranks see anything. The DataLoader workers ignore the signal
+(`pretrain.data.samplers.ignore_exit_signals`), so a signal to every process (Slurm, a launcher's
+process-group kill) reaches the rank's handler and nothing else.
 """
 
 from __future__ import annotations
@@ -12,9 +18,10 @@ import signal
 
 import torch
 
+from pretrain.data.samplers import EXIT_SIGNALS
 from pretrain.training.distributed import collective_device
 
-SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")  # Megatron's choices for --exit-signal
+SIGNALS = EXIT_SIGNALS  # Megatron's choices for --exit-signal; the DataLoader workers ignore them
 
 
 class ExitSignal:
@@ -25,16 +32,26 @@ class ExitSignal:
         self.received = False
         self._signum = getattr(signal, name)
         self._previous = None
+        self._active = False
 
     def __enter__(self) -> ExitSignal:
         self._previous = signal.signal(self._signum, self._record)
+        self._active = True
         return self
 
     def __exit__(self, *exc) -> None:
+        self._active = False
         signal.signal(self._signum, self._previous)
 
     def _record(self, signum, frame) -> None:
         self.received = True
+
+    def count(self) -> bool:
+        """Record the signal as if it had arrived (any thread may call it); False, recording
+        nothing, outside the `with` block, where the signal would not be waited for either."""
+        if self._active:
+            self.received = True
+        return self._active
 
     def requested(self) -> bool:
         """True on every rank once any rank has received the signal (a collective: call it on

@@ -223,7 +223,9 @@ def pretrain(cfg: RunConfig) -> TrainState:
         if cfg.checkpoint.load
         else None
     )
-    exit_with_launcher(cfg.launch.rank)
+    t = cfg.training
+    exit_signal = ExitSignal(t.exit_signal) if t.exit_signal_handler else None
+    exit_with_launcher(cfg.launch.rank, exit_signal.count if exit_signal is not None else None)
     prepare_process_environment(cfg.launch)
     setup_logging(cfg.launch.rank)
     if choice is not None and choice.note:
@@ -248,7 +250,7 @@ def pretrain(cfg: RunConfig) -> TrainState:
     from pretrain.training.loop import train
     from pretrain.training.spikes import checkpoint_rewinder
 
-    t, par = cfg.training, cfg.parallel
+    par = cfg.parallel
     engine = build_engine(
         model_config=cfg.model,
         parallel=par,
@@ -355,7 +357,6 @@ def pretrain(cfg: RunConfig) -> TrainState:
         run_record=_run_record(cfg, prepared.files),
         tokens_seen=_tokens_seen_counter(cfg, train_dataset),
     )
-    exit_signal = ExitSignal(t.exit_signal) if t.exit_signal_handler else None
     try:
         with exit_signal or contextlib.nullcontext():
             completed = train(

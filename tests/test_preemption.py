@@ -1,0 +1,237 @@
+"""Preemption under every launcher: with --exit-signal-handler, SIGTERM to `torchrun`, to the
+`deepspeed` command, to its whole process group, or to every process of every task (what Slurm's
+`scancel --signal=TERM` does) ends in a committed checkpoint, and the run resumed from it trains the uninterrupted run's
+losses, bit for bit. Real launchers, two ranks, a DataLoader worker per rank, real signals sent
+after a logged iteration.
+
+The launchers' own exit codes are theirs (docs/RELIABILITY.md, "Preemption under launchers"):
+torchrun re-raises the signal after its workers end (exit 1), the single-node `deepspeed` command
+has no handler (killed by the signal); the ranks exit 0, which the per-node launch.py reports and
+the Slurm-style tasks return.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from signal_fixtures import finish, job, kill_group, start, wait_for_iterations
+from training_fixtures import (
+    PYTHON,
+    REPO,
+    deepspeed_cmd,
+    layout_flags,
+    make_corpus,
+    model_flags,
+    read_metrics,
+    run,
+    torchrun_cmd,
+    train_flags,
+)
+from training_fixtures import test_env as clean_env
+
+from pretrain.launch import free_port
+
+ITERS = 80  # seconds of training: the signal takes effect well before the end
+SIGNALLED_AFTER = 2  # iterations logged before the signal
+WORKER_GONE_WITHIN_SECONDS = 15  # torch's workers look for their parent every 5 s
+
+
+def _flags(corpus: str, metrics: Path, *extra: str) -> list[str]:
+    return (
+        model_flags("gpt2")
+        + ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
+        + train_flags(corpus, iters=ITERS)
+        + layout_flags(1, 1, 1)  # two ranks: DP = 2, ZeRO-1
+        + ["--num-workers", "1", "--metrics-file", str(metrics), *extra]
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """(corpus, iteration -> metrics of one uninterrupted two-rank run)."""
+    root = tmp_path_factory.mktemp("preemption")
+    corpus = make_corpus(root / "corpus")
+    metrics = root / "reference.jsonl"
+    result = run(deepspeed_cmd(2, _flags(corpus, metrics)), timeout=300)
+    assert result.returncode == 0, result.stdout[-6000:]
+    return corpus, read_metrics(metrics)
+
+
+def _preempt(tmp_path: Path, corpus: str, launch, send) -> tuple[subprocess.Popen, str, int]:
+    """Start `launch(flags)` with --exit-signal-handler, call `send(proc, ranks, workers)` after
+    SIGNALLED_AFTER iterations, wait for every process; (proc, output, step `latest` names)."""
+    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    save = ["--save", str(ckpt), "--save-interval", "1000", "--exit-signal-handler"]
+    proc = launch(_flags(corpus, metrics, *save))
+    try:
+        wait_for_iterations(proc, metrics, SIGNALLED_AFTER)
+        ranks, workers = job(proc.pid)
+        assert sorted(ranks) == [0, 1] and len(workers) >= 2, (ranks, workers)
+        logged = len(read_metrics(metrics))
+        send(proc, ranks, workers)
+        output = finish(proc, 240)
+    finally:
+        kill_group(proc)
+    assert "is killed by signal" not in output, output[-6000:]  # no DataLoader worker died
+    assert (ckpt / "latest").exists(), output[-6000:]
+    stopped = int((ckpt / "latest").read_text().removeprefix("global_step"))
+    assert logged <= stopped < ITERS, output[-6000:]
+    assert f"exiting after iteration {stopped}: SIGTERM received (--exit-signal-handler)" in output
+    assert sorted(read_metrics(metrics)) == list(range(1, stopped + 1))
+    return proc, output, stopped
+
+
+def _resumes_exactly(tmp_path: Path, corpus: str, full: dict, stopped: int) -> None:
+    """The run resumed from the checkpoint writes its own metrics, from `stopped` + 1 on, equal
+    to the uninterrupted run's; so do the interrupted run's iterations before it."""
+    resumed = tmp_path / "resumed.jsonl"
+    flags = _flags(corpus, resumed, "--load", str(tmp_path / "ckpt"))
+    result = run(deepspeed_cmd(2, flags), timeout=300)
+    assert result.returncode == 0, result.stdout[-6000:]
+    first, second = read_metrics(tmp_path / "m.jsonl"), read_metrics(resumed)
+    assert sorted(second) == list(range(stopped + 1, ITERS + 1))
+    losses = [first[i]["lm-loss"] for i in first] + [second[i]["lm-loss"] for i in second]
+    assert losses == [full[i]["lm-loss"] for i in range(1, ITERS + 1)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigterm_to_torchrun_saves_and_resumes_exactly(reference, tmp_path):
+    """torchrun forwards SIGTERM to each worker's process group (the rank and its DataLoader
+    worker) and SIGKILLs after 30 s; the ranks save well within that."""
+    corpus, full = reference
+
+    def send(proc, ranks, workers):
+        proc.send_signal(signal.SIGTERM)
+
+    proc, output, stopped = _preempt(
+        tmp_path, corpus, lambda flags: start(torchrun_cmd(2, flags, "--standalone")), send
+    )
+    assert proc.returncode == 1 and "SignalException" in output, output[-3000:]  # torchrun's way
+    assert "forcefully exiting via SIGKILL" not in output  # the ranks ended by themselves
+    _resumes_exactly(tmp_path, corpus, full, stopped)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigterm_to_the_deepspeed_command_saves_and_resumes_exactly(reference, tmp_path):
+    """The single-node `deepspeed` command dies of the signal without passing it on; the ranks
+    notice their launcher's death, count it as the signal, save and exit 0 (launch.py says so)."""
+    corpus, full = reference
+    pids = []
+
+    def send(proc, ranks, workers):
+        pids.extend(r.pid for r in ranks.values())
+        proc.send_signal(signal.SIGTERM)
+
+    proc, output, stopped = _preempt(
+        tmp_path, corpus, lambda flags: start(deepspeed_cmd(2, flags)), send
+    )
+    assert proc.returncode == -signal.SIGTERM, output[-3000:]
+    for pid in pids:
+        assert f"Process {pid} exits successfully." in output, output[-3000:]
+    assert "counting it as the exit signal (--exit-signal-handler)" in output
+    _resumes_exactly(tmp_path, corpus, full, stopped)
+
+
+def _slurm_tasks(flags: list[str]) -> subprocess.Popen:
+    """What `srun` under examples/slurm_train.sbatch starts: one task per rank, no launcher.
+    Returned as a stand-in step: a process that waits for both tasks and exits with the first
+    non-zero task status (0 when both exit 0), as srun does."""
+    port = free_port()
+    step = (
+        "import os, subprocess, sys\n"
+        "tasks = [subprocess.Popen(sys.argv[1:], env={**os.environ, 'SLURM_PROCID': str(r),"
+        " 'SLURM_LOCALID': str(r)}) for r in (0, 1)]\n"
+        "codes = [t.wait() for t in tasks]\n"
+        "print('task exit codes:', codes, flush=True)\n"
+        "sys.exit(next((c for c in codes if c), 0))\n"
+    )
+    env = clean_env(SLURM_NTASKS="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    return start([PYTHON, "-c", step, PYTHON, str(REPO / "pretrain_gpt.py"), *flags], env)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigterm_to_every_process_of_every_task_saves_and_resumes_exactly(reference, tmp_path):
+    """Slurm's `scancel --signal=TERM` signals every process of each task: the ranks and their
+    DataLoader workers. The workers ignore it; the ranks save and exit 0."""
+    corpus, full = reference
+
+    def send(proc, ranks, workers):
+        for p in [*ranks.values(), *workers]:
+            p.send_signal(signal.SIGTERM)
+
+    proc, output, stopped = _preempt(tmp_path, corpus, _slurm_tasks, send)
+    assert proc.returncode == 0 and "task exit codes: [0, 0]" in output, output[-3000:]
+    _resumes_exactly(tmp_path, corpus, full, stopped)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigterm_to_the_deepspeed_process_group_saves_and_resumes_exactly(reference, tmp_path):
+    """Every process of an `srun deepspeed ...` task: the command (dies of it), its launch.py
+    (SIGTERMs every descendant, SIGKILLs what is left after 30 s, exits 1), the ranks and their
+    workers. The ranks save and reach their end (`done:`) within launch.py's grace period."""
+    corpus, full = reference
+
+    def send(proc, ranks, workers):
+        os.killpg(proc.pid, signal.SIGTERM)  # the deepspeed command's process group: all of them
+
+    proc, output, stopped = _preempt(
+        tmp_path, corpus, lambda flags: start(deepspeed_cmd(2, flags)), send
+    )
+    assert proc.returncode == -signal.SIGTERM, output[-3000:]
+    assert "Main process received SIGTERM, exiting" in output  # launch.py's handler ran
+    assert f"done: {stopped} iterations" in output
+    _resumes_exactly(tmp_path, corpus, full, stopped)
+
+
+_LOADER = """
+import sys, time
+import torch
+from pretrain.data.config import DataConfig
+from pretrain.data.samplers import build_pretraining_data_loader
+loader = build_pretraining_data_loader(
+    torch.arange(64), 0, 2, 0, 1, DataConfig(seq_length=4, mock=True, num_workers=1)
+)
+batches = iter(loader)
+next(batches)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_workers_ignore_exit_signals_but_end_with_their_rank():
+    """A DataLoader worker survives SIGTERM, SIGINT, SIGUSR1 and SIGUSR2, and still ends when its
+    rank is SIGKILLed (torch's worker watchdog)."""
+    rank = subprocess.Popen(
+        [sys.executable, "-c", _LOADER],
+        cwd=REPO,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert rank.stdout.readline() == "ready\n"
+        (worker,) = psutil.Process(rank.pid).children()
+        for name in ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"):
+            worker.send_signal(getattr(signal, name))
+        time.sleep(2)
+        assert worker.is_running() and worker.status() != psutil.STATUS_ZOMBIE
+        assert rank.poll() is None  # nor did its death reach the rank
+        rank.kill()
+        rank.wait(timeout=30)
+        gone, _ = psutil.wait_procs([worker], timeout=WORKER_GONE_WITHIN_SECONDS)
+        assert gone, "the worker outlived its rank"
+    finally:
+        kill_group(rank)  # the worker too, should it be left
