@@ -109,11 +109,14 @@ def _collect(engine: Engine, keep: Callable[[int], bool]) -> dict[str, dict]:
     return entries
 
 
-def save_full_state(engine: Engine, step_dir: str, write: Callable[[dict, str], None]) -> None:
+def save_full_state(
+    engine: Engine, step_dir: str, write: Callable[[dict, str], None], stamp: dict
+) -> None:
     """Write this rank's part of the layout-independent state into `step_dir` with
-    `write(payload, path)` (collective over DP). The data-parallel ranks of one (TP rank, PP
-    stage) share the writing: DP rank d writes every DP-th parameter, d, d + DP, ..., so each
-    writes (and holds on the CPU) 1/DP of the state, all at once."""
+    `write(payload, path)` (collective over DP); `stamp` (the step's position) goes into its
+    `extra`. The data-parallel ranks of one (TP rank, PP stage) share the writing: DP rank d
+    writes every DP-th parameter, d, d + DP, ..., so each writes (and holds on the CPU) 1/DP of
+    the state, all at once."""
     dp, dp_rank = state.get_data_parallel_world_size(), state.get_data_parallel_rank()
     write_shard(
         step_dir,
@@ -122,7 +125,7 @@ def save_full_state(engine: Engine, step_dir: str, write: Callable[[dict, str], 
         pp_stage=state.get_pipeline_model_parallel_rank(),
         dp_rank=dp_rank,
         entries=_collect(engine, keep=lambda i: i % dp == dp_rank),
-        extra={"lr_scheduler": engine.scheduler.state_dict()},
+        extra={"lr_scheduler": engine.scheduler.state_dict(), **stamp},
         write=write,
     )
 
