@@ -103,6 +103,7 @@ def test_a_step_folder_resumes_that_step(base):
         f"--load {step}: a step folder: resuming exactly global_step2 "
         f"({ckpt / 'latest'} names global_step4)" in result.stdout
     )
+    assert "data differs" not in result.stdout and "trained with" not in result.stdout
     resumed, reference = read_metrics(metrics), read_metrics(tmp / "base.jsonl")
     assert sorted(resumed) == [3, 4]  # not a fresh start at 1
     assert resumed[3]["lm-loss"] == reference[3]["lm-loss"]
@@ -223,15 +224,23 @@ def test_another_tokenizer_is_refused(base, gpt2_checkpoint):
     assert sorted(read_metrics(tmp / "null.jsonl")) == [3]
 
 
+def _latest_step2(ckpt: Path) -> Path:
+    """`ckpt` with `latest` naming global_step2 (what --load resumes), global_step4 kept."""
+    (ckpt / "latest").write_text("global_step2")
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
+    return ckpt
+
+
 def test_other_data_and_sequence_length_are_said_and_continue_at_the_consumed_samples(base):
     """Continued pretraining on other data: allowed, one line; the run reads the new data's
     order from the consumed-samples position (checked against the checkpoint's own model)."""
     tmp, _, ckpt = base
+    load = _latest_step2(_copy(base, "other_data"))
     other = make_corpus(tmp / "other_corpus", num_docs=150, seed=5)
     metrics = tmp / "other.jsonl"
     change = ["--seq-length", "8", "--max-position-embeddings", "16"]
     flags = _flags(other, ITERS, metrics, *change)
-    result = _train(flags + ["--load", str(ckpt / "global_step2")])
+    result = _train(flags + ["--load", str(load)])
     assert result.returncode == 0, result.stdout[-6000:]
     lines = [line for line in result.stdout.splitlines() if "this run's data differs" in line]
     assert len(lines) == 1, result.stdout[-6000:]
@@ -267,10 +276,10 @@ def _copy_in(ckpt: Path, name: str) -> None:
 )
 def test_a_file_from_another_step_is_refused_by_name(base, name, layout):
     tmp, corpus, _ = base
-    ckpt = _copy(base, f"mixed_{name}")
+    ckpt = _latest_step2(_copy(base, f"mixed_{name}"))
     _copy_in(ckpt, name)
     step = ckpt / "global_step2"
-    result = _train(_flags(corpus, ITERS, tmp / "mixed.jsonl", "--load", str(step), *layout))
+    result = _train(_flags(corpus, ITERS, tmp / "mixed.jsonl", "--load", str(ckpt), *layout))
     line = _one_error(result)
     assert f"{step / name}: holds iteration 4 (32 consumed samples)" in line, line
     assert f"{step / META_FILE} says iteration 2 (16 consumed samples)" in line

@@ -240,8 +240,8 @@ def pretrain(cfg: RunConfig) -> TrainState:
     setup_logging(cfg.launch.rank)
     if choice is not None and choice.note:
         logger.warning(f"WARNING: --load {cfg.checkpoint.load}: {choice.note}")
-    for note in notes:
-        logger.warning(note)
+    for note in notes:  # rank 0: one line each
+        logger.info(note)
     backend = choose_backend(cfg.parallel.distributed_backend)
     owns_process_group = not torch.distributed.is_initialized()
     device = init_distributed(cfg.launch, backend, cfg.parallel.distributed_timeout_minutes)

@@ -234,5 +234,5 @@ def hold_save_lock(save_dir: str | None) -> SaveLock | None:
     if not held:
         raise UserError(line)
     if line:
-        logger.warning(f"WARNING: {line}")
+        logger.info(f"WARNING: {line}")  # rank 0 took it over: one line
     return lock
