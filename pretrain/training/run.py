@@ -26,6 +26,7 @@ from pretrain.data.fingerprint import (
 )
 from pretrain.data.plan import log_plan
 from pretrain.data.samplers import build_pretraining_data_loader
+from pretrain.errors import UserError
 from pretrain.launch import LaunchEnv
 from pretrain.model.config import ModelConfig
 from pretrain.parallel import state
@@ -245,12 +246,17 @@ def pretrain(cfg: RunConfig) -> TrainState:
     backend = choose_backend(cfg.parallel.distributed_backend)
     owns_process_group = not torch.distributed.is_initialized()
     device = init_distributed(cfg.launch, backend, cfg.parallel.distributed_timeout_minutes)
-    save_lock = hold_save_lock(cfg.checkpoint.save)  # every rank: a refusal before any write
     try:
-        return _train(cfg, choice, prepared, backend, owns_process_group, device)
-    finally:
-        if save_lock is not None:
-            save_lock.release()
+        save_lock = hold_save_lock(cfg.checkpoint.save)  # every rank: a refusal before any write
+        try:
+            return _train(cfg, choice, prepared, backend, owns_process_group, device)
+        finally:
+            if save_lock is not None:
+                save_lock.release()
+    except UserError:  # raised on every rank alike (the ranks agree first)
+        if owns_process_group and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()  # a live gloo group can abort the exit
+        raise
 
 
 def _train(
