@@ -36,6 +36,7 @@ from pretrain.checkpoint.format import META_FILE
 from pretrain.checkpoint.integrity import choose_checkpoint, manifest
 from pretrain.errors import UserError
 from pretrain.launch import free_port
+from pretrain.training.save_lock import LOCK_FILE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -92,11 +93,12 @@ def _copy(base, name: str) -> Path:
 def _snapshot(folder: Path) -> dict:
     """name -> (size, mtime_ns, inode) of every file under `folder`: any rewrite changes it.
     DeepSpeed's helper scripts (zero_to_fp32.py ...), which it copies beside the steps at every
-    ZeRO save, belong to no checkpoint and are left out."""
+    ZeRO save, and the --save lock, which every run holds, belong to no checkpoint and are left
+    out."""
     return {
         str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns, p.stat().st_ino)
         for p in sorted(folder.rglob("*"))
-        if p.is_file() and not p.name.startswith("zero_to_")
+        if p.is_file() and not p.name.startswith("zero_to_") and p.name != LOCK_FILE
     }
 
 

@@ -20,7 +20,8 @@ every file of a TP rank by parameter name, whatever the split:
      "pipeline_stage": p, "data_parallel_rank": d,
      "extra": {plain values: "lr_scheduler" (the LR schedule position), "precision" ("fp32",
                "bf16", "fp16"), "fp32_masters" (true: "param" is the fp32 master in every
-               precision), "loss_scaler" (fp16's loss scale and counters, else None)},
+               precision), "loss_scaler" (fp16's loss scale and counters, else None), the step's
+               iteration and consumed samples (pretrain.checkpoint.agreement.position_stamp)},
      "entries": {name: {"partition": [dim, stride] | None,   # None: replicated over TP
                         "param": fp32 master weight, "exp_avg": ..., "exp_avg_sq": ...,
                         "step": int}}}                       # moments/step absent: no optimizer
@@ -149,9 +150,16 @@ def _load_shard(path: str) -> dict:
     return payload
 
 
+def shard_payloads(step_dir: str) -> list[tuple[str, dict]]:
+    """(path, payload) of every full-state file of the step, memory-mapped (the tensors are
+    not read until used)."""
+    paths = [os.path.join(step_dir, n) for n in _shard_names(step_dir)]
+    return [(path, _load_shard(path)) for path in paths]
+
+
 def _shards_by_tp_rank(step_dir: str) -> tuple[list[dict[str, dict]], dict]:
     """(each TP rank's entries, merged over its files; the `extra` values)."""
-    payloads = [_load_shard(os.path.join(step_dir, n)) for n in _shard_names(step_dir)]
+    payloads = [payload for _, payload in shard_payloads(step_dir)]
     if not payloads:
         raise UserError(
             f"{step_dir}: no {FULL_STATE_PREFIX}*.pt files: it was saved with "

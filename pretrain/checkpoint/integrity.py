@@ -71,6 +71,8 @@ class Choice:
     """Its parsed pretrain_meta.json."""
     note: str | None
     """Why this is not the step `latest` names (a warning to print), or None."""
+    folder: str | None = None
+    """The folder holding the step, when --load named the step folder itself (None: --load)."""
 
 
 def _newest_complete(load_dir: str, skip: str | None) -> tuple[str | None, dict | None, str | None]:

@@ -162,7 +162,7 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
     ("checkpointing", (
         _flag("--save", field="checkpoint.save", help="checkpoint directory to write"),
         _flag("--save-interval", "--persistent-save-interval", field="checkpoint.save_interval", type=int),
-        _flag("--load", field="checkpoint.load", help="checkpoint directory to resume from (its `latest`)"),
+        _flag("--load", field="checkpoint.load", help="checkpoint directory to resume from (its `latest`), or one of its global_step<N> folders (that step)"),
         _flag("--no-save-rng", field="checkpoint.no_save_rng", action="store_true", help="do not save per-rank RNG states"),
         _flag("--no-save-full-state", field="checkpoint.no_save_full_state", action="store_true", help="do not save the layout-independent full_state_*.pt files (fp32 weights + Adam moments again, 12 bytes per parameter): smaller, faster saves, but the checkpoint resumes only at its own TP/PP/DP/ZeRO layout and tools/reshard_checkpoint.py cannot read it (docs/CHECKPOINTS.md)"),
         _flag("--no-load-optim", field="checkpoint.no_load_optim", action="store_true"),

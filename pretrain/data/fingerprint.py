@@ -226,7 +226,8 @@ def data_prefixes(cfg: DataConfig) -> list[str]:
     return list(seen)
 
 
-def _describe(tok: dict) -> str:
+def describe_tokenizer(tok: dict) -> str:
+    """ "TYPE (sha256 <12 hex>, vocab N)" for a `tokenizer_fingerprint`, in messages."""
     return (
         f"{tok.get('type')} (sha256 {str(tok.get('sha256'))[:12]}, vocab {tok.get('vocab_size')})"
     )
@@ -240,9 +241,7 @@ def check_prefix(
     sidecar = files.sidecar(prefix)
     made_by = None if sidecar is None else sidecar.get("tokenizer")
     if made_by is not None and made_by.get("sha256") != given["sha256"]:
-        line = (
-            f"{prefix}: tokenized with {_describe(made_by)}, but this run uses {_describe(given)}"
-        )
+        line = f"{prefix}: tokenized with {describe_tokenizer(made_by)}, but this run uses {describe_tokenizer(given)}"
         if not cfg.allow_tokenizer_mismatch:
             raise UserError(
                 f"{line} (pass the tokenizer that made the data, or --allow-tokenizer-mismatch)"
@@ -250,9 +249,9 @@ def check_prefix(
         log.warning("%s; continuing (--allow-tokenizer-mismatch)", line)
     largest = files.largest_token_id(prefix)
     if largest >= vocab_size:
-        by = "" if made_by is None else f" (made by {_describe(made_by)})"
+        by = "" if made_by is None else f" (made by {describe_tokenizer(made_by)})"
         raise UserError(
-            f"{prefix}: holds token id {largest}{by}, but the vocabulary of {_describe(given)} has "
+            f"{prefix}: holds token id {largest}{by}, but the vocabulary of {describe_tokenizer(given)} has "
             f"{vocab_size} ids; tokenize the data with this run's tokenizer or use the data's"
         )
 

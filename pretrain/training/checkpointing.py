@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from pretrain.atomic import atomic_write_bytes
+from pretrain.checkpoint.agreement import position_stamp
 from pretrain.checkpoint.commit import (
     StepInUse,
     commit_latest,
@@ -257,13 +258,16 @@ class Checkpointer:
             torch.distributed.barrier()  # stands in for DeepSpeed's closing barrier it skipped
         finally:
             files.close()
+        stamp = position_stamp(train_state.iteration, train_state.consumed_train_samples)
         if not self.config.no_save_rng:
             rank = torch.distributed.get_rank()
-            files.write(rng_state(), os.path.join(save_dir, tmp_name, f"rng_state_{rank}.pt"))
+            path = os.path.join(save_dir, tmp_name, f"rng_state_{rank}.pt")
+            files.write({**rng_state(), **stamp}, path)
         if not self.config.no_save_full_state:
             from pretrain.training.reshard import save_full_state  # imports deepspeed
 
-            save_full_state(engine, os.path.join(save_dir, tmp_name), files.write)  # a collective
+            step_dir = os.path.join(save_dir, tmp_name)
+            save_full_state(engine, step_dir, files.write, stamp)  # a collective
         if files.failure is None:
             return None
         path, reason = files.failure

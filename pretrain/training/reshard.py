@@ -75,11 +75,14 @@ def _collect(engine: Engine, keep: Callable[[int], bool]) -> dict[str, dict]:
     return entries
 
 
-def save_full_state(engine: Engine, step_dir: str, write: Callable[[dict, str], None]) -> None:
+def save_full_state(
+    engine: Engine, step_dir: str, write: Callable[[dict, str], None], stamp: dict
+) -> None:
     """Write this rank's part of the layout-independent state into `step_dir` with
-    `write(payload, path)` (collective over DP). The data-parallel ranks of one (TP rank, PP
-    stage) share the writing: DP rank d writes every DP-th parameter, d, d + DP, ..., so each
-    writes (and holds on the CPU) 1/DP of the state, all at once."""
+    `write(payload, path)` (collective over DP); `stamp` (the step's position) goes into its
+    `extra`. The data-parallel ranks of one (TP rank, PP stage) share the writing: DP rank d
+    writes every DP-th parameter, d, d + DP, ..., so each writes (and holds on the CPU) 1/DP of
+    the state, all at once."""
     dp, dp_rank = state.get_data_parallel_world_size(), state.get_data_parallel_rank()
     write_shard(
         step_dir,
@@ -93,6 +96,7 @@ def save_full_state(engine: Engine, step_dir: str, write: Callable[[dict, str], 
             "precision": engine.precision,
             "fp32_masters": True,
             "loss_scaler": loss_scale_state(engine),
+            **stamp,
         },
         write=write,
     )

@@ -19,9 +19,11 @@ import numpy as np
 import torch
 
 from pretrain.checkpoint import safe_load
+from pretrain.checkpoint.agreement import disagreement, layout_disagreement
 from pretrain.checkpoint.format import LATEST_FILE, check_same_model, refuse_foreign_checkpoint
-from pretrain.checkpoint.full_state import has_full_state
-from pretrain.checkpoint.integrity import Choice, check_finite, choose_checkpoint
+from pretrain.checkpoint.full_state import has_full_state, shard_payloads
+from pretrain.checkpoint.integrity import Choice, check_finite
+from pretrain.checkpoint.load_target import choose_load, same_folder
 from pretrain.checkpoint.relayout import is_full_state_only
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
@@ -210,12 +212,29 @@ def check_before_launch(
     process group exists (one line on every rank, no hang). `precision`: this run's ("bf16",
     "fp16", "fp32"; None: not compared). None: nothing to load."""
     refuse_foreign_checkpoint(config.load)
-    choice = choose_checkpoint(config.load)
+    choice = choose_load(config.load, config.save)
     if choice is not None:
-        step_dir = os.path.join(config.load, choice.tag)
+        step_dir = os.path.join(load_folder(config, choice), choice.tag)
         relayout = relayout_possible(step_dir, choice.meta, parallel, precision)
         check_compatible(config, model, parallel, choice.meta, config.load, relayout, precision)
     return choice
+
+
+def load_folder(config: CheckpointConfig, choice: Choice) -> str:
+    """The folder holding the chosen step: --load, or its parent when --load named the step."""
+    return choice.folder or config.load
+
+
+def _fresh_start(config: CheckpointConfig) -> str:
+    """The one line saying why a run with --load starts from scratch."""
+    itself = (
+        ": the first launch of a job that resumes itself (--load = --save)"
+        if same_folder(config.load, config.save)
+        else ""
+    )
+    return (
+        f"WARNING: --load {config.load}: no checkpoint there (yet); starting from scratch{itself}"
+    )
 
 
 def _same_tag_everywhere(config: CheckpointConfig, choice: Choice) -> None:
@@ -239,8 +258,10 @@ def _nonfinite_problem(engine: Engine, where: str, with_optimizer: bool) -> str 
     return None
 
 
-def _load_rng(config: CheckpointConfig, step_dir: str) -> tuple[dict | None, str | None]:
-    """(this rank's RNG states or None, a problem line or None)."""
+def _load_rng(
+    config: CheckpointConfig, step_dir: str, meta: dict
+) -> tuple[dict | None, str | None]:
+    """(this rank's RNG states or None, a problem line or None: damaged, or from another step)."""
     path = os.path.join(step_dir, f"rng_state_{torch.distributed.get_rank()}.pt")
     if config.no_load_rng:
         return None, None
@@ -248,11 +269,23 @@ def _load_rng(config: CheckpointConfig, step_dir: str) -> tuple[dict | None, str
         logger.warning(f"WARNING: {path} missing (different world size?); RNG states not restored")
         return None, None
     try:
-        return safe_load.load(path), None  # numpy/torch RNG states only; no pickled code runs
+        rng = safe_load.load(path)  # numpy/torch RNG states only; no pickled code runs
     except UserError as err:  # a refused global or a damaged file, in one line
         return None, str(err)
     except Exception as err:  # noqa: BLE001 - any unpickling failure means a damaged file
         return None, f"{path}: cannot be read ({type(err).__name__}: {err}); the file is damaged"
+    return rng, disagreement(path, rng, meta, step_dir)
+
+
+def _full_state_problem(step_dir: str, meta: dict) -> str | None:
+    """One line naming the first full-state file whose position or TP size is not the step's."""
+    for path, payload in shard_payloads(step_dir):
+        problem = disagreement(path, payload.get("extra"), meta, step_dir) or layout_disagreement(
+            path, payload["tensor_parallel_size"], meta, step_dir
+        )
+        if problem is not None:
+            return problem
+    return None
 
 
 def _refuse_pickled_code(step_dir: str) -> None:
@@ -284,6 +317,9 @@ def _load_relayout(
     """Resume a checkpoint saved at another layout from its layout-independent state."""
     from pretrain.training.reshard import load_full_state  # imports deepspeed
 
+    problem = agree(_full_state_problem(step_dir, meta))
+    if problem is not None:
+        raise UserError(problem)
     loads_optimizer = not (config.finetune or config.no_load_optim)
     carried = load_full_state(
         engine, step_dir, vocab_size=meta["model"]["vocab_size"], with_optimizer=loads_optimizer
@@ -334,13 +370,11 @@ def load_checkpoint(
                 f"--finetune --load {config.load}: no `{LATEST_FILE}` file there (point --load at a "
                 f"checkpoint directory)"
             )
-        logger.warning(
-            f"WARNING: no checkpoint in {config.load} (no `{LATEST_FILE}` file); starting from "
-            f"scratch"
-        )
+        logger.warning(_fresh_start(config))
         return TrainState(), None
     _same_tag_everywhere(config, choice)
-    step_dir = os.path.join(config.load, choice.tag)
+    folder = load_folder(config, choice)
+    step_dir = os.path.join(folder, choice.tag)
     _refuse_pickled_code(step_dir)
     if parallel is not None and relayout_possible(
         step_dir, choice.meta, parallel, engine.precision
@@ -351,7 +385,7 @@ def load_checkpoint(
     try:
         with safe_load.checked_torch_loads():  # DeepSpeed's unpickling reads, allowlisted
             load_path, client_state = engine.ds.load_checkpoint(
-                config.load,
+                folder,
                 tag=choice.tag,
                 load_optimizer_states=loads_optimizer,
                 load_lr_scheduler_states=not config.finetune,
@@ -367,10 +401,11 @@ def load_checkpoint(
         problem = (
             f"{step_dir}: cannot be loaded ({type(err).__name__}: {err}); the checkpoint is damaged"
         )
+    problem = problem or disagreement(load_path, client_state, choice.meta, step_dir)
     problem = problem or _nonfinite_problem(engine, step_dir, loads_optimizer)
     rng = None
     if problem is None and not config.finetune:
-        rng, problem = _load_rng(config, step_dir)
+        rng, problem = _load_rng(config, step_dir, choice.meta)
     problem = agree(problem)
     if problem is not None:
         raise UserError(problem)

@@ -15,11 +15,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pretrain.checkpoint.integrity import Choice
 from pretrain.data.builder import build_train_valid_test_datasets
 from pretrain.data.config import DataConfig, train_valid_test_num_samples
-from pretrain.data.fingerprint import PrefixFiles, data_fingerprints, tokens_seen
+from pretrain.data.fingerprint import (
+    PrefixFiles,
+    data_fingerprints,
+    tokenizer_fingerprint,
+    tokens_seen,
+)
 from pretrain.data.plan import log_plan
 from pretrain.data.samplers import build_pretraining_data_loader
+from pretrain.errors import UserError
 from pretrain.launch import LaunchEnv
 from pretrain.model.config import ModelConfig
 from pretrain.parallel import state
@@ -40,6 +47,8 @@ from pretrain.training.loop import TrainingConfig
 from pretrain.training.lr_schedule import LRScheduleConfig
 from pretrain.training.optimizer import OptimizerConfig
 from pretrain.training.resume import check_before_launch, load_checkpoint, restore_rng_state
+from pretrain.training.resume_changes import check_tokenizer, data_changes
+from pretrain.training.save_lock import hold_save_lock
 from pretrain.training.state import TrainState
 
 
@@ -114,9 +123,11 @@ def _prepared(cfg: RunConfig) -> Prepared:
     return Prepared.build(cfg.tokenizer, cfg.data)
 
 
-def _run_record(cfg: RunConfig, files: PrefixFiles) -> dict:
+def _run_record(cfg: RunConfig, prepared: Prepared) -> dict:
     """How the run was configured, for checkpoint metadata (everything but model and layout)."""
+    files = prepared.files
     return {
+        "tokenizer_fingerprint": tokenizer_fingerprint(cfg.tokenizer, prepared.tokenizer),
         "data": dataclasses.asdict(cfg.data),
         "training": dataclasses.asdict(cfg.training),
         "schedule": dataclasses.asdict(cfg.schedule),
@@ -216,6 +227,19 @@ def _start_batch_schedule(t: TrainingConfig, consumed: int) -> None:
     )
 
 
+def _resume_notes(cfg: RunConfig, meta: dict, prepared: Prepared) -> list[str]:
+    """Refuse a checkpoint trained with another tokenizer; the lines saying what else this run
+    changes (another tokenizer allowed by --allow-tokenizer-mismatch, other data)."""
+    load = cfg.checkpoint.load
+    given = tokenizer_fingerprint(cfg.tokenizer, prepared.tokenizer)
+    notes = [check_tokenizer(meta, given, cfg.data.allow_tokenizer_mismatch, load)]
+    if not cfg.checkpoint.finetune:  # --finetune restarts the data at 0 anyway
+        notes.append(
+            data_changes(meta, cfg.data, data_fingerprints(cfg.data, prepared.files), load)
+        )
+    return [n for n in notes if n]
+
+
 def pretrain(cfg: RunConfig) -> TrainState:
     """Run one training job as configured; returns where it stopped."""
     choice = (
@@ -225,15 +249,41 @@ def pretrain(cfg: RunConfig) -> TrainState:
     )
     t = cfg.training
     exit_signal = ExitSignal(t.exit_signal) if t.exit_signal_handler else None
+    prepared = _prepared(cfg)
+    notes = [] if choice is None else _resume_notes(cfg, choice.meta, prepared)
     exit_with_launcher(cfg.launch.rank, exit_signal.count if exit_signal is not None else None)
     prepare_process_environment(cfg.launch)
     setup_logging(cfg.launch.rank)
     if choice is not None and choice.note:
         logger.warning(f"WARNING: --load {cfg.checkpoint.load}: {choice.note}")
+    for note in notes:  # rank 0: one line each
+        logger.info(note)
     backend = choose_backend(cfg.parallel.distributed_backend)
     owns_process_group = not torch.distributed.is_initialized()
     device = init_distributed(cfg.launch, backend, cfg.parallel.distributed_timeout_minutes)
+    try:
+        save_lock = hold_save_lock(cfg.checkpoint.save)  # every rank: a refusal before any write
+        try:
+            return _train(cfg, choice, prepared, backend, owns_process_group, device, exit_signal)
+        finally:
+            if save_lock is not None:
+                save_lock.release()
+    except UserError:  # raised on every rank alike (the ranks agree first)
+        if owns_process_group and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()  # a live gloo group can abort the exit
+        raise
 
+
+def _train(
+    cfg: RunConfig,
+    choice: Choice | None,
+    prepared: Prepared,
+    backend: str,
+    owns_process_group: bool,
+    device: torch.device,
+    exit_signal: ExitSignal | None,
+) -> TrainState:
+    """`pretrain` after the process group exists and --save is locked."""
     # DeepSpeed broadcasts the tied embedding through autograd once at start-up; harmless.
     warnings.filterwarnings(
         "ignore", message="c10d::broadcast_: an autograd kernel was not registered"
@@ -250,7 +300,7 @@ def pretrain(cfg: RunConfig) -> TrainState:
     from pretrain.training.loop import train
     from pretrain.training.spikes import checkpoint_rewinder
 
-    par = cfg.parallel
+    par, t = cfg.parallel, cfg.training
     engine = build_engine(
         model_config=cfg.model,
         parallel=par,
@@ -271,7 +321,6 @@ def pretrain(cfg: RunConfig) -> TrainState:
     # Causal attention needs no input; document ids (O(S) per sample) only when documents are
     # kept apart (--reset-attention-mask).
     use_document_ids = cfg.data.reset_attention_mask
-    prepared = _prepared(cfg)
     train_batches, valid_sets, test_batches, train_dataset = _data_iterators(
         cfg,
         prepared,
@@ -354,7 +403,7 @@ def pretrain(cfg: RunConfig) -> TrainState:
         model=cfg.model,
         parallel=par,
         tokenizer=dataclasses.asdict(cfg.tokenizer),
-        run_record=_run_record(cfg, prepared.files),
+        run_record=_run_record(cfg, prepared),
         tokens_seen=_tokens_seen_counter(cfg, train_dataset),
     )
     try:

@@ -1,0 +1,285 @@
+"""`--load` loads what you meant: a step folder is that step; a file, a Hugging Face export or a
+folder without a checkpoint (not --save) is one line; another tokenizer is refused; other data is
+said; a file copied in from another step is refused by name.
+
+Real runs of pretrain_gpt.py at one rank (ZeRO-1, dropout 0), real checkpoint files.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from tokenizer_fixtures import MERGES, VOCAB
+from training_fixtures import (
+    PYTHON,
+    REPO,
+    checkpointed_model,
+    layout_flags,
+    make_corpus,
+    megatron_loss,
+    model_flags,
+    read_metrics,
+    run,
+    token_losses,
+    train_flags,
+    training_batch,
+)
+
+from pretrain.checkpoint.format import META_FILE
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+ITERS = 4
+MODEL = "mp_rank_00_model_states.pt"
+RNG = "rng_state_0.pt"
+FULL = "full_state_tp00_pp00.pt"
+
+
+def _flags(corpus: str, iters: int, metrics: Path, *extra: str) -> list[str]:
+    return (
+        model_flags("gpt2")
+        + train_flags(corpus, iters=iters)
+        + layout_flags(1, 1, 1)
+        + ["--metrics-file", str(metrics), *extra]
+    )
+
+
+def _train(flags: list[str], timeout: float = 400):
+    return run([PYTHON, str(REPO / "pretrain_gpt.py"), *flags], timeout=timeout)
+
+
+def _one_error(result) -> str:
+    """The single `error:` line of a refused run (exit 2, no traceback)."""
+    assert result.returncode == 2, result.stdout[-4000:]
+    errors = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in result.stdout, result.stdout[-4000:]
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """4 iterations saved at 2 and 4 (global_step2, global_step4)."""
+    tmp = tmp_path_factory.mktemp("load_intent")
+    corpus = make_corpus(tmp / "corpus")
+    ckpt = tmp / "base"
+    result = _train(
+        _flags(corpus, ITERS, tmp / "base.jsonl", "--save", str(ckpt), "--save-interval", "2")
+    )
+    assert result.returncode == 0, result.stdout[-6000:]
+    return tmp, corpus, ckpt
+
+
+def _copy(base, name: str) -> Path:
+    tmp, _, ckpt = base
+    dst = tmp / name
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(ckpt, dst)
+    return dst
+
+
+def test_a_step_folder_resumes_that_step(base):
+    tmp, corpus, _ = base
+    ckpt = _copy(base, "step_folder")
+    step = ckpt / "global_step2"
+    metrics = tmp / "step_folder.jsonl"
+    result = _train(
+        _flags(
+            corpus,
+            ITERS,
+            metrics,
+            "--load",
+            str(step),
+            "--save",
+            str(tmp / "sf"),
+            "--save-interval",
+            "2",
+        )
+    )
+    assert result.returncode == 0, result.stdout[-6000:]
+    assert (
+        f"--load {step}: a step folder: resuming exactly global_step2 "
+        f"({ckpt / 'latest'} names global_step4)" in result.stdout
+    )
+    assert "data differs" not in result.stdout and "trained with" not in result.stdout
+    resumed, reference = read_metrics(metrics), read_metrics(tmp / "base.jsonl")
+    assert sorted(resumed) == [3, 4]  # not a fresh start at 1
+    assert resumed[3]["lm-loss"] == reference[3]["lm-loss"]
+
+
+def _hf_export(folder: Path) -> None:
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    (folder / "model.safetensors").write_bytes(b"\0" * 16)
+
+
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("file", ["is a file; --load takes a checkpoint folder"]),
+        ("hf_export", ["is a Hugging Face model folder", "tools/convert_from_hf.py --load"]),
+        ("empty", ["holds no checkpoint", "is not the --save folder", "drop --load"]),
+        ("incomplete_step", ["this step folder is not a complete checkpoint", MODEL]),
+    ],
+)
+def test_what_is_not_a_checkpoint_is_one_line(base, case, words):
+    """Each of these started from scratch before (exit 0, a warning)."""
+    tmp, corpus, _ = base
+    target = tmp / f"not_{case}"
+    shutil.rmtree(target, ignore_errors=True)
+    if target.exists():
+        target.unlink()
+    if case == "file":
+        target.write_bytes((base[2] / "global_step2" / MODEL).read_bytes())
+    elif case == "hf_export":
+        _hf_export(target)
+    elif case == "empty":
+        target.mkdir()
+    else:
+        shutil.copytree(base[2] / "global_step2", target)
+        (target / MODEL).unlink()
+    save = tmp / f"save_{case}"
+    line = _one_error(
+        _train(
+            _flags(
+                corpus,
+                2,
+                tmp / "x.jsonl",
+                "--load",
+                str(target),
+                "--save",
+                str(save),
+                "--save-interval",
+                "1",
+            )
+        )
+    )
+    assert f"--load {target}" in line and all(w in line for w in words), line
+    assert not list(save.glob("global_step*"))
+
+
+def test_a_new_or_empty_load_that_is_save_starts_fresh_and_then_resumes(base):
+    """The requeue idiom: the same command (--load = --save) launched again and again."""
+    tmp, corpus, _ = base
+    folder = tmp / "requeue"
+    shutil.rmtree(folder, ignore_errors=True)
+    same = ["--load", str(folder), "--save", str(folder), "--save-interval", "1"]
+    first = _train(_flags(corpus, 2, tmp / "requeue.jsonl", *same))
+    assert first.returncode == 0, first.stdout[-6000:]
+    assert (
+        f"--load {folder}: no checkpoint there (yet); starting from scratch: the first launch of a job that "
+        f"resumes itself" in first.stdout
+    )
+    second = _train(_flags(corpus, 3, tmp / "requeue.jsonl", *same))
+    assert second.returncode == 0, second.stdout[-6000:]
+    assert sorted(read_metrics(tmp / "requeue.jsonl")) == [1, 2, 3]
+    assert "loaded checkpoint" in second.stdout and "starting from scratch" not in second.stdout
+
+
+@pytest.fixture(scope="module")
+def gpt2_checkpoint(base):
+    """A checkpoint trained with the GPT-2 tokenizer (50257 ids) for 2 iterations."""
+    tmp, corpus, _ = base
+    ckpt = tmp / "gpt2"
+    flags = _gpt2_flags(corpus, 2, tmp / "gpt2.jsonl") + [
+        "--save",
+        str(ckpt),
+        "--save-interval",
+        "2",
+    ]
+    result = _train(flags)
+    assert result.returncode == 0, result.stdout[-6000:]
+    return ckpt
+
+
+def _gpt2_flags(corpus: str, iters: int, metrics: Path) -> list[str]:
+    flags = _flags(corpus, iters, metrics)
+    at = flags.index("--tokenizer-type")
+    flags[at : at + 4] = [
+        "--tokenizer-type",
+        "GPT2BPETokenizer",
+        "--vocab-file",
+        VOCAB,
+        "--merge-file",
+        MERGES,
+    ]
+    return flags
+
+
+def test_another_tokenizer_is_refused(base, gpt2_checkpoint):
+    """NullTokenizer --vocab-size 50256 has GPT-2's 50257 ids: the same shapes, other tokens."""
+    tmp, corpus, _ = base
+    null = _flags(corpus, 3, tmp / "null.jsonl", "--load", str(gpt2_checkpoint))
+    at = null.index("--vocab-size")
+    null[at + 1] = "50256"
+    line = _one_error(_train(null))
+    assert f"--load {gpt2_checkpoint}: the checkpoint was trained with GPT2BPETokenizer" in line
+    assert "this run uses NullTokenizer" in line and "--allow-tokenizer-mismatch" in line
+    assert f"--tokenizer-type GPT2BPETokenizer --vocab-file {VOCAB}" in line
+    allowed = _train(null + ["--allow-tokenizer-mismatch"])
+    assert allowed.returncode == 0, allowed.stdout[-6000:]
+    assert "continuing (--allow-tokenizer-mismatch)" in allowed.stdout
+    assert sorted(read_metrics(tmp / "null.jsonl")) == [3]
+
+
+def _latest_step2(ckpt: Path) -> Path:
+    """`ckpt` with `latest` naming global_step2 (what --load resumes), global_step4 kept."""
+    (ckpt / "latest").write_text("global_step2")
+    (ckpt / "latest_checkpointed_iteration.txt").write_text("2")
+    return ckpt
+
+
+def test_other_data_and_sequence_length_are_said_and_continue_at_the_consumed_samples(base):
+    """Continued pretraining on other data: allowed, one line; the run reads the new data's
+    order from the consumed-samples position (checked against the checkpoint's own model)."""
+    tmp, _, ckpt = base
+    load = _latest_step2(_copy(base, "other_data"))
+    other = make_corpus(tmp / "other_corpus", num_docs=150, seed=5)
+    metrics = tmp / "other.jsonl"
+    change = ["--seq-length", "8", "--max-position-embeddings", "16"]
+    flags = _flags(other, ITERS, metrics, *change)
+    result = _train(flags + ["--load", str(load)])
+    assert result.returncode == 0, result.stdout[-6000:]
+    lines = [line for line in result.stdout.splitlines() if "this run's data differs" in line]
+    assert len(lines) == 1, result.stdout[-6000:]
+    assert (
+        str(tmp / "corpus") in lines[0]
+        and other in lines[0]
+        and "--seq-length: 16 -> 8" in lines[0]
+    )
+    assert "continues at its sample 16 (the consumed-samples count)" in lines[0]
+    resumed = read_metrics(metrics)
+    assert sorted(resumed) == [3, 4]
+    per_token, mask = token_losses(checkpointed_model(str(ckpt), 2), training_batch(flags, 3))
+    assert resumed[3]["lm-loss"] == pytest.approx(megatron_loss(per_token, mask, 2), rel=1e-5)
+
+
+def _copy_in(ckpt: Path, name: str) -> None:
+    """global_step4's `name` copied over global_step2's (the file list updated to its size, as a
+    copy of both would be)."""
+    shutil.copyfile(ckpt / "global_step4" / name, ckpt / "global_step2" / name)
+    meta_path = ckpt / "global_step2" / META_FILE
+    meta = json.loads(meta_path.read_text())
+    meta["files"][name] = (ckpt / "global_step2" / name).stat().st_size
+    meta_path.write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize(
+    "name, layout",
+    [
+        (FULL, ["--zero-stage", "0"]),  # another layout: resumes through the full state
+        (MODEL, []),
+        (RNG, []),
+    ],
+)
+def test_a_file_from_another_step_is_refused_by_name(base, name, layout):
+    tmp, corpus, _ = base
+    ckpt = _latest_step2(_copy(base, f"mixed_{name}"))
+    _copy_in(ckpt, name)
+    step = ckpt / "global_step2"
+    result = _train(_flags(corpus, ITERS, tmp / "mixed.jsonl", "--load", str(ckpt), *layout))
+    line = _one_error(result)
+    assert f"{step / name}: holds iteration 4 (32 consumed samples)" in line, line
+    assert f"{step / META_FILE} says iteration 2 (16 consumed samples)" in line
