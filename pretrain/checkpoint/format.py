@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import re
+import typing
 
 import torch
 
@@ -194,7 +195,88 @@ def read_meta(step_dir: str) -> dict:
     ]
     if missing:
         raise UserError(f"{path}: no {', '.join(missing)} entry; the file is damaged")
+    _check_types(meta, path)
     return meta
+
+
+# the entries readers use -> the JSON types they must have (None: may be null)
+_META_TYPES = {
+    "format_version": (int,),
+    "iteration": (int,),
+    "consumed_train_samples": (int,),
+    "consumed_valid_samples": (int,),
+    "padded_vocab_size": (int,),
+    "model": (dict,),
+    "parallel": (dict,),
+    "tokenizer": (dict,),
+    FILES_KEY: (dict,),
+    "full_state": (bool,),
+    "full_state_only": (bool,),
+    "weights_only": (bool,),
+    "skipped_train_samples": (list,),
+    "data": (dict, None),
+    "tokens_seen": (dict, None),
+    "data_fingerprints": (dict, None),
+    "argv": (list, None),
+}
+_PARALLEL_TYPES = {
+    "tensor_model_parallel_size": (int,),
+    "pipeline_model_parallel_size": (int,),
+    "data_parallel_size": (int,),
+    "world_size": (int,),
+    "zero_stage": (int,),
+    "pipeline_engine": (bool,),
+}
+
+
+def _model_types() -> dict[str, tuple]:
+    """ModelConfig's fields -> their JSON types (a torch dtype is stored as its name)."""
+    hints = typing.get_type_hints(ModelConfig)
+    out = {}
+    for field in dataclasses.fields(ModelConfig):
+        args = typing.get_args(hints[field.name]) or (hints[field.name],)
+        out[field.name] = tuple(
+            str if a is torch.dtype else None if a is type(None) else a for a in args
+        )
+    return out
+
+
+def _fits(value, kinds: tuple) -> bool:
+    """Whether a JSON value has one of `kinds` (int is not bool; a float may be written as 1)."""
+    for kind in kinds:
+        if kind is None:
+            ok = value is None
+        elif kind is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif kind is float:
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, kind)
+        if ok:
+            return True
+    return False
+
+
+def _check_types(meta: dict, path: str) -> None:
+    """Refuse (one line naming the file, the entry and the type it needs) an entry of the wrong
+    JSON type, where readers would otherwise fail with a TypeError later."""
+    files = meta.get(FILES_KEY)
+    sections = [("", meta, _META_TYPES), ("parallel.", meta["parallel"], _PARALLEL_TYPES)]
+    sections.append(("model.", meta["model"], _model_types()))
+    if isinstance(files, dict):
+        sections.append((f"{FILES_KEY}.", files, dict.fromkeys(files, (int,))))
+    for where, values, types in sections:  # "parallel" and "model" are objects when reached
+        for key, kinds in types.items():
+            if key in values and not _fits(values[key], kinds):
+                wanted = " or ".join("null" if k is None else _JSON_NAMES[k] for k in kinds)
+                raise UserError(
+                    f"{path}: entry {where}{key} is {json.dumps(values[key])[:40]}, not {wanted}; "
+                    f"the file is damaged (restore it, or resume from another step)"
+                )
+
+
+_JSON_NAMES = {int: "an integer", float: "a number", bool: "true/false", str: "a string",
+               dict: "an object", list: "a list"}  # fmt: skip
 
 
 def model_config_from_meta(model: dict) -> ModelConfig:

@@ -108,7 +108,62 @@ def read_sidecar(prefix: str) -> dict | None:
         ) from None
     if not isinstance(sidecar, dict) or sidecar.get("format") != FORMAT:
         raise UserError(f"{path}: not a {FORMAT} file (delete it or re-run preprocess_data.py)")
+    _check_types(sidecar, path)
     return sidecar
+
+
+# the entries readers use -> their JSON types (None: may be null); "tokenizer." ones inside it
+_SIDECAR_TYPES = {
+    "tokenizer": (dict,),
+    "max_token_id": (int,),
+    "documents": (int,),
+    "sequences": (int,),
+    "tokens": (int,),
+    "dtype": (str,),
+    "json_keys": (list,),
+    "inputs": (list,),
+    "tokenizer.type": (str,),
+    "tokenizer.sha256": (str,),
+    "tokenizer.vocab_size": (int,),
+    "tokenizer.eod": (int, None),
+}
+_JSON_NAMES = {int: "an integer", str: "a string", dict: "an object", list: "a list", None: "null"}
+
+
+def _fits(value, kinds: tuple) -> bool:
+    """Whether a JSON value has one of `kinds` (an int is not a bool)."""
+    return any(
+        value is None if kind is None else isinstance(value, kind) and type(value) is not bool
+        for kind in kinds
+    )
+
+
+def _check_types(sidecar: dict, path: str) -> None:
+    """Refuse (one line naming the file, the entry and the type it needs) an entry of the wrong
+    JSON type."""
+    for key, kinds in _SIDECAR_TYPES.items():
+        outer, _, inner = key.rpartition(".")
+        values = sidecar.get(outer) if outer else sidecar
+        if isinstance(values, dict) and inner in values and not _fits(values[inner], kinds):
+            wanted = " or ".join(_JSON_NAMES[k] for k in kinds)
+            raise UserError(
+                f"{path}: entry {key} is {json.dumps(values[inner])[:40]}, not {wanted} (delete "
+                f"it or re-run preprocess_data.py)"
+            )
+
+
+def check_sidecar_matches(prefix: str, sidecar: dict, files: PrefixFiles) -> None:
+    """Refuse a sidecar that describes other data than `prefix`'s .bin/.idx (they were replaced
+    after it was written): its counts and dtype must be those of the index."""
+    actual = dataset_counts(prefix, files)
+    for key, value in actual.items():
+        if key in sidecar and sidecar[key] != value:
+            raise UserError(
+                f"{sidecar_path(prefix)}: records {key} {sidecar[key]}, but {get_idx_path(prefix)} "
+                f"has {value}: the .bin/.idx were replaced after the fingerprint was written; "
+                f"delete {sidecar_path(prefix)} (the data is then checked by a scan) or re-run "
+                f"preprocess_data.py"
+            )
 
 
 def input_files(sources: Iterable[str]) -> list[dict]:
@@ -238,6 +293,8 @@ def check_prefix(
     """Refuse `prefix` if its tokens do not fit `vocab_size` or another tokenizer made it."""
     files = files or PrefixFiles(cfg.data_cache_path)
     sidecar = files.sidecar(prefix)
+    if sidecar is not None:
+        check_sidecar_matches(prefix, sidecar, files)
     made_by = None if sidecar is None else sidecar.get("tokenizer")
     if made_by is not None and made_by.get("sha256") != given["sha256"]:
         line = (
