@@ -24,7 +24,7 @@ import typing
 
 import torch
 
-from pretrain.errors import UserError
+from pretrain.errors import UserError, check_json_types
 from pretrain.model.config import ModelConfig, shape_mismatches
 from pretrain.parallel.config import ParallelConfig
 
@@ -219,12 +219,12 @@ _META_TYPES = {
     "data_fingerprints": (dict, None),
     "argv": (list, None),
 }
-_PARALLEL_TYPES = {
+_PARALLEL_TYPES = {  # null in a checkpoint of tools/reshard_checkpoint.py (no DP, no ZeRO)
     "tensor_model_parallel_size": (int,),
     "pipeline_model_parallel_size": (int,),
-    "data_parallel_size": (int,),
-    "world_size": (int,),
-    "zero_stage": (int,),
+    "data_parallel_size": (int, None),
+    "world_size": (int, None),
+    "zero_stage": (int, None),
     "pipeline_engine": (bool,),
 }
 
@@ -241,22 +241,6 @@ def _model_types() -> dict[str, tuple]:
     return out
 
 
-def _fits(value, kinds: tuple) -> bool:
-    """Whether a JSON value has one of `kinds` (int is not bool; a float may be written as 1)."""
-    for kind in kinds:
-        if kind is None:
-            ok = value is None
-        elif kind is int:
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        elif kind is float:
-            ok = isinstance(value, int | float) and not isinstance(value, bool)
-        else:
-            ok = isinstance(value, kind)
-        if ok:
-            return True
-    return False
-
-
 def _check_types(meta: dict, path: str) -> None:
     """Refuse (one line naming the file, the entry and the type it needs) an entry of the wrong
     JSON type, where readers would otherwise fail with a TypeError later."""
@@ -265,18 +249,9 @@ def _check_types(meta: dict, path: str) -> None:
     sections.append(("model.", meta["model"], _model_types()))
     if isinstance(files, dict):
         sections.append((f"{FILES_KEY}.", files, dict.fromkeys(files, (int,))))
-    for where, values, types in sections:  # "parallel" and "model" are objects when reached
-        for key, kinds in types.items():
-            if key in values and not _fits(values[key], kinds):
-                wanted = " or ".join("null" if k is None else _JSON_NAMES[k] for k in kinds)
-                raise UserError(
-                    f"{path}: entry {where}{key} is {json.dumps(values[key])[:40]}, not {wanted}; "
-                    f"the file is damaged (restore it, or resume from another step)"
-                )
-
-
-_JSON_NAMES = {int: "an integer", float: "a number", bool: "true/false", str: "a string",
-               dict: "an object", list: "a list"}  # fmt: skip
+    fix = "the file is damaged (restore it, or resume from another step)"
+    for prefix, values, types in sections:  # "parallel" and "model" are objects when reached
+        check_json_types(values, types, path=path, fix=fix, prefix=prefix)
 
 
 def model_config_from_meta(model: dict) -> ModelConfig:

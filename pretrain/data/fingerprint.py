@@ -22,7 +22,7 @@ import numpy as np
 from pretrain.atomic import atomic_write_bytes
 from pretrain.data.config import DataConfig
 from pretrain.data.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
-from pretrain.errors import UserError
+from pretrain.errors import UserError, check_json_types
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def read_sidecar(prefix: str) -> dict | None:
     return sidecar
 
 
-# the entries readers use -> their JSON types (None: may be null); "tokenizer." ones inside it
+# the entries readers use -> their JSON types (None: may be null)
 _SIDECAR_TYPES = {
     "tokenizer": (dict,),
     "max_token_id": (int,),
@@ -122,34 +122,19 @@ _SIDECAR_TYPES = {
     "dtype": (str,),
     "json_keys": (list,),
     "inputs": (list,),
-    "tokenizer.type": (str,),
-    "tokenizer.sha256": (str,),
-    "tokenizer.vocab_size": (int,),
-    "tokenizer.eod": (int, None),
 }
-_JSON_NAMES = {int: "an integer", str: "a string", dict: "an object", list: "a list", None: "null"}
-
-
-def _fits(value, kinds: tuple) -> bool:
-    """Whether a JSON value has one of `kinds` (an int is not a bool)."""
-    return any(
-        value is None if kind is None else isinstance(value, kind) and type(value) is not bool
-        for kind in kinds
-    )
+_TOKENIZER_TYPES = {"type": (str,), "sha256": (str,), "vocab_size": (int,), "eod": (int, None)}
 
 
 def _check_types(sidecar: dict, path: str) -> None:
     """Refuse (one line naming the file, the entry and the type it needs) an entry of the wrong
     JSON type."""
-    for key, kinds in _SIDECAR_TYPES.items():
-        outer, _, inner = key.rpartition(".")
-        values = sidecar.get(outer) if outer else sidecar
-        if isinstance(values, dict) and inner in values and not _fits(values[inner], kinds):
-            wanted = " or ".join(_JSON_NAMES[k] for k in kinds)
-            raise UserError(
-                f"{path}: entry {key} is {json.dumps(values[inner])[:40]}, not {wanted} (delete "
-                f"it or re-run preprocess_data.py)"
-            )
+    fix = "delete it or re-run preprocess_data.py"
+    check_json_types(sidecar, _SIDECAR_TYPES, path=path, fix=fix)
+    if "tokenizer" in sidecar:
+        check_json_types(
+            sidecar["tokenizer"], _TOKENIZER_TYPES, path=path, fix=fix, prefix="tokenizer."
+        )
 
 
 def check_sidecar_matches(prefix: str, sidecar: dict, files: PrefixFiles) -> None:
