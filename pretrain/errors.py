@@ -8,6 +8,7 @@ message that names the flag/file/line and says how to fix it. Entry points wrap 
 from __future__ import annotations
 
 import functools
+import json
 import sys
 from collections.abc import Callable
 from typing import TypeVar
@@ -39,3 +40,31 @@ def exit_on_user_error(main: F) -> F:
             sys.exit(EXIT_USER_ERROR)
 
     return wrapper  # type: ignore[return-value]
+
+
+_JSON_NAMES = {int: "an integer", float: "a number", bool: "true/false", str: "a string",
+               dict: "an object", list: "a list", None: "null"}  # fmt: skip
+
+
+def _fits(value, kind) -> bool:
+    if kind is None:
+        return value is None
+    if kind in (int, float) and isinstance(value, bool):
+        return False
+    return isinstance(value, int | float) if kind is float else isinstance(value, kind)
+
+
+def check_json_types(
+    values: dict, types: dict[str, tuple], *, path: str, fix: str, prefix: str = ""
+) -> None:
+    """Refuse, with one line `PATH: entry PREFIXKEY is VALUE, not TYPE; FIX`, the first entry of
+    the parsed JSON object `values` whose type is none of `types[key]` (int, float, bool, str,
+    dict, list; None for null; a bool is not a number, a float may be written as an integer).
+    Absent entries pass."""
+    for key, kinds in types.items():
+        if key in values and not any(_fits(values[key], kind) for kind in kinds):
+            wanted = " or ".join(_JSON_NAMES[kind] for kind in kinds)
+            raise UserError(
+                f"{path}: entry {prefix}{key} is {json.dumps(values[key])[:40]}, not {wanted}; "
+                f"{fix}"
+            )

@@ -8,13 +8,19 @@ Points (environment variable = value):
     PRETRAIN_TEST_SIGKILL_BEFORE_COMMIT   "<iteration>": rank 0, after every rank wrote its
                                           checkpoint files, before the step is renamed into
                                           place and `latest` committed
-    PRETRAIN_TEST_SIGKILL_IN_SAVE         "<iteration>:<event>:<bytes>": during the save of
-                                          that iteration, at its <event>-th event (0-based),
-                                          counted over every `torch.save` call (DeepSpeed's
-                                          own writes and ours) and every commit step
-                                          (`save_event`): a `torch.save` writes only its first
-                                          <bytes> bytes (fsynced) before the kill; a commit
-                                          step is killed before it runs
+    PRETRAIN_TEST_SIGKILL_IN_SAVE         "<iteration>:<bytes>:<event>": during the save of
+                                          that iteration, at the first event named <event>.
+                                          The events of a save are this process's `torch.save`
+                                          calls (DeepSpeed's own writes and ours), named by the
+                                          file's base name (`rng_state_0.pt`), and its commit
+                                          steps (`save_event`: "metadata written", ...): a
+                                          `torch.save` writes only its first <bytes> bytes
+                                          (fsynced) before the kill; a commit step is killed
+                                          right after it ran
+    PRETRAIN_TEST_SAVE_EVENTS             "<file>": every event of every save is appended to
+                                          <file> as one line "<iteration> <event>" (before a
+                                          kill at it), so a test can see which events a save
+                                          has and where a killed one stopped
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ import signal
 
 SIGKILL_BEFORE_COMMIT = "PRETRAIN_TEST_SIGKILL_BEFORE_COMMIT"
 SIGKILL_IN_SAVE = "PRETRAIN_TEST_SIGKILL_IN_SAVE"
+SAVE_EVENTS = "PRETRAIN_TEST_SAVE_EVENTS"
 
-_armed: dict | None = None  # {"target": event index, "bytes": n, "seen": events so far}
+# during an armed save: {"iteration", "target": event name or None, "bytes", "log": path or None}
+_armed: dict | None = None
 
 
 def kill_here(point: str, iteration: int) -> None:
@@ -40,13 +48,18 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _is_target(name: str) -> bool:
+    """Record the event `name` of the armed save; True if the save is to be killed at it."""
+    if _armed["log"]:
+        with open(_armed["log"], "a") as f:
+            f.write(f"{_armed['iteration']} {name}\n")
+    return name == _armed["target"]
+
+
 def save_event(name: str) -> None:
-    """One commit step of an armed save (see SIGKILL_IN_SAVE); `name` is for readers only."""
-    if _armed is None:
-        return
-    if _armed["seen"] == _armed["target"]:
+    """One commit step of a save, just done (see SIGKILL_IN_SAVE)."""
+    if _armed is not None and _is_target(name):
         _die()
-    _armed["seen"] += 1
 
 
 def _write_part_and_die(real_save, obj, f, args, kwargs) -> None:
@@ -65,23 +78,30 @@ def _write_part_and_die(real_save, obj, f, args, kwargs) -> None:
     _die()
 
 
+def _file_name(f) -> str:
+    path = f if isinstance(f, str | os.PathLike) else getattr(f, "name", "<stream>")
+    return os.path.basename(os.fspath(path)) if isinstance(path, str | os.PathLike) else str(path)
+
+
 @contextlib.contextmanager
 def armed_save(iteration: int):
-    """Arm SIGKILL_IN_SAVE around the save of `iteration` (when the variable names it)."""
+    """Arm SIGKILL_IN_SAVE (when it names `iteration`) and SAVE_EVENTS around one save."""
     global _armed
-    spec = os.environ.get(SIGKILL_IN_SAVE, "").split(":")
-    if len(spec) != 3 or spec[0] != str(iteration):
+    spec = os.environ.get(SIGKILL_IN_SAVE, "").split(":", 2)
+    target = spec[2] if len(spec) == 3 and spec[0] == str(iteration) else None
+    log = os.environ.get(SAVE_EVENTS) or None
+    if target is None and log is None:
         yield
         return
     import torch
 
     real_save = torch.save
-    _armed = {"target": int(spec[1]), "bytes": int(spec[2]), "seen": 0}
+    _armed = {"iteration": iteration, "target": target, "log": log}
+    _armed["bytes"] = int(spec[1]) if target is not None else 0
 
     def save(obj, f, *args, **kwargs):
-        if _armed["seen"] == _armed["target"]:
+        if _is_target(_file_name(f)):
             _write_part_and_die(real_save, obj, f, args, kwargs)
-        _armed["seen"] += 1
         return real_save(obj, f, *args, **kwargs)
 
     torch.save = save

@@ -68,7 +68,8 @@ OFFLINE = {
 
 @pytest.fixture(scope="module")
 def moved(tmp_path_factory):
-    """First launch: uninterrupted runs and runs stopped at STOP_AT; second: resumed elsewhere."""
+    """First launch: uninterrupted runs and runs stopped at STOP_AT; second: resumed elsewhere,
+    each run writing its own metrics file."""
     tmp = tmp_path_factory.mktemp("reshard")
     corpus = make_corpus(tmp / "corpus")
     first, second = [], []
@@ -77,7 +78,7 @@ def moved(tmp_path_factory):
         ckpt = tmp / f"ckpt_{name}"
         first4.append(_flags(corpus, saved, tmp / f"{name}_full.jsonl"))
         stop = ["--save", str(ckpt), "--save-interval", "100", "--exit-interval", str(STOP_AT)]
-        first4.append(_flags(corpus, saved, tmp / f"{name}_resumed.jsonl", *stop))
+        first4.append(_flags(corpus, saved, tmp / f"{name}_first.jsonl", *stop))
         second4[world].append(
             _flags(corpus, resumed, tmp / f"{name}_resumed.jsonl", "--load", str(ckpt))
         )
@@ -85,13 +86,13 @@ def moved(tmp_path_factory):
         ckpt = tmp / f"ckpt_{name}"
         first.append(_flags(corpus, saved, tmp / f"{name}_full.jsonl"))
         stop = ["--save", str(ckpt), "--save-interval", "100", "--exit-interval", str(STOP_AT)]
-        first.append(_flags(corpus, saved, tmp / f"{name}_resumed.jsonl", *stop))
+        first.append(_flags(corpus, saved, tmp / f"{name}_first.jsonl", *stop))
         second.append(_flags(corpus, resumed, tmp / f"{name}_resumed.jsonl", "--load", str(ckpt)))
     for name, (saved, resumed) in MOVES_TO_4.items():
         ckpt = tmp / f"ckpt_{name}"
         first.append(_flags(corpus, saved, tmp / f"{name}_full.jsonl"))
         stop = ["--save", str(ckpt), "--save-interval", "100", "--exit-interval", str(STOP_AT)]
-        first.append(_flags(corpus, saved, tmp / f"{name}_resumed.jsonl", *stop))
+        first.append(_flags(corpus, saved, tmp / f"{name}_first.jsonl", *stop))
         second4[4].append(
             _flags(corpus, resumed, tmp / f"{name}_resumed.jsonl", "--load", str(ckpt))
         )
@@ -122,8 +123,11 @@ def _reshard_offline(load, save, tp, pp):
 def test_resume_at_another_layout_continues_the_run(moved, name):
     tmp, _ = moved
     full = read_metrics(tmp / f"{name}_full.jsonl")
+    assert sorted(read_metrics(tmp / f"{name}_first.jsonl")) == list(range(1, STOP_AT + 1))
+    # the resumed launch's own file: it starts after the step it loaded (a fresh start would
+    # write iterations 1..ITERS, with the uninterrupted losses: the layouts are equivalent)
     resumed = read_metrics(tmp / f"{name}_resumed.jsonl")
-    assert sorted(resumed) == list(range(1, ITERS + 1))
+    assert sorted(resumed) == list(range(STOP_AT + 1, ITERS + 1))
     for it in range(STOP_AT + 1, ITERS + 1):
         for key in ("lm-loss", "grad-norm", "learning-rate"):
             assert resumed[it][key] == pytest.approx(full[it][key], rel=1e-5), (it, key)

@@ -6,6 +6,7 @@ for bit (JSON floats round-trip exactly).
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -69,7 +70,7 @@ def world2(tmp_path_factory):
             "--exit-interval",
             str(STOP_AT),
         ]
-        first.append(_flags(corpus, layout, ITERS, tmp / f"{name}_resumed.jsonl", *stop))
+        first.append(_flags(corpus, layout, ITERS, tmp / f"{name}_first.jsonl", *stop))
         second.append(
             _flags(
                 corpus,
@@ -91,8 +92,16 @@ def world2(tmp_path_factory):
 def test_resume_is_bit_exact(world2, name):
     tmp, _, _ = world2
     full = read_metrics(tmp / f"{name}_full.jsonl")
+    first = read_metrics(tmp / f"{name}_first.jsonl")
+    # the resumed launch's own file starts after the step it loaded (a fresh start would write
+    # iterations 1..ITERS, with the uninterrupted losses)
     resumed = read_metrics(tmp / f"{name}_resumed.jsonl")
-    assert sorted(full) == sorted(resumed) == list(range(1, ITERS + 1))
+    assert sorted(full) == list(range(1, ITERS + 1))
+    assert (sorted(first), sorted(resumed)) == (
+        list(range(1, STOP_AT + 1)),
+        list(range(STOP_AT + 1, ITERS + 1)),
+    )
+    resumed.update(first)
     for it in range(1, ITERS + 1):
         assert resumed[it]["lm-loss"] == full[it]["lm-loss"], (it, resumed[it], full[it])
         assert resumed[it]["grad-norm"] == full[it]["grad-norm"]
@@ -223,7 +232,15 @@ def test_elastic_restart_after_kill_9(world2, tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, out[-8000:]
-    assert "loaded checkpoint" in out
+    loaded = set(re.findall(r"loaded checkpoint \S+ at iteration (\d+)", out))
+    assert len(loaded) == 1, out[-8000:]
+    # the restarted group (same argv, same metrics file) appended from the loaded step on: the
+    # file's iterations are 1..L of the killed group, then K+1..N (a fresh start: 1..N again)
+    k = int(loaded.pop())
+    written = [json.loads(line)["iteration"] for line in metrics.read_text().splitlines()]
+    lost = len(written) - (ELASTIC_ITERS - k)
+    assert written == list(range(1, lost + 1)) + list(range(k + 1, ELASTIC_ITERS + 1)), written
+    assert lost >= k
     final = read_metrics(metrics)  # the restarted group's values replace the lost ones
     assert sorted(final) == list(range(1, ELASTIC_ITERS + 1))
     assert [final[i]["lm-loss"] for i in final] == [reference[i]["lm-loss"] for i in final]

@@ -20,10 +20,11 @@ import dataclasses
 import json
 import os
 import re
+import typing
 
 import torch
 
-from pretrain.errors import UserError
+from pretrain.errors import UserError, check_json_types
 from pretrain.model.config import ModelConfig, shape_mismatches
 from pretrain.parallel.config import ParallelConfig
 
@@ -194,7 +195,63 @@ def read_meta(step_dir: str) -> dict:
     ]
     if missing:
         raise UserError(f"{path}: no {', '.join(missing)} entry; the file is damaged")
+    _check_types(meta, path)
     return meta
+
+
+# the entries readers use -> the JSON types they must have (None: may be null)
+_META_TYPES = {
+    "format_version": (int,),
+    "iteration": (int,),
+    "consumed_train_samples": (int,),
+    "consumed_valid_samples": (int,),
+    "padded_vocab_size": (int,),
+    "model": (dict,),
+    "parallel": (dict,),
+    "tokenizer": (dict,),
+    FILES_KEY: (dict,),
+    "full_state": (bool,),
+    "full_state_only": (bool,),
+    "weights_only": (bool,),
+    "skipped_train_samples": (list,),
+    "data": (dict, None),
+    "tokens_seen": (dict, None),
+    "data_fingerprints": (dict, None),
+    "argv": (list, None),
+}
+_PARALLEL_TYPES = {  # null in a checkpoint of tools/reshard_checkpoint.py (no DP, no ZeRO)
+    "tensor_model_parallel_size": (int,),
+    "pipeline_model_parallel_size": (int,),
+    "data_parallel_size": (int, None),
+    "world_size": (int, None),
+    "zero_stage": (int, None),
+    "pipeline_engine": (bool,),
+}
+
+
+def _model_types() -> dict[str, tuple]:
+    """ModelConfig's fields -> their JSON types (a torch dtype is stored as its name)."""
+    hints = typing.get_type_hints(ModelConfig)
+    out = {}
+    for field in dataclasses.fields(ModelConfig):
+        args = typing.get_args(hints[field.name]) or (hints[field.name],)
+        out[field.name] = tuple(
+            str if a is torch.dtype else None if a is type(None) else a for a in args
+        )
+    return out
+
+
+def _check_types(meta: dict, path: str) -> None:
+    """Refuse (one line naming the file, the entry and the type it needs) an entry of the wrong
+    JSON type, where readers would otherwise fail with a TypeError later."""
+    files = meta.get(FILES_KEY)
+    sections = [("", meta, _META_TYPES), ("parallel.", meta["parallel"], _PARALLEL_TYPES)]
+    sections.append(("model.", meta["model"], _model_types()))
+    if isinstance(files, dict):
+        sections.append((f"{FILES_KEY}.", files, dict.fromkeys(files, (int,))))
+    fix = "the file is damaged (restore it, or resume from another step)"
+    for prefix, values, types in sections:  # "parallel" and "model" are objects when reached
+        check_json_types(values, types, path=path, fix=fix, prefix=prefix)
 
 
 def model_config_from_meta(model: dict) -> ModelConfig:

@@ -49,8 +49,6 @@ def step_problem(step_dir: str) -> tuple[str | None, dict | None]:
     files = meta.get(FILES_KEY)
     if files is None:
         return None, meta
-    if not isinstance(files, dict):
-        return f"{step_dir}: the metadata's file list is damaged", None
     for name, size in sorted(files.items()):
         path = os.path.join(step_dir, name)
         if not os.path.isfile(path):

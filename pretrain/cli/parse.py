@@ -17,6 +17,7 @@ from pretrain.cli.resolve import (
     batch_schedule,
     check_data_files,
     check_data_splits,
+    check_lower_bounds,
     lr_schedule,
     model_config,
     precision_config,
@@ -69,6 +70,7 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
             "--lr": "schedule__lr",
         },
     )
+    check_lower_bounds(ns)
     launch = detect_launch_env(env, ns.local_rank)
     tp, pp = ns.parallel__tensor_model_parallel_size, ns.parallel__pipeline_model_parallel_size
     check_world_divisible(launch.world_size, tp, pp)  # the layout check, first

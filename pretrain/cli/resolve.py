@@ -23,6 +23,35 @@ from pretrain.training.batch_schedule import BatchSchedule, parse_step_schedule
 from pretrain.training.deepspeed_config import PrecisionConfig
 from pretrain.training.lr_schedule import LRScheduleConfig, check_wsd, spans_in_samples
 
+# flag -> (namespace dest, smallest value, what the flag means): integers whose smaller values
+# would otherwise end mid-run in a ZeroDivisionError, a DeepSpeed assertion or an empty
+# evaluation, or (a negative interval) silently act every iteration
+_LOWER_BOUNDS = {
+    "--micro-batch-size": ("micro_batch_size", 1, "samples per micro-batch per data-parallel rank"),
+    "--log-interval": ("logging__log_interval", 1, "iterations between log lines"),
+    "--tensorboard-log-interval": (
+        "logging__tensorboard_log_interval",
+        1,
+        "iterations between TensorBoard/wandb points",
+    ),
+    "--exit-interval": ("training__exit_interval", 1, "iterations; drop the flag for no exit"),
+    "--make-vocab-size-divisible-by": (
+        "model__make_vocab_size_divisible_by",
+        1,
+        "the vocabulary is padded to a multiple of it",
+    ),
+    "--eval-iters": ("eval_iters", 0, "0 turns evaluation off"),
+}
+
+
+def check_lower_bounds(ns: argparse.Namespace) -> None:
+    """Refuse (one line naming the flag, the value and the smallest allowed) an integer flag
+    below its lower bound (`_LOWER_BOUNDS`); unset flags pass."""
+    for flag, (dest, least, meaning) in _LOWER_BOUNDS.items():
+        value = getattr(ns, dest)
+        if value is not None and value < least:
+            raise UserError(f"{flag} {value}: must be >= {least} ({meaning})")
+
 
 def _query_groups(ns: argparse.Namespace) -> int | None:
     """GQA from Megatron's or Megatron-DeepSpeed's spelling; two spellings must agree."""

@@ -22,7 +22,7 @@ import numpy as np
 from pretrain.atomic import atomic_write_bytes
 from pretrain.data.config import DataConfig
 from pretrain.data.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
-from pretrain.errors import UserError
+from pretrain.errors import UserError, check_json_types
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,47 @@ def read_sidecar(prefix: str) -> dict | None:
         ) from None
     if not isinstance(sidecar, dict) or sidecar.get("format") != FORMAT:
         raise UserError(f"{path}: not a {FORMAT} file (delete it or re-run preprocess_data.py)")
+    _check_types(sidecar, path)
     return sidecar
+
+
+# the entries readers use -> their JSON types (None: may be null)
+_SIDECAR_TYPES = {
+    "tokenizer": (dict,),
+    "max_token_id": (int,),
+    "documents": (int,),
+    "sequences": (int,),
+    "tokens": (int,),
+    "dtype": (str,),
+    "json_keys": (list,),
+    "inputs": (list,),
+}
+_TOKENIZER_TYPES = {"type": (str,), "sha256": (str,), "vocab_size": (int,), "eod": (int, None)}
+
+
+def _check_types(sidecar: dict, path: str) -> None:
+    """Refuse (one line naming the file, the entry and the type it needs) an entry of the wrong
+    JSON type."""
+    fix = "delete it or re-run preprocess_data.py"
+    check_json_types(sidecar, _SIDECAR_TYPES, path=path, fix=fix)
+    if "tokenizer" in sidecar:
+        check_json_types(
+            sidecar["tokenizer"], _TOKENIZER_TYPES, path=path, fix=fix, prefix="tokenizer."
+        )
+
+
+def check_sidecar_matches(prefix: str, sidecar: dict, files: PrefixFiles) -> None:
+    """Refuse a sidecar that describes other data than `prefix`'s .bin/.idx (they were replaced
+    after it was written): its counts and dtype must be those of the index."""
+    actual = dataset_counts(prefix, files)
+    for key, value in actual.items():
+        if key in sidecar and sidecar[key] != value:
+            raise UserError(
+                f"{sidecar_path(prefix)}: records {key} {sidecar[key]}, but {get_idx_path(prefix)} "
+                f"has {value}: the .bin/.idx were replaced after the fingerprint was written; "
+                f"delete {sidecar_path(prefix)} (the data is then checked by a scan) or re-run "
+                f"preprocess_data.py"
+            )
 
 
 def input_files(sources: Iterable[str]) -> list[dict]:
@@ -239,6 +279,8 @@ def check_prefix(
     """Refuse `prefix` if its tokens do not fit `vocab_size` or another tokenizer made it."""
     files = files or PrefixFiles(cfg.data_cache_path)
     sidecar = files.sidecar(prefix)
+    if sidecar is not None:
+        check_sidecar_matches(prefix, sidecar, files)
     made_by = None if sidecar is None else sidecar.get("tokenizer")
     if made_by is not None and made_by.get("sha256") != given["sha256"]:
         line = f"{prefix}: tokenized with {describe_tokenizer(made_by)}, but this run uses {describe_tokenizer(given)}"

@@ -1,0 +1,206 @@
+"""Bad input that used to end in a traceback (a ZeroDivisionError, a DeepSpeed assertion, a
+TypeError, an IndexError at the first forward) is one `error:` line, exit status 2, through the
+real entry points: integer flags below their bound, entries of the wrong JSON type in a
+checkpoint's pretrain_meta.json or in a data sidecar PREFIX.json, and a sidecar that no longer
+describes its .bin/.idx (they were replaced after preprocessing)."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from training_fixtures import PYTHON, REPO, layout_flags, make_corpus, model_flags, run, train_flags
+from training_fixtures import test_env as clean_env
+
+pytestmark = [pytest.mark.timeout(600)]
+
+
+def _one_error_line(cmd: list[str]) -> str:
+    """Run `cmd`; it must exit 2 with exactly one `error:` line and no traceback. The line."""
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300
+    )
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(lines) == 1, (
+        proc.returncode,
+        proc.stdout[-2000:],
+        proc.stderr[-3000:],
+    )
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    return lines[0]
+
+
+def _train(*flags: str) -> list[str]:
+    return [PYTHON, str(REPO / "pretrain_gpt.py"), *flags]
+
+
+def _with(flags: list[str], flag: str, value: str) -> list[str]:
+    out = list(flags)
+    if flag in out:
+        out[out.index(flag) + 1] = value
+    else:
+        out += [flag, value]
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A corpus, the flags of a two-iteration run on it, and that run's checkpoint (one step)."""
+    tmp = tmp_path_factory.mktemp("errors")
+    corpus = make_corpus(tmp / "corpus")
+    flags = model_flags("gpt2") + train_flags(corpus, iters=2) + layout_flags(1, 1, 0)
+    ckpt = tmp / "ckpt"
+    result = run(_train(*flags, "--save", str(ckpt), "--save-interval", "2"), timeout=300)
+    assert result.returncode == 0, result.stdout[-4000:]
+    return tmp, flags, ckpt
+
+
+# flag, value, words of the line (today: ZeroDivisionError, DeepSpeed's assertion, a
+# RuntimeError in the evaluation, or a run that silently logs every iteration)
+FLAGS = [
+    ("--micro-batch-size", "0", "--micro-batch-size 0: must be >= 1"),
+    ("--micro-batch-size", "-2", "--micro-batch-size -2: must be >= 1"),
+    ("--log-interval", "0", "--log-interval 0: must be >= 1"),
+    ("--log-interval", "-1", "--log-interval -1: must be >= 1"),
+    ("--tensorboard-log-interval", "0", "--tensorboard-log-interval 0: must be >= 1"),
+    ("--exit-interval", "0", "--exit-interval 0: must be >= 1"),
+    ("--make-vocab-size-divisible-by", "0", "--make-vocab-size-divisible-by 0: must be >= 1"),
+    ("--eval-iters", "-1", "--eval-iters -1: must be >= 0"),
+]
+
+
+@pytest.mark.parametrize(("flag", "value", "words"), FLAGS, ids=[f"{f}={v}" for f, v, _ in FLAGS])
+def test_integer_flags_below_their_bound(tiny, flag, value, words):
+    _, flags, _ = tiny
+    assert words in _one_error_line(_train(*_with(flags, flag, value)))
+
+
+# an entry of pretrain_meta.json -> a value of the wrong type, the words of the line (today: a
+# TypeError inside the layout or model check, or a refusal that misreads the value)
+META = [
+    ("model", [], "entry model is [], not an object"),
+    ("parallel", 5, "entry parallel is 5, not an object"),
+    ("parallel.zero_stage", "0", 'entry parallel.zero_stage is "0", not an integer'),
+    ("model.num_layers", "2", 'entry model.num_layers is "2", not an integer'),
+    ("padded_vocab_size", "128", 'entry padded_vocab_size is "128", not an integer'),
+]
+
+
+def _set(tree: dict, dotted: str, value) -> None:
+    *outer, last = dotted.split(".")
+    for key in outer:
+        tree = tree[key]
+    tree[last] = value
+
+
+@pytest.mark.parametrize(("entry", "value", "words"), META, ids=[m[0] for m in META])
+def test_wrong_json_types_in_the_checkpoint_metadata(tiny, tmp_path, entry, value, words):
+    _, flags, ckpt = tiny
+    load = tmp_path / "ckpt"
+    shutil.copytree(ckpt, load)
+    path = load / "global_step2" / "pretrain_meta.json"
+    meta = json.loads(path.read_text())
+    _set(meta, entry, value)
+    path.write_text(json.dumps(meta))
+    line = _one_error_line(_train(*_with(flags, "--train-iters", "3"), "--load", str(load)))
+    assert f"{path}: {words}" in line and "--load" in line, line
+
+
+def _jsonl(path: Path, docs: int, top: int, seed: int) -> str:
+    rng = random.Random(seed)
+    lines = [
+        " ".join(str(rng.randrange(top)) for _ in range(rng.randrange(5, 40))) for _ in range(docs)
+    ]
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    return str(path)
+
+
+def _preprocess(src: str, prefix: Path, vocab: int) -> str:
+    cmd = [
+        PYTHON,
+        str(REPO / "tools" / "preprocess_data.py"),
+        "--input",
+        src,
+        "--output-prefix",
+        str(prefix),
+    ]
+    cmd += [
+        "--tokenizer-type",
+        "NullTokenizer",
+        "--vocab-size",
+        str(vocab),
+        "--append-eod",
+        "--workers",
+        "1",
+    ]
+    result = run(cmd, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:]
+    return f"{prefix}_text_document"
+
+
+@pytest.fixture(scope="module")
+def preprocessed(tmp_path_factory):
+    """Two preprocessed datasets with sidecars: ids < 100 (the run's vocabulary) and ids < 900."""
+    tmp = tmp_path_factory.mktemp("sidecar")
+    small = _preprocess(_jsonl(tmp / "a.jsonl", 60, 100, 0), tmp / "a", 100)
+    large = _preprocess(_jsonl(tmp / "b.jsonl", 50, 900, 1), tmp / "b", 1000)
+    return tmp, small, large
+
+
+def _copy(prefix: str, to: Path) -> str:
+    for ext in (".bin", ".idx", ".json"):
+        shutil.copy(prefix + ext, str(to) + ext)
+    return str(to)
+
+
+def _train_on(tiny, prefix: str) -> list[str]:
+    _, flags, _ = tiny
+    return _train(*_with(flags, "--data-path", prefix), "--split", "100,0,0")
+
+
+SIDECAR = [
+    ("tokenizer", "NullTokenizer", 'entry tokenizer is "NullTokenizer", not an object'),
+    ("max_token_id", [100], "entry max_token_id is [100], not an integer"),
+    ("max_token_id", None, "entry max_token_id is null, not an integer"),
+    ("tokenizer.sha256", 7, "entry tokenizer.sha256 is 7, not a string"),
+]
+
+
+@pytest.mark.parametrize(
+    ("entry", "value", "words"), SIDECAR, ids=[f"{s[0]}={s[1]}" for s in SIDECAR]
+)
+def test_wrong_json_types_in_a_data_sidecar(tiny, preprocessed, tmp_path, entry, value, words):
+    _, small, _ = preprocessed
+    prefix = _copy(small, tmp_path / "data")
+    sidecar = json.loads(Path(prefix + ".json").read_text())
+    _set(sidecar, entry, value)
+    Path(prefix + ".json").write_text(json.dumps(sidecar))
+    assert f"{prefix}.json: {words}" in _one_error_line(_train_on(tiny, prefix))
+
+
+def test_merge_refuses_a_sidecar_of_the_wrong_type(preprocessed, tmp_path):
+    _, small, _ = preprocessed
+    prefix = _copy(small, tmp_path / "data")
+    Path(prefix + ".json").write_text(
+        json.dumps({"format": "pretrain-data-fingerprint/1", "tokenizer": []})
+    )
+    cmd = [PYTHON, str(REPO / "tools" / "merge_datasets.py"), "--prefixes", prefix, small]
+    line = _one_error_line(cmd + ["--output-prefix", str(tmp_path / "merged")])
+    assert f"{prefix}.json: entry tokenizer is [], not an object" in line
+
+
+def test_a_sidecar_of_replaced_data_is_refused_at_start_up(tiny, preprocessed, tmp_path):
+    """The .bin/.idx of the first dataset replaced by the second's (ids up to 899), its sidecar
+    kept (largest id 100, which fits the vocabulary): today the check trusts the sidecar and
+    the first forward fails with an IndexError in the embedding."""
+    _, small, large = preprocessed
+    prefix = _copy(small, tmp_path / "data")
+    for ext in (".bin", ".idx"):
+        shutil.copy(large + ext, prefix + ext)
+    line = _one_error_line(_train_on(tiny, prefix))
+    assert f"{prefix}.json: records documents 60, but {prefix}.idx has 50" in line, line
+    assert f"delete {prefix}.json" in line and "preprocess_data.py" in line, line
