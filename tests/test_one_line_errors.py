@@ -67,7 +67,7 @@ FLAGS = [
     ("--log-interval", "0", "--log-interval 0: must be >= 1"),
     ("--log-interval", "-1", "--log-interval -1: must be >= 1"),
     ("--tensorboard-log-interval", "0", "--tensorboard-log-interval 0: must be >= 1"),
-    ("--exit-interval", "0", "--exit-interval 0: must be >= 1"),
+    ("--exit-interval", "-1", "--exit-interval -1: must be >= 0"),
     ("--make-vocab-size-divisible-by", "0", "--make-vocab-size-divisible-by 0: must be >= 1"),
     ("--eval-iters", "-1", "--eval-iters -1: must be >= 0"),
 ]
@@ -77,6 +77,15 @@ FLAGS = [
 def test_integer_flags_below_their_bound(tiny, flag, value, words):
     _, flags, _ = tiny
     assert words in _one_error_line(_train(*_with(flags, flag, value)))
+
+
+def test_exit_interval_zero_means_no_exit_interval_as_in_megatron(tiny):
+    """Megatron-LM reads `--exit-interval 0` as unset (before: ZeroDivisionError at iteration 1)."""
+    _, flags, _ = tiny
+    result = run(_train(*flags, "--exit-interval", "0"), timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert " iteration        2/       2 |" in result.stdout, result.stdout[-3000:]
+    assert "exiting after iteration" not in result.stdout
 
 
 # an entry of pretrain_meta.json -> a value of the wrong type, the words of the line (today: a

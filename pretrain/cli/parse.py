@@ -138,7 +138,7 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
     if problems := spikes.problems(save=checkpoint.save):
         raise UserError("; ".join(problems))
     if checkpoint.save is not None and checkpoint.save_interval is None:
-        if ns.training__exit_interval is None:
+        if not ns.training__exit_interval:  # 0: no exit interval, as in Megatron
             raise UserError(
                 "--save needs --save-interval (or --exit-interval to save once at exit)"
             )

@@ -34,7 +34,11 @@ _LOWER_BOUNDS = {
         1,
         "iterations between TensorBoard/wandb points",
     ),
-    "--exit-interval": ("training__exit_interval", 1, "iterations; drop the flag for no exit"),
+    "--exit-interval": (
+        "training__exit_interval",
+        0,
+        "iterations; 0 = no exit interval, as in Megatron",
+    ),
     "--make-vocab-size-divisible-by": (
         "model__make_vocab_size_divisible_by",
         1,

@@ -202,3 +202,11 @@ def collective_device() -> torch.device:
     if torch.distributed.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if `flag` is true on any (a collective: call it on every rank at the
+    same point), so all ranks take the same decision."""
+    value = torch.tensor([int(flag)], dtype=torch.int32, device=collective_device())
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return bool(value.item())

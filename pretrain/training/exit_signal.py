@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import signal
 
-import torch
-
 from pretrain.data.samplers import EXIT_SIGNALS
-from pretrain.training.distributed import collective_device
+from pretrain.training.distributed import any_rank
 
 SIGNALS = EXIT_SIGNALS  # Megatron's choices for --exit-signal; the DataLoader workers ignore them
 
@@ -56,6 +54,4 @@ class ExitSignal:
     def requested(self) -> bool:
         """True on every rank once any rank has received the signal (a collective: call it on
         every rank at the same point)."""
-        flag = torch.tensor([int(self.received)], dtype=torch.int32, device=collective_device())
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return bool(flag.item())
+        return any_rank(self.received)

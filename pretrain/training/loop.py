@@ -15,7 +15,7 @@ import torch
 
 from pretrain.training.batch_schedule import BatchSchedule
 from pretrain.training.checkpointing import Checkpointer
-from pretrain.training.distributed import collective_device
+from pretrain.training.distributed import any_rank
 from pretrain.training.divergence import DivergenceCheck
 from pretrain.training.evaluator import Evaluator
 from pretrain.training.exit_signal import ExitSignal
@@ -70,18 +70,11 @@ class TrainingConfig:
     """Loss-spike detection and policy (--check-for-spiky-loss, --spiky-loss-*)."""
 
 
-def _all_ranks_agree(flag: bool) -> bool:
-    """True on every rank if it is true on any (so all ranks stop at the same iteration)."""
-    value = torch.tensor([1 if flag else 0], dtype=torch.int32, device=collective_device())
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
-    return bool(value.item())
-
-
 def _should_exit(config: TrainingConfig, iteration: int, started: float) -> bool:
-    stop = config.exit_interval is not None and iteration % config.exit_interval == 0
+    stop = bool(config.exit_interval) and iteration % config.exit_interval == 0  # 0: off
     if config.exit_duration_in_mins is not None:
         minutes = (time.monotonic() - started) / 60
-        stop = stop or _all_ranks_agree(minutes > config.exit_duration_in_mins)
+        stop = stop or any_rank(minutes > config.exit_duration_in_mins)
     return stop
 
 

@@ -28,12 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-
 from pretrain.model.config import ModelConfig
 from pretrain.parallel.config import ParallelConfig
 from pretrain.training.checkpointing import CheckpointConfig, rng_state
-from pretrain.training.distributed import collective_device
+from pretrain.training.distributed import any_rank
 from pretrain.training.logging import logger
 from pretrain.training.resume import check_before_launch, load_checkpoint, restore_rng_state
 from pretrain.training.skip import record_skip
@@ -89,12 +87,6 @@ def is_spike(window: list[float], loss: float, factor: float, required: int) -> 
     if len(window) < required or not math.isfinite(loss):
         return False
     return loss > statistics.fmean(window) + factor * statistics.stdev(window)
-
-
-def _any_rank(flag: bool) -> bool:
-    value = torch.tensor([int(flag)], dtype=torch.int32, device=collective_device())
-    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
-    return bool(value.item())
 
 
 Rewinder = Callable[[TrainState], object | None]
@@ -156,7 +148,7 @@ class SpikePolicy:
         The same answer on every rank; an applied loss joins the window."""
         c = self.config
         window = self.state.spike_loss_window
-        spike = _any_rank(is_spike(window, loss, c.factor, c.required))
+        spike = any_rank(is_spike(window, loss, c.factor, c.required))
         self.applied, self._loss = not spike or c.policy == "warn", loss
         if spike:
             logger.warning(
