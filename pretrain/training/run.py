@@ -16,16 +16,13 @@ from dataclasses import dataclass, field
 import torch
 
 from pretrain.checkpoint.integrity import Choice
-from pretrain.data.builder import build_train_valid_test_datasets
-from pretrain.data.config import DataConfig, train_valid_test_num_samples
+from pretrain.data.config import DataConfig
 from pretrain.data.fingerprint import (
     PrefixFiles,
     data_fingerprints,
     tokenizer_fingerprint,
     tokens_seen,
 )
-from pretrain.data.plan import log_plan
-from pretrain.data.samplers import build_pretraining_data_loader
 from pretrain.errors import UserError
 from pretrain.launch import LaunchEnv
 from pretrain.model.config import ModelConfig
@@ -33,6 +30,7 @@ from pretrain.parallel import state
 from pretrain.parallel.config import ParallelConfig
 from pretrain.tokenizer import Tokenizer, TokenizerConfig, build_tokenizer
 from pretrain.training.checkpointing import CheckpointConfig, Checkpointer
+from pretrain.training.data_feed import data_iterators, rank_batches
 from pretrain.training.deepspeed_config import PrecisionConfig
 from pretrain.training.distributed import (
     choose_backend,
@@ -147,72 +145,6 @@ def _tokens_seen_counter(cfg: RunConfig, train_dataset):
     return functools.partial(tokens_seen, train_dataset, seq_length=cfg.training.seq_length)
 
 
-def _data_iterators(
-    cfg: RunConfig,
-    prepared: Prepared,
-    consumed_train: int,
-    consumed_valid: int,
-    use_document_ids: bool,
-    device: torch.device,
-):
-    """(train batches, validation sets, test batches or None) and the train dataset; no
-    validation sets without a valid split or with --eval-iters 0; train and validation
-    positioned after the consumed samples."""
-    from pretrain.training.per_source import source_names
-    from pretrain.training.validation_sets import ValidationSet, set_suffixes
-
-    t, ev = cfg.training, cfg.evaluation
-    num_samples = train_valid_test_num_samples(
-        t.train_iters, t.train_samples, ev.eval_interval, ev.eval_iters, t.global_batch_size
-    )
-    train_ds, valid_ds, test_ds = build_train_valid_test_datasets(
-        cfg.data,
-        prepared.tokenizer,
-        num_samples,
-        multiple_validation_sets=ev.multiple_validation_sets,
-        files=prepared.files,
-    )
-    # the blend plan table, once (rank 0 logs INFO)
-    log_plan(cfg.data, num_samples, logger, files=prepared.files)
-    batches = functools.partial(_batches, cfg, use_document_ids=use_document_ids, device=device)
-
-    if valid_ds is None or ev.eval_iters == 0:
-        valid_sets = []
-    elif ev.multiple_validation_sets:
-        suffixes = set_suffixes(ev.validation_set_names, cfg.data)
-        valid_sets = [
-            ValidationSet(suffix, batches(d, consumed_valid))
-            for suffix, d in zip(suffixes, valid_ds, strict=True)
-        ]
-    else:
-        sources = source_names(valid_ds)
-        valid_sets = [ValidationSet("", batches(valid_ds, consumed_valid, bool(sources)), sources)]
-    test = None if test_ds is None or ev.eval_iters == 0 else batches(test_ds, 0)
-    return batches(train_ds, consumed_train), valid_sets, test, train_ds
-
-
-def _batches(
-    cfg: RunConfig,
-    dataset,
-    consumed: int,
-    dataset_ids: bool = False,
-    *,
-    use_document_ids: bool,
-    device: torch.device,
-):
-    """This rank's batches of `dataset` after `consumed` samples (pipeline items with PP > 1)."""
-    from pretrain.training.step import PipelineBatches
-
-    dp_rank, dp = state.get_data_parallel_rank(), state.get_data_parallel_world_size()
-    loader = build_pretraining_data_loader(
-        dataset, consumed, cfg.training.micro_batch_size, dp_rank, dp, cfg.data
-    )
-    it = iter(loader)
-    if cfg.parallel.pipeline_model_parallel_size > 1:
-        return PipelineBatches(it, use_document_ids, device, dataset_ids)
-    return it
-
-
 def _start_batch_schedule(t: TrainingConfig, consumed: int) -> None:
     """Check the batches still to come against this run's DP size (a resume may change it) and
     say where in the schedule the run starts."""
@@ -321,7 +253,7 @@ def _train(
     # Causal attention needs no input; document ids (O(S) per sample) only when documents are
     # kept apart (--reset-attention-mask).
     use_document_ids = cfg.data.reset_attention_mask
-    train_batches, valid_sets, test_batches, train_dataset = _data_iterators(
+    train_batches, valid_sets, test_batches, train_dataset = data_iterators(
         cfg,
         prepared,
         train_state.consumed_train_samples,
@@ -425,7 +357,7 @@ def _train(
                     cfg.parallel,
                     engine,
                     functools.partial(
-                        _batches,
+                        rank_batches,
                         cfg,
                         train_dataset,
                         use_document_ids=use_document_ids,
