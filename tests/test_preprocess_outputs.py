@@ -28,8 +28,8 @@ def test_input_named_like_the_runs_sidecar_is_refused(tmp_path):
 
 
 def test_folder_input_that_holds_the_outputs_skips_them(tmp_path):
-    """Input folder == output folder, run twice: the second run reads only the corpus, not the
-    first run's sidecar, and writes the same bytes and a sidecar."""
+    """Input folder == output folder, run twice (then by a glob): later runs read only the corpus,
+    not the first run's sidecar, and write the same bytes and a sidecar."""
     write_jsonl(tmp_path / "c.jsonl", make_records(seed=2, n=30))
     prefix = f"{tmp_path}/out"
     first = run(preprocess_cmd(tmp_path, prefix, "--skip-bad-lines"))
@@ -41,6 +41,9 @@ def test_folder_input_that_holds_the_outputs_skips_them(tmp_path):
     assert "skipped" not in second.stderr and "Traceback" not in second.stderr
     assert same_files(f"{prefix}_text_document", f"{tmp_path}/first")
     assert os.path.isfile(f"{prefix}_text_document.json")
+    by_glob = run(preprocess_cmd(f"{tmp_path}/*.json*", prefix, "--skip-bad-lines"))
+    assert by_glob.returncode == 0 and "skipped" not in by_glob.stderr, by_glob.stderr
+    assert same_files(f"{prefix}_text_document", f"{tmp_path}/first")
 
 
 @pytest.mark.timeout(300)
@@ -75,8 +78,8 @@ def test_aliased_prefix_and_key_refuses_while_the_first_run_writes(tmp_path):
 
 
 def test_temporary_of_a_live_owner_is_kept(tmp_path):
-    """Beside the output: a temporary named by a live process of this host and one by a dead one;
-    the run removes only the dead one's and says it kept the other."""
+    """Beside the output: temporaries named by a live and a dead process of this host and by
+    another host; the run removes only the dead one's and says it kept the others."""
     src = write_jsonl(tmp_path / "c.jsonl", make_records(seed=3, n=20))
     prefix = tmp_path / "out"
     host = socket.gethostname()
@@ -86,11 +89,13 @@ def test_temporary_of_a_live_owner_is_kept(tmp_path):
     try:
         live_tmp = f"{prefix}_text_document.bin.{host}.{alive.pid}.0123abcd.tmp"
         dead_tmp = f"{prefix}_text_document.idx.{host}.{dead.pid}.0123abcd.tmp"
-        for path in (live_tmp, dead_tmp):
+        elsewhere_tmp = f"{prefix}_text_document.bin.{host}-b.{dead.pid}.0123abcd.tmp"
+        for path in (live_tmp, dead_tmp, elsewhere_tmp):
             open(path, "wb").write(b"partial")
         proc = run(preprocess_cmd(src, prefix))
         assert proc.returncode == 0, proc.stderr
         assert os.path.exists(live_tmp) and not os.path.exists(dead_tmp)
+        assert os.path.exists(elsewhere_tmp)  # another host's processes cannot be seen from here
         assert f"removed {dead_tmp} (left by an interrupted run)" in proc.stderr
         assert f"warning: kept {live_tmp} (its owner may still run)" in proc.stderr
     finally:

@@ -310,7 +310,7 @@ def _owner_alive(stray: str, path: str) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass  # alive, another user's
     return True
 
 
