@@ -83,7 +83,10 @@ def test_second_run_on_a_busy_prefix_refuses(tmp_path, hf_reference):
         assert first.poll() is None, "run A finished before run B could start"
         second = run(preprocess_cmd(src, prefix))
         line = one_error_line(second)
-        assert f"--output-prefix {prefix}: another run is writing this prefix" in line
+        assert (
+            f"--output-prefix {prefix}: another run is writing {prefix}_text_document.bin/.idx"
+            in line
+        )
         assert glob.glob(f"{prefix}_text_document.bin.*.tmp")  # A's temporary is untouched
         os.killpg(first.pid, signal.SIGCONT)
         out, err = first.communicate(timeout=240)
@@ -128,7 +131,7 @@ def test_empty_corpus_warns_and_fails_unless_allowed(tmp_path):
     proc = run(preprocess_cmd(empty, tmp_path / "out"))
     assert "warning: 0 documents" in proc.stderr
     assert "0 documents, nothing written" in one_error_line(proc)
-    assert sorted(os.listdir(tmp_path)) == ["empty.jsonl", "out.lock"]
+    assert sorted(os.listdir(tmp_path)) == ["empty.jsonl", "out_text_document.lock"]
     only_empty = write_jsonl(tmp_path / "blank.jsonl", [{"text": ""}] * 5)
     proc = run(preprocess_cmd(only_empty, tmp_path / "out"))
     assert "warning: 5 documents, 0 tokens" in proc.stderr and proc.returncode == 2

@@ -61,10 +61,24 @@ def _is_supported_file(path: str) -> bool:
     return name.endswith(".parquet")
 
 
-def expand_inputs(inputs: list[str]) -> list[str]:
-    """Files and dataset folders to read, in order; a clear error for anything unusable."""
+def _is_own(path: str, own: tuple[str, ...]) -> bool:
+    """Whether `path` is one of `own` (absolute paths) or a temporary of one (`OWN.*.tmp`)."""
+    real = os.path.realpath(path)
+    return any(real == o or (real.startswith(o + ".") and real.endswith(".tmp")) for o in own)
+
+
+def expand_inputs(inputs: list[str], own: tuple[str, ...] = ()) -> list[str]:
+    """Files and dataset folders to read, in order; a clear error for anything unusable.
+
+    `own` are the run's output files (real paths): naming one is an error, and a directory or
+    glob never yields one (the run would read, then replace, its own output)."""
     out: list[str] = []
     for item in inputs:
+        if own and _is_own(item, own):
+            raise UserError(
+                f"--input {item}: is one of this run's outputs (or their sidecar or temporaries), "
+                "which the run replaces; choose another --output-prefix"
+            )
         if os.path.isdir(item):
             if os.path.isfile(os.path.join(item, "dataset_dict.json")):
                 splits = sorted(d for d in os.listdir(item) if os.path.isdir(os.path.join(item, d)))
@@ -78,7 +92,7 @@ def expand_inputs(inputs: list[str]) -> list[str]:
                 os.path.join(root, f)
                 for root, _, files in os.walk(item)
                 for f in files
-                if _is_supported_file(f)
+                if _is_supported_file(f) and not _is_own(os.path.join(root, f), own)
             )
             if not found:
                 raise UserError(f"--input {item}: directory holds no supported files ({SUPPORTED})")
@@ -91,7 +105,7 @@ def expand_inputs(inputs: list[str]) -> list[str]:
             found = sorted(
                 p
                 for p in glob.glob(item, recursive=True)
-                if os.path.isfile(p) and _is_supported_file(p)
+                if os.path.isfile(p) and _is_supported_file(p) and not _is_own(p, own)
             )
             if not found:
                 raise UserError(

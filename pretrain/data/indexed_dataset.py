@@ -296,38 +296,69 @@ def temporary_name(path: str) -> str:
     return f"{path}.{socket.gethostname()}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}"
 
 
-def remove_stray_temporaries(path: str) -> list[str]:
-    """Delete the temporaries a killed run left for `path` (call only while holding its lock)."""
-    removed = []
+def _owner_alive(stray: str, path: str) -> bool:
+    """Whether the run that named `stray` (`PATH.HOST.PID.RANDOM.tmp`) may still be writing it:
+    a live pid on this host, or any other host (its processes cannot be seen from here)."""
+    parts = stray[len(path) + 1 : -len(TMP_SUFFIX)].rsplit(".", 2)
+    if len(parts) != 3 or not parts[1].isdigit():
+        return False  # no owner recorded in the name
+    host, pid = parts[0], int(parts[1])
+    if host != socket.gethostname():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, another user's
+    return True
+
+
+def remove_stray_temporaries(path: str) -> tuple[list[str], list[str]]:
+    """Delete the temporaries a killed run left for `path` (call only while holding its lock);
+    return (removed, kept): a temporary whose owner (host, pid) may be alive is kept."""
+    removed, kept = [], []
     for stray in glob.glob(glob.escape(path) + ".*" + TMP_SUFFIX) + glob.glob(
         glob.escape(path) + TMP_SUFFIX
     ):
+        if _owner_alive(stray, path):
+            kept.append(stray)
+            continue
         try:
             os.remove(stray)
             removed.append(stray)
         except FileNotFoundError:
             pass
-    return removed
+    return removed, kept
 
 
-def lock_output(prefix: str, flag: str = "--output-prefix") -> FileLock:
-    """Take `PREFIX.lock` without waiting; a `UserError` if another run holds it.
+def lock_output(prefix: str, flag: str = "--output-prefix", label: str | None = None) -> FileLock:
+    """Take `PREFIX.lock` without waiting; a `UserError` if another run holds it or it cannot be
+    created. `label` starts the message (default `FLAG PREFIX`).
 
     Two runs writing one prefix would replace each other's files; the lock makes the second refuse
     (the first one's output stays complete). The empty `.lock` file stays (deleting a lock file that
     another process may be opening would let two runs hold "the" lock at once).
     """
-    path = prefix + ".lock"
+    head, path = label or f"{flag} {prefix}", prefix + ".lock"
+    try:  # filelock reports a lock file it cannot open as held by another run: check first
+        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o666))
+    except OSError as err:
+        raise UserError(
+            f"{head}: cannot be written: cannot create {path} ({err.strerror}); choose another prefix"
+        ) from None
     lock = FileLock(path)
     try:
         lock.acquire(timeout=0)
     except Timeout:
         raise UserError(
-            f"{flag} {prefix}: another run is writing this prefix (it holds {path}); wait for it "
+            f"{head}: another run is writing {prefix}.bin/.idx (it holds {path}); wait for it "
             "to finish or choose another prefix"
         ) from None
     except OSError as err:
-        raise UserError(f"{flag} {prefix}: cannot create {path} ({err.strerror})") from None
+        raise UserError(
+            f"{head}: cannot be written: cannot create {path} ({err.strerror})"
+        ) from None
     return lock
 
 

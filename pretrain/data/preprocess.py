@@ -97,6 +97,14 @@ class PreprocessConfig:
     def output_prefixes(self) -> list[str]:
         return [f"{self.output_prefix}_{key}_{self.level}" for key in self.json_keys]
 
+    def output_files(self) -> tuple[str, ...]:
+        """Real paths of every file the run writes (its temporaries are `FILE.*.tmp`)."""
+        return tuple(
+            os.path.realpath(f"{prefix}{ext}")
+            for prefix in self.output_prefixes()
+            for ext in (".bin", ".idx", ".json", ".lock")
+        )
+
 
 def build_parser() -> argparse.ArgumentParser:
     """tools/preprocess_data.py's flags (Megatron's spellings)."""
@@ -287,12 +295,29 @@ def _open_builders(cfg: PreprocessConfig, dtype) -> list[IndexedDatasetBuilder]:
     return builders
 
 
+def _lock_outputs(cfg: PreprocessConfig) -> list:
+    """Lock every output's final name (`PREFIX_KEY_LEVEL.lock`), not the prefix: two prefixes
+    and key lists can name the same files. All or none are held."""
+    locks = []
+    try:
+        for prefix in cfg.output_prefixes():
+            locks.append(lock_output(prefix, label=f"--output-prefix {cfg.output_prefix}"))
+    except UserError:
+        for lock in locks:
+            lock.release()
+        raise
+    return locks
+
+
 def _remove_strays(cfg: PreprocessConfig) -> None:
-    """Under the prefix lock, every temporary of our outputs was left by a killed run."""
+    """Under the outputs' locks, a temporary whose owner is dead was left by a killed run."""
     for prefix in cfg.output_prefixes():
         for path in (get_bin_path(prefix), get_idx_path(prefix)):
-            for stray in remove_stray_temporaries(path):
+            removed, kept = remove_stray_temporaries(path)
+            for stray in removed:
                 print(f"removed {stray} (left by an interrupted run)", file=sys.stderr)
+            for stray in kept:
+                print(f"warning: kept {stray} (its owner may still run)", file=sys.stderr)
 
 
 def _check_not_empty(cfg: PreprocessConfig, summary: Summary) -> None:
@@ -366,8 +391,9 @@ def _tokenize_into(
 
 
 def run(cfg: PreprocessConfig) -> Summary:
-    """Tokenize the corpus into the outputs of `cfg`, holding the output prefix's lock throughout."""
-    sources = expand_inputs(cfg.inputs)  # a missing input fails before anything is created
+    """Tokenize the corpus into the outputs of `cfg`, holding their locks throughout."""
+    # a missing input, or one the run would write, fails before anything is created
+    sources = expand_inputs(cfg.inputs, own=cfg.output_files())
     opts = EncodeOptions(
         cfg.tokenizer,
         cfg.json_keys,
@@ -382,7 +408,7 @@ def run(cfg: PreprocessConfig) -> Summary:
     summary = Summary()
     start = time.monotonic()
     _make_output_dir(cfg)
-    lock = lock_output(cfg.output_prefix)
+    locks = _lock_outputs(cfg)
     try:
         _remove_strays(cfg)
         builders = _open_builders(cfg, encoder.dtype)
@@ -407,7 +433,8 @@ def run(cfg: PreprocessConfig) -> Summary:
                 for builder in builders:
                     builder.abort()
     finally:
-        lock.release()
+        for lock in locks:
+            lock.release()
     summary.seconds = time.monotonic() - start
     summary.outputs = cfg.output_prefixes()
     return summary
