@@ -1,4 +1,9 @@
-"""Write a file so that readers see either the old file or the complete new one, never a part."""
+"""Write a file so that readers see either the old file or the complete new one, never a part.
+
+Modes: `tempfile.mkstemp`/`mkdtemp` create 0600/0700 whatever the umask, so a file or folder made
+through them and renamed into place would be unreadable by other users. Everything made here gets
+the mode a plain `open()`/`os.mkdir` gives: 0o666 & ~umask for files, 0o777 & ~umask for folders.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +14,68 @@ from collections.abc import Callable
 from typing import BinaryIO
 
 
+def current_umask() -> int:
+    """The process umask, read without changing it where Linux allows.
+
+    `os.umask` only reads by setting: set-and-restore is racy with other threads (one creating a
+    file in between gets the wrong mode). Linux (4.7+) reports it in /proc/self/status (`Umask:`),
+    which we read; elsewhere we fall back to set-and-restore.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def file_mode() -> int:
+    """The mode a plain `open(path, "w")` gives a new file now: 0o666 & ~umask."""
+    return 0o666 & ~current_umask()
+
+
+def folder_mode() -> int:
+    """The mode a plain `os.mkdir(path)` gives a new folder now: 0o777 & ~umask."""
+    return 0o777 & ~current_umask()
+
+
+def make_temp_folder(directory: str, prefix: str) -> str:
+    """`tempfile.mkdtemp(dir=directory, prefix=prefix)` with the mode `os.mkdir` would give it
+    (not mkdtemp's 0700), for a folder that is later renamed into place; returns its path."""
+    tmp = tempfile.mkdtemp(prefix=prefix, dir=directory)
+    os.chmod(tmp, folder_mode())
+    return tmp
+
+
+def give_plain_modes(root: str) -> None:
+    """Give every file under `root` `file_mode()` and every folder (root included)
+    `folder_mode()`: for a temporary folder filled by code that does not honour the umask
+    (safetensors writes 0600 files), before it is renamed into place."""
+    os.chmod(root, folder_mode())
+    for folder, subfolders, files in os.walk(root):
+        for name in subfolders:
+            os.chmod(os.path.join(folder, name), folder_mode())
+        for name in files:
+            os.chmod(os.path.join(folder, name), file_mode())
+
+
 def atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
     """Call `write(f)` on a temporary file beside `path`, fsync it, then rename it over `path`.
 
     The temporary name carries the host name, so processes on different nodes sharing a directory
-    never write the same temporary file. On any error the temporary file is removed.
+    never write the same temporary file. The file gets `file_mode()` (as `open()` would give it).
+    On any error the temporary file is removed.
     """
     directory = os.path.dirname(path) or "."
     fd, tmp = tempfile.mkstemp(
         dir=directory, prefix=f".{os.path.basename(path)}.{socket.gethostname()}."
     )
     try:
+        os.fchmod(fd, file_mode())
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

@@ -21,11 +21,11 @@ import dataclasses
 import os
 import shutil
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+from pretrain.atomic import give_plain_modes, make_temp_folder  # noqa: E402
 from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
 
 
@@ -73,9 +73,7 @@ def _write_hf(out_dir: str, ck, tok_config, tokenizer, max_shard_size: str) -> N
         raise UserError(f"--output-dir {out_dir} exists and is not empty (nothing was written)")
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(
-        prefix=f".{os.path.basename(os.path.abspath(out_dir))}.partial.", dir=parent
-    )
+    tmp = make_temp_folder(parent, f".{os.path.basename(os.path.abspath(out_dir))}.partial.")
     try:
         dtype = next(iter(ck.state_dict.values())).dtype
         model = build_hf_model(
@@ -83,6 +81,7 @@ def _write_hf(out_dir: str, ck, tok_config, tokenizer, max_shard_size: str) -> N
         )
         model.save_pretrained(tmp, max_shard_size=max_shard_size)
         save_hf_tokenizer(tok_config, tokenizer, tmp)
+        give_plain_modes(tmp)  # safetensors writes 0600 files
         if os.path.isdir(out_dir):
             os.rmdir(out_dir)
         os.replace(tmp, out_dir)

@@ -16,13 +16,13 @@ import argparse
 import os
 import shutil
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # reading checkpoints needs no accelerator
 
 import torch  # noqa: E402
 
+from pretrain.atomic import give_plain_modes, make_temp_folder  # noqa: E402
 from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
 
 DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -180,8 +180,8 @@ def main(argv=None) -> None:
 
     parent = os.path.dirname(os.path.abspath(args.output_dir))
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(
-        prefix=f".{os.path.basename(os.path.abspath(args.output_dir))}.partial.", dir=parent
+    tmp = make_temp_folder(
+        parent, f".{os.path.basename(os.path.abspath(args.output_dir))}.partial."
     )
     try:
         model = build_hf_model(
@@ -197,6 +197,7 @@ def main(argv=None) -> None:
             f.write(model_card(ck.meta, ck.config, HF_CLASSES[flavour]))
         if args.verify:
             _verify(ck, tmp, tokenizer, has_tokenizer, args)
+        give_plain_modes(tmp)  # safetensors writes 0600 files
         _move_into_place(tmp, args.output_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

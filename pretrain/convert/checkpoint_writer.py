@@ -24,10 +24,10 @@ import importlib.metadata
 import json
 import os
 import shutil
-import tempfile
 
 import torch
 
+from pretrain.atomic import make_temp_folder
 from pretrain.checkpoint.format import (
     LATEST_FILE,
     MEGATRON_LATEST_FILE,
@@ -130,9 +130,7 @@ def write_checkpoint(
         )
     parent = os.path.dirname(os.path.abspath(out_dir))
     os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(
-        prefix=f".{os.path.basename(os.path.abspath(out_dir))}.partial.", dir=parent
-    )
+    tmp = make_temp_folder(parent, f".{os.path.basename(os.path.abspath(out_dir))}.partial.")
     try:
         tag = tag_for(ITERATION)
         step_dir = os.path.join(tmp, tag)
