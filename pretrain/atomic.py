@@ -68,7 +68,9 @@ def atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
 
     The temporary name carries the host name, so processes on different nodes sharing a directory
     never write the same temporary file. The file gets `file_mode()` (as `open()` would give it).
-    On any error the temporary file is removed.
+    On any error the temporary file is removed; a failed write (a full disk, a file-size limit) is
+    an `OSError` naming `path`, also when torch.save reports it as a RuntimeError caused by the
+    OSError.
     """
     directory = os.path.dirname(path) or "."
     fd, tmp = tempfile.mkstemp(
@@ -81,9 +83,12 @@ def atomic_write(path: str, write: Callable[[BinaryIO], object]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        cause = err.__context__ if isinstance(err, RuntimeError) else err
+        if isinstance(cause, OSError) and cause.errno is not None:
+            raise OSError(cause.errno, cause.strerror, path) from None
         raise
 
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.resources
+import resource
 import shutil
+import subprocess
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ import torch
 import transformers
 from convert_fixtures import FLAVOURS, LAYOUTS, load_tool
 from training_fixtures import PYTHON, REPO, run
+from training_fixtures import test_env as clean_env
 
 from pretrain.convert.checkpoint_reader import read_checkpoint
 from pretrain.convert.checkpoint_writer import write_checkpoint
@@ -247,24 +250,82 @@ def test_cli_reports_user_errors_without_traceback(tmp_path):
     assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
 
 
+def _cli(load, out, *flags, limit=None):
+    """tools/convert_to_hf.py in its own process (under a file-size limit of `limit` bytes)."""
+    return subprocess.run(
+        [PYTHON, str(REPO / "tools" / "convert_to_hf.py"), "--load", str(load)]
+        + ["--output-dir", str(out), *flags],
+        cwd=REPO,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        preexec_fn=limit and (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))),
+    )
+
+
+def _one_error_line(result) -> str:
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr
+    return errors[0]
+
+
 def test_overwrite_replaces_an_existing_export_only_when_complete(tmp_path):
     path, _ = _random_checkpoint(tmp_path / "ck", _gpt2_config())
-    (tmp_path / "out").mkdir()
-    (tmp_path / "out" / "keep.txt").write_text("mine")
+    convert_to_hf.main(["--load", path, "--output-dir", str(tmp_path / "out")])
+    before = {p.name for p in (tmp_path / "out").iterdir()}
     with pytest.raises(UserError, match="not an empty folder"):
         convert_to_hf.main(["--load", path, "--output-dir", str(tmp_path / "out")])
     broken, _ = _random_checkpoint(tmp_path / "broken", _gpt2_config(normalization="RMSNorm"))
     with pytest.raises(UserError):
         convert_to_hf.main(["--load", broken, "--output-dir", str(tmp_path / "out"), "--overwrite"])
-    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+    assert {p.name for p in (tmp_path / "out").iterdir()} == before
+    (tmp_path / "out" / "model.safetensors").write_bytes(b"stale")
     convert_to_hf.main(["--load", path, "--output-dir", str(tmp_path / "out"), "--overwrite"])
-    assert "keep.txt" not in {p.name for p in (tmp_path / "out").iterdir()}
+    assert {p.name for p in (tmp_path / "out").iterdir()} == before
+    assert (tmp_path / "out" / "model.safetensors").stat().st_size > 5
     assert transformers.AutoConfig.from_pretrained(tmp_path / "out").model_type == "gpt2"
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "broken",
         "ck",
         "out",
     ]  # no temporaries left
+
+
+def test_overwrite_refuses_a_folder_that_is_not_an_export_naming_what_it_would_delete(tmp_path):
+    """--overwrite replaces only one of the tool's own exports (its model card, its file names):
+    a folder of notes and data, or an export someone added notes to, is kept, byte for byte."""
+    path, _ = _random_checkpoint(tmp_path / "ck", _gpt2_config())
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "notes.txt").write_text("mine")
+    (tmp_path / "notes" / "data").mkdir()
+    (tmp_path / "notes" / "data" / "corpus.bin").write_bytes(b"tokens")
+    line = _one_error_line(_cli(path, tmp_path / "notes", "--overwrite"))
+    assert "not an export of this tool" in line and "would delete data, notes.txt" in line
+    assert (tmp_path / "notes" / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "notes" / "data" / "corpus.bin").read_bytes() == b"tokens"
+    convert_to_hf.main(["--load", path, "--output-dir", str(tmp_path / "export")])
+    (tmp_path / "export" / "notes.txt").write_text("mine too")
+    line = _one_error_line(_cli(path, tmp_path / "export", "--overwrite"))
+    assert "would delete notes.txt (" in line
+    assert (tmp_path / "export" / "notes.txt").read_text() == "mine too"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "export", "notes"]
+
+
+def test_a_file_size_limit_is_one_line_and_leaves_nothing(tmp_path):
+    """Under ulimit -f the export fails in safetensors (SafetensorError, File too large): one line
+    naming --output-dir and the bytes the weights need, and no temporary folder left."""
+    path, _ = _random_checkpoint(tmp_path / "ck", _gpt2_config())
+    line = _one_error_line(_cli(path, tmp_path / "out", limit=3000))
+    needed = sum(v.numel() for v in read_checkpoint(path).state_dict.values()) * 4  # fp32
+    assert line == (
+        f"error: {tmp_path / 'out'}: cannot write, file too large ({needed:,} bytes needed; free "
+        f"disk space, raise the file-size limit (ulimit -f) or write elsewhere); nothing was "
+        f"written to {tmp_path / 'out'}"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"]
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import subprocess
 import sys
 
@@ -194,22 +195,37 @@ def test_a_checkpoint_without_full_state_names_the_way_out(tmp_path):
         _reshard(src, tmp_path / "out", tp=1)
 
 
-def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path):
+@pytest.mark.parametrize("limit", [1000, 20000])
+def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, limit):
+    """A file-size limit (ulimit -f) hit inside torch.save's zip writer (1000 bytes: the RuntimeError
+    "unexpected pos") or in a plain write: exit 2, one line naming the file and the bytes needed."""
     src, _ = _source(tmp_path / "src", GPT2)
     out = tmp_path / "out"
-    code = (
-        "import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (20000, 20000)); "
-        "import signal; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
-        f"sys.argv = ['reshard', '--load', {str(src)!r}, '--save', {str(out)!r}, "
-        "'--target-tensor-parallel-size', '2']; "
-        "import runpy; runpy.run_path('tools/reshard_checkpoint.py', run_name='__main__')"
-    )
     result = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+        [sys.executable, "tools/reshard_checkpoint.py", "--load", str(src), "--save", str(out)]
+        + ["--target-tensor-parallel-size", "2"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)),
     )
-    assert result.returncode != 0
+    assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1, result.stderr
-    assert "cannot be written" in lines[0] and "nothing was written" in lines[0]
-    assert not out.exists()
-    assert [n for n in os.listdir(tmp_path) if n != "src"] == []
+    assert lines[0].startswith(f"error: {tmp_path}/.out.tmp-"), lines[0]
+    assert "cannot write, file too large (" in lines[0] and "bytes needed" in lines[0]
+    assert lines[0].endswith(f"nothing was written to {out}")
+    assert os.listdir(tmp_path) == ["src"]
+
+
+def test_a_state_holding_nan_is_refused_and_leaves_nothing(tmp_path):
+    src, _ = _source(tmp_path / "src", GPT2)
+    path = shard_file(str(src / tag_for(ITERATION)), 1, 0)
+    payload = torch.load(path, weights_only=True)
+    name = next(iter(payload["entries"]))
+    payload["entries"][name]["exp_avg"].view(-1)[0] = float("nan")
+    torch.save(payload, path)
+    with pytest.raises(UserError, match=rf"non-finite values \(NaN/Inf\) in the full state {name}"):
+        _reshard(src, tmp_path / "out", tp=1)
+    assert os.listdir(tmp_path) == ["src"]

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
+import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -94,6 +96,10 @@ def _check_not_checkpoint(out_dir: str, load: str) -> None:
 
 
 def _check_output_dir(out_dir: str, overwrite: bool) -> None:
+    """Refuse a file, a non-empty folder (without --overwrite), and with --overwrite a folder
+    that is not one of this tool's exports, naming what replacing it would delete."""
+    from pretrain.convert.hf_folder import foreign_entries
+
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(
             f"--output-dir {out_dir} is a file (choose a folder name; nothing was written)"
@@ -102,6 +108,14 @@ def _check_output_dir(out_dir: str, overwrite: bool) -> None:
         raise UserError(
             f"--output-dir {out_dir} exists and is not an empty folder (choose a new one or remove it; "
             f"or pass --overwrite; nothing was written)"
+        )
+    foreign = foreign_entries(out_dir) if os.path.isdir(out_dir) else []
+    if foreign:
+        more = f" and {len(foreign) - 5} more" if len(foreign) > 5 else ""
+        raise UserError(
+            f"--overwrite --output-dir {out_dir}: not an export of this tool; replacing it would "
+            f"delete {', '.join(foreign[:5])}{more} (remove them yourself or choose another "
+            f"--output-dir; nothing was written)"
         )
 
 
@@ -114,6 +128,20 @@ def _move_into_place(tmp: str, out_dir: str) -> None:
     os.replace(tmp, out_dir)
     if old is not None:
         shutil.rmtree(old)
+
+
+def _no_space(err: BaseException, out_dir: str, needed: int) -> UserError | None:
+    """One line for a full disk or file-size limit while writing the export (safetensors reports
+    it as `SafetensorError: ... (os error N)`), else None."""
+    from pretrain.data.indexed_dataset import no_space_error
+
+    code = getattr(err, "errno", None)
+    found = re.search(r"\(os error (\d+)\)", str(err)) if code is None else None
+    code = int(found.group(1)) if found else code
+    if code is None:
+        return None
+    full = no_space_error(out_dir, OSError(code, os.strerror(code)), needed)
+    return full and UserError(f"{full}; nothing was written to {out_dir}")
 
 
 def _verify(ck, tmp: str, tokenizer, has_tokenizer: bool, args) -> None:
@@ -147,6 +175,8 @@ def _verify(ck, tmp: str, tokenizer, has_tokenizer: bool, args) -> None:
 def main(argv=None) -> None:
     """Merge the checkpoint's shards, write the HF folder (atomically), optionally verify."""
     args = parse_args(argv)
+    if hasattr(signal, "SIGXFSZ"):  # a file-size limit fails the write (reported), not the process
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     if args.overwrite:
         _check_not_checkpoint(args.output_dir, args.load)
     _check_output_dir(args.output_dir, args.overwrite)
@@ -199,8 +229,12 @@ def main(argv=None) -> None:
             _verify(ck, tmp, tokenizer, has_tokenizer, args)
         give_plain_modes(tmp)  # safetensors writes 0600 files
         _move_into_place(tmp, args.output_dir)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        needed = sum(v.numel() for v in ck.state_dict.values()) * dtype.itemsize
+        full = _no_space(err, args.output_dir, needed)
+        if full is not None:
+            raise full from None
         raise
     print(f"wrote {args.output_dir}: {', '.join(sorted(os.listdir(args.output_dir)))}")
 

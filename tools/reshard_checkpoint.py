@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -87,6 +88,8 @@ def _source(load: str, iteration: int | None) -> tuple[str, dict]:
 def main(argv=None) -> None:
     """Reshard --load's checkpoint into --save."""
     args = parse_args(argv)
+    if hasattr(signal, "SIGXFSZ"):  # a file-size limit fails the write (reported), not the process
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     from tqdm import tqdm
 
     from pretrain.checkpoint.relayout import TargetLayout, reshard

@@ -30,7 +30,8 @@ from pretrain.atomic import atomic_write_bytes
 from pretrain.checkpoint.commit import commit_latest, directory_size, fsync_path, new_unique
 from pretrain.checkpoint.format import FILES_KEY, META_FILE, model_config_from_meta, tag_for
 from pretrain.checkpoint.full_state import FullState, write_shard
-from pretrain.checkpoint.integrity import manifest
+from pretrain.checkpoint.integrity import check_finite, manifest
+from pretrain.data.indexed_dataset import no_space_error
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
 
@@ -108,7 +109,8 @@ def reshard(source_dir: str, meta: dict, save: str, target: TargetLayout, progre
     """Write the state of the step folder `source_dir` (its metadata `meta`) cut for `target`
     as the checkpoint folder `save` (which must not exist yet); returns its step folder.
     `progress(n)` is called after each file. A target the model cannot take, or a source
-    without a full state, is refused before anything is written."""
+    without a full state, is refused before anything is written; a state holding NaN/Inf, or a
+    full disk, is refused (one line) and leaves nothing behind."""
     config = model_config_from_meta(meta["model"])
     _check_target(config, target)
     state = FullState(source_dir, config.vocab_size)
@@ -121,6 +123,7 @@ def reshard(source_dir: str, meta: dict, save: str, target: TargetLayout, progre
     try:
         os.makedirs(step_dir)
         for rank, stage, entries in _files(state, config, target):
+            check_finite(entries, source_dir, "the full state")
             write_shard(
                 step_dir,
                 tp_rank=rank,
@@ -143,6 +146,9 @@ def reshard(source_dir: str, meta: dict, save: str, target: TargetLayout, progre
     except OSError as err:
         shutil.rmtree(tmp_root, ignore_errors=True)
         needed = directory_size(source_dir)
+        full = no_space_error(err.filename or save, err, needed)
+        if full is not None:
+            raise UserError(f"{full}; nothing was written to {save}") from None
         free = shutil.disk_usage(parent).free
         raise UserError(
             f"{err.filename or save}: cannot be written ({err.strerror or err}); the source's step "

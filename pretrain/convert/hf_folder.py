@@ -16,6 +16,7 @@ import dataclasses
 import glob
 import json
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -28,11 +29,31 @@ from pretrain.convert.hf_adapter import (
     to_hf_config,
     to_hf_state_dict,
 )
+from pretrain.convert.model_card import is_model_card
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
 from pretrain.tokenizer import Tokenizer, TokenizerConfig, build_tokenizer
 
 EXPORTABLE_TOKENIZERS = ("GPT2BPETokenizer", "HuggingFaceTokenizer")
+# the names an export holds: the model (save_pretrained), the tokenizer files, the model card
+EXPORT_FILE = re.compile(
+    r"(config|generation_config|tokenizer|tokenizer_config|special_tokens_map|added_tokens"
+    r"|vocab)\.json|merges\.txt|chat_template\.jinja|README\.md"
+    r"|model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json"
+)
+
+
+def foreign_entries(folder: str) -> list[str]:
+    """The entries of `folder` that no export (tools/convert_to_hf.py) writes: none for one of
+    its exports, every entry when the folder's README.md is not the model card an export holds."""
+    names = sorted(os.listdir(folder))
+    if not is_model_card(os.path.join(folder, "README.md")):
+        return names
+    return [
+        n
+        for n in names
+        if not (EXPORT_FILE.fullmatch(n) and os.path.isfile(os.path.join(folder, n)))
+    ]
 
 
 @dataclass

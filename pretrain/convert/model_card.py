@@ -3,7 +3,13 @@ what data, from its metadata (the data fingerprints and the tokens read per sour
 
 from __future__ import annotations
 
+import os
+import re
+
 from pretrain.model.config import ModelConfig, model_flags
+
+TITLE = "# {hf_class} trained with pretrain_gpt.py"
+_TITLE = re.compile(re.escape(TITLE).replace(re.escape("{hf_class}"), r"\w+"))
 
 
 def _data_rows(meta: dict) -> list[str]:
@@ -25,7 +31,7 @@ def _data_rows(meta: dict) -> list[str]:
 def model_card(meta: dict, config: ModelConfig, hf_class: str) -> str:
     """Markdown for the export's README.md."""
     lines = [
-        f"# {hf_class} trained with pretrain_gpt.py",
+        TITLE.format(hf_class=hf_class),
         "",
         f"Exported from the checkpoint at iteration {meta.get('iteration', 0)} "
         f"({meta.get('consumed_train_samples', 0):,} training samples).",
@@ -53,3 +59,11 @@ def model_card(meta: dict, config: ModelConfig, hf_class: str) -> str:
     if meta.get("argv"):
         lines += ["## Command line", "", "```", " ".join(meta["argv"]), "```", ""]
     return "\n".join(lines)
+
+
+def is_model_card(path: str) -> bool:
+    """True when the file `path` starts with the title line `model_card` writes."""
+    if not os.path.isfile(path):
+        return False
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return _TITLE.fullmatch(f.readline().rstrip("\n")) is not None
