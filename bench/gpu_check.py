@@ -1,25 +1,21 @@
-"""The GPU check (`make gpu-check`): everything on the GPU path, on one GPU, in one run (<= 8 min).
+"""The GPU check (`make gpu-check`): everything on the GPU path, on one GPU, within --budget-s.
 
-1. `pytest -m gpu` with PRETRAIN_REQUIRE_GPU=1 (the tests that use CUDA: TP layers and the model
-   on the device, the bf16 model on the flash SDPA kernel, document attention's FlexAttention).
-2. Per model (GPT-2 124M at s=1024, a GPT-3-XL-shaped 1.3B at s=2048): `pretrain_gpt.py --bf16`
-   for --iters iterations on one GPU (SDPA picks flash), on a synthetic random-token corpus;
-   tokens/s and TFLOP/s are the medians of the iterations after --warmup from its metrics file,
-   i.e. the log's own numbers (pretrain/training/flops.py's formula), MFU = TFLOP/s / the
-   device's bf16 peak (the same table the log uses).
-3. Beside each, a plain PyTorch training step of the same model, measured in the same run: torch
-   modules, `scaled_dot_product_attention(is_causal=True)`, fused AdamW, bf16 autocast over fp32
-   weights, gradient clipping; TFLOP/s from the same formula. "ratio" = ours / plain tokens/s
-   (the ratio to beat: >= 1.0).
-4. The 124M checkpoint exported to Hugging Face in bf16 with `tools/convert_to_hf.py --verify`.
-5. One JSON line with every figure.
+Checks, in order of value (each one's figures go into the --json report as soon as it ends):
+1. `tests`: `pytest -m gpu` with PRETRAIN_REQUIRE_GPU=1 (a skipped test fails it).
+2. `flex_training`: `pretrain_gpt.py --bf16 --reset-attention-mask` (4 x 512, head dim 64,
+   s = 1024, no dropout: document attention on compiled FlexAttention, forward and backward).
+3. Per model (GPT-2 124M at s=1024, then its `hf_export` with `tools/convert_to_hf.py --dtype
+   bf16 --verify`, then a GPT-3-XL-shaped 1.3B at s=2048): `pretrain_gpt.py --bf16` on a
+   random-token corpus; tokens/s, TFLOP/s (the log's formula), MFU; beside it a plain PyTorch
+   step of the same model (torch modules, SDPA is_causal, fused AdamW, bf16 autocast), "ratio" =
+   ours / plain tokens/s.
+A check starts only when elapsed + its estimate fits the budget; otherwise, or when a check it
+needs failed, its entry says "not started: why". Exit 1 unless every check is "ok". The report
+is rewritten atomically after each check and printed as the last stdout line at the end.
+`--dry-run` (no GPU): one "planned" entry per check with its exact command and env, every
+training command's flags checked by pretrain.cli, the plain step of a tiny model on the CPU.
 
-Anything that breaks on the GPU path fails the run: a message on stderr naming the step, exit
-status 1; nothing is skipped. `--dry-run` runs the CPU-safe parts instead (argument building and
-checking with pretrain.cli on a small synthetic corpus, the plain step of a tiny model on the CPU,
-the JSON line and its parsing) and needs no GPU.
-
-    .venv/bin/python bench/gpu_check.py [--dry-run] [--iters 30] [--work-dir DIR]
+    .venv/bin/python bench/gpu_check.py [--dry-run] [--json FILE] [--budget-s 480] [--work-dir DIR]
 """
 
 from __future__ import annotations
