@@ -1,25 +1,21 @@
-"""The GPU check (`make gpu-check`): everything on the GPU path, on one GPU, in one run (<= 8 min).
+"""The GPU check (`make gpu-check`): everything on the GPU path, on one GPU, within --budget-s.
 
-1. `pytest -m gpu` with PRETRAIN_REQUIRE_GPU=1 (the tests that use CUDA: TP layers and the model
-   on the device, the bf16 model on the flash SDPA kernel, document attention's FlexAttention).
-2. Per model (GPT-2 124M at s=1024, a GPT-3-XL-shaped 1.3B at s=2048): `pretrain_gpt.py --bf16`
-   for --iters iterations on one GPU (SDPA picks flash), on a synthetic random-token corpus;
-   tokens/s and TFLOP/s are the medians of the iterations after --warmup from its metrics file,
-   i.e. the log's own numbers (pretrain/training/flops.py's formula), MFU = TFLOP/s / the
-   device's bf16 peak (the same table the log uses).
-3. Beside each, a plain PyTorch training step of the same model, measured in the same run: torch
-   modules, `scaled_dot_product_attention(is_causal=True)`, fused AdamW, bf16 autocast over fp32
-   weights, gradient clipping; TFLOP/s from the same formula. "ratio" = ours / plain tokens/s
-   (the ratio to beat: >= 1.0).
-4. The 124M checkpoint exported to Hugging Face in bf16 with `tools/convert_to_hf.py --verify`.
-5. One JSON line with every figure.
+Checks, in order of value (each one's figures go into the --json report as soon as it ends):
+1. `tests`: `pytest -m gpu` with PRETRAIN_REQUIRE_GPU=1 (a skipped test fails it).
+2. `flex_training`: `pretrain_gpt.py --bf16 --reset-attention-mask` (4 x 512, head dim 64,
+   s = 1024, no dropout: document attention on compiled FlexAttention, forward and backward).
+3. Per model (GPT-2 124M at s=1024, then its `hf_export` with `tools/convert_to_hf.py --dtype
+   bf16 --verify`, then a GPT-3-XL-shaped 1.3B at s=2048): `pretrain_gpt.py --bf16` on a
+   random-token corpus; tokens/s, TFLOP/s (the log's formula), MFU; beside it a plain PyTorch
+   step of the same model (torch modules, SDPA is_causal, fused AdamW, bf16 autocast), "ratio" =
+   ours / plain tokens/s.
+A check starts only when elapsed + its estimate fits the budget; otherwise, or when a check it
+needs failed, its entry says "not started: why". Exit 1 unless every check is "ok". The report
+is rewritten atomically after each check and printed as the last stdout line at the end.
+`--dry-run` (no GPU): one "planned" entry per check with its exact command and env, every
+training command's flags checked by pretrain.cli, the plain step of a tiny model on the CPU.
 
-Anything that breaks on the GPU path fails the run: a message on stderr naming the step, exit
-status 1; nothing is skipped. `--dry-run` runs the CPU-safe parts instead (argument building and
-checking with pretrain.cli on a small synthetic corpus, the plain step of a tiny model on the CPU,
-the JSON line and its parsing) and needs no GPU.
-
-    .venv/bin/python bench/gpu_check.py [--dry-run] [--iters 30] [--work-dir DIR]
+    .venv/bin/python bench/gpu_check.py [--dry-run] [--json FILE] [--budget-s 480] [--work-dir DIR]
 """
 
 from __future__ import annotations
@@ -85,6 +81,9 @@ SHAPES = {
 }
 EXPORTED = "gpt2_124m"  # the model whose checkpoint goes to Hugging Face (bf16, --verify)
 TINY = Shape("tiny", 2, 64, 4, 128, 2)  # the dry run's plain step
+# document attention on FlexAttention: s a multiple of its 128 block, head dim 64, no dropout
+FLEX = Shape("flex_training", 4, 512, 8, 1024, 8)
+FLEX_FLAGS = ("--reset-attention-mask",)
 
 
 def parse_args(argv=None):
@@ -96,19 +95,21 @@ def parse_args(argv=None):
     parser.add_argument("--warmup", type=int, default=5, help="iterations left out of the medians")
     parser.add_argument("--models", nargs="+", choices=sorted(SHAPES), default=sorted(SHAPES))
     parser.add_argument("--work-dir", help="where the corpus, checkpoints and export go [tmp]")
-    parser.add_argument("--test-timeout", type=int, default=240, help="seconds for pytest -m gpu")
+    parser.add_argument("--test-timeout", type=int, default=180, help="seconds for pytest -m gpu")
+    parser.add_argument("--budget-s", type=int, default=480, help="no check starts past this")
+    parser.add_argument("--json", help="the report, rewritten after each check [WORK_DIR/...]")
     return parser.parse_args(argv)
 
 
 def write_corpus(prefix: Path, tokens: int, seed: int = 0) -> str:
-    """A random-token corpus (documents of 1-4k GPT-2 ids + EOD) as PREFIX.bin/.idx."""
+    """A random-token corpus (documents of 200-3000 GPT-2 ids + EOD) as PREFIX.bin/.idx."""
     from pretrain.data.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
 
     rng = np.random.default_rng(seed)
     builder = IndexedDatasetBuilder(get_bin_path(str(prefix)), dtype=np.uint16)
     written = 0
     while written < tokens:
-        doc = rng.integers(0, VOCAB - 1, size=int(rng.integers(1000, 4000)), dtype=np.int64)
+        doc = rng.integers(0, VOCAB - 1, size=int(rng.integers(200, 3000)), dtype=np.int64)
         builder.add_item(np.append(doc, VOCAB - 1))  # the eod of NullTokenizer --vocab-size VOCAB-1
         builder.end_document()
         written += len(doc) + 1
@@ -247,13 +248,10 @@ def run_step(what: str, cmd: list[str], timeout: float, env: dict) -> str:
     return output
 
 
-def our_training(shape: Shape, corpus: str, args, work: Path, env: dict, peak) -> dict:
-    """pretrain_gpt.py on one GPU; the medians of its logged throughput after the warmup."""
-    argv = training_argv(shape, corpus, args.iters, work, save=shape.name == EXPORTED)
-    run_step(f"training {shape.name}", [sys.executable, "pretrain_gpt.py", *argv], 420, env)
-    lines = (work / f"{shape.name}.jsonl").read_text().splitlines()
-    records = [json.loads(line) for line in lines]
-    steps = [r for r in records if "iteration-time" in r and r["iteration"] > args.warmup]
+def logged_figures(shape: Shape, metrics: Path, warmup: int, peak) -> dict:
+    """The medians of a training run's logged throughput after `warmup`; its losses, finite."""
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = [r for r in records if "iteration-time" in r and r["iteration"] > warmup]
     if not steps:
         raise CheckFailed(f"training {shape.name}: no iterations logged after the warmup")
     losses = [r["lm-loss"] for r in steps]
@@ -267,110 +265,175 @@ def our_training(shape: Shape, corpus: str, args, work: Path, env: dict, peak) -
     }
 
 
-def export_hf(shape: Shape, work: Path, env: dict) -> dict:
-    """convert_to_hf.py --dtype bf16 --verify on the model's checkpoint."""
-    out = run_step(
-        f"HF export of {shape.name}",
-        [
-            sys.executable,
-            "tools/convert_to_hf.py",
-            *("--load", str(work / f"{shape.name}_ckpt"), "--dtype", "bf16", "--verify"),
-            *("--output-dir", str(work / f"{shape.name}_hf"), "--overwrite"),
-        ],
-        300,
-        env,
+@dataclass(frozen=True)
+class Check:
+    """One planned step: its command (run in the repo with the check's env), its time estimate."""
+
+    name: str
+    cmd: list[str]
+    estimate_s: float
+    shape: Shape | None = None
+    needs: str | None = None  # a check that must have passed first
+
+
+def plan(args, corpus: str, work: Path) -> list[Check]:
+    """The checks in order of value: GPU tests, FlexAttention training, throughput, HF export."""
+    py = sys.executable
+    tests = [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"]
+    checks = [Check("tests", tests, args.test_timeout)]
+    flex = training_argv(FLEX, corpus, args.iters, work, save=False)
+    checks.append(Check("flex_training", [py, "pretrain_gpt.py", *flex, *FLEX_FLAGS], 90, FLEX))
+    for name in args.models:
+        argv = training_argv(SHAPES[name], corpus, args.iters, work, save=name == EXPORTED)
+        estimate = 120 if name == EXPORTED else 180
+        checks.append(Check(name, [py, "pretrain_gpt.py", *argv], estimate, SHAPES[name]))
+        if name == EXPORTED:
+            checks.append(Check("hf_export", export_cmd(work), 60, needs=EXPORTED))
+    return checks
+
+
+def export_cmd(work: Path) -> list[str]:
+    """convert_to_hf.py --dtype bf16 --verify on the exported model's checkpoint."""
+    return [
+        sys.executable,
+        "tools/convert_to_hf.py",
+        *("--load", str(work / f"{EXPORTED}_ckpt"), "--dtype", "bf16", "--verify"),
+        *("--output-dir", str(work / f"{EXPORTED}_hf"), "--overwrite"),
+    ]
+
+
+def check_env() -> dict:
+    """What the GPU run adds to the environment of every command."""
+    return {"DS_ACCELERATOR": "cuda", "PRETRAIN_REQUIRE_GPU": "1", "PYTHONPATH": str(REPO)}
+
+
+class Report:
+    """The JSON file, rewritten (atomically) after every check, so a run cut short still reports."""
+
+    def __init__(self, path: Path, header: dict):
+        self.path, self.data = path, {**header, "checks": {}}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.write()
+
+    def record(self, name: str, entry: dict) -> None:
+        """Set the entry of check `name` and write the file."""
+        self.data["checks"][name] = entry
+        self.write()
+
+    def write(self) -> None:
+        """The file, via a temporary name and a rename."""
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1) + "\n")
+        os.replace(tmp, self.path)
+
+
+def run_check(check: Check, args, work: Path, env: dict, timeout: float, peak) -> dict:
+    """Run one check on the GPU; its figures."""
+    output = run_step(check.name, check.cmd, timeout, env)
+    if check.name == "tests":
+        summary = output.strip().splitlines()[-1]
+        if "skipped" in summary or "passed" not in summary:
+            raise CheckFailed(f"pytest -m gpu: {summary} (every GPU test must run)")
+        return {"summary": summary}
+    if check.name == "hf_export":
+        return {"model": EXPORTED, "dtype": "bf16", "verified": True}
+    ours = logged_figures(check.shape, work / f"{check.shape.name}.jsonl", args.warmup, peak)
+    if check.shape is FLEX:
+        return {"ours": ours}
+    plain_times = plain_step_seconds(check.shape, torch.device("cuda"), args.iters, args.warmup)
+    plain = figures(check.shape, statistics.median(plain_times), peak)
+    torch.cuda.empty_cache()
+    return {
+        "ours": ours,
+        "plain": plain,
+        "ratio": round(ours["tokens_per_s"] / plain["tokens_per_s"], 3),
+    }
+
+
+def gpu_run(args, work: Path, report: Report, start: float) -> bool:
+    """Every check on the GPU, in order, within the budget; True when all passed."""
+    if not torch.cuda.is_available():
+        raise CheckFailed("torch.cuda.is_available() is False: no GPU for the GPU check")
+    peak = peak_tflops_per_device(None)
+    report.data.update(
+        device=torch.cuda.get_device_name(), peak_tflops=peak, torch=torch.__version__
     )
-    return {"model": shape.name, "dtype": "bf16", "verified": True, "log_tail": out[-300:]}
+    env = {**os.environ, **check_env()}
+    env["PYTHONPATH"] += os.pathsep + os.environ.get("PYTHONPATH", "")
+    corpus = write_corpus(work / "corpus", tokens=40 * 16 * 2048)
+    passed = True
+    for check in plan(args, corpus, work):
+        elapsed = time.monotonic() - start
+        if check.needs and report.data["checks"].get(check.needs, {}).get("status") != "ok":
+            entry = {"status": f"not started: {check.needs} did not pass"}
+        elif elapsed + check.estimate_s > args.budget_s:
+            entry = {
+                "status": f"not started: budget ({elapsed:.0f} s + ~{check.estimate_s:.0f} s > {args.budget_s} s)"
+            }
+        else:
+            try:
+                entry = {
+                    "status": "ok",
+                    **run_check(check, args, work, env, args.budget_s - elapsed, peak),
+                }
+            except CheckFailed as err:
+                print(f"gpu-check FAILED: {err}", file=sys.stderr)
+                entry = {"status": "failed", "error": str(err)[:2000]}
+        entry["wall_s"] = round(time.monotonic() - start - elapsed, 1)
+        passed &= entry["status"] == "ok"
+        report.record(check.name, entry)
+    return passed
+
+
+def dry_run(args, work: Path, report: Report) -> bool:
+    """The CPU-safe parts: each planned command and its env in the JSON, every training command's
+    flags checked by pretrain.cli, the plain step of a tiny model on the CPU."""
+    corpus = write_corpus(work / "corpus", tokens=20_000)
+    for check in plan(args, corpus, work):
+        if check.cmd[1] == "pretrain_gpt.py":
+            check_argv(check.cmd[2:])
+        env = check_env()
+        report.record(
+            check.name,
+            {"status": "planned", "cmd": check.cmd, "env": env, "estimate_s": check.estimate_s},
+        )
+    times = plain_step_seconds(TINY, torch.device("cpu"), iters=3, warmup=1)
+    report.data["dry_run_plain"] = figures(TINY, statistics.median(times), None)
+    return True
 
 
 def parse_result_line(output: str) -> dict:
     """The JSON object on the last non-empty line of the check's output."""
     lines = [line for line in output.strip().splitlines() if line.strip()]
     result = json.loads(lines[-1])
-    if not {"device", "models", "ratio"} <= result.keys():
+    if not {"device", "checks", "budget_s"} <= result.keys():
         raise ValueError(f"not a gpu-check result line: {lines[-1][:200]}")
     return result
 
 
-def dry_run(args, work: Path) -> dict:
-    """The CPU-safe parts: every model's flags checked, the plain step of a tiny model on CPU."""
-    corpus = write_corpus(work / "corpus", tokens=20_000)
-    for shape in SHAPES.values():
-        check_argv(training_argv(shape, corpus, args.iters, work, save=shape.name == EXPORTED))
-    times = plain_step_seconds(TINY, torch.device("cpu"), iters=3, warmup=1)
-    plain = figures(TINY, statistics.median(times), None)
-    return {
-        "device": "cpu (dry run)",
-        "dry_run": True,
-        "tests": None,
-        "models": {TINY.name: {"ours": None, "plain": plain, "ratio": None}},
-        "hf_export": None,
-        "ratio": None,
-    }
-
-
-def gpu_run(args, work: Path) -> dict:
-    """Everything, on the GPU; CheckFailed at the first thing that breaks."""
-    if not torch.cuda.is_available():
-        raise CheckFailed("torch.cuda.is_available() is False: no GPU for the GPU check")
-    device = torch.device("cuda")
-    peak = peak_tflops_per_device(None)
-    env = {**os.environ, "DS_ACCELERATOR": "cuda", "PRETRAIN_REQUIRE_GPU": "1"}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    tests = run_step(
-        "pytest -m gpu",
-        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"],
-        args.test_timeout,
-        env,
-    )
-    summary = tests.strip().splitlines()[-1]
-    if "skipped" in summary or "passed" not in summary:
-        raise CheckFailed(f"pytest -m gpu: {summary} (every GPU test must run)")
-    corpus = write_corpus(work / "corpus", tokens=40 * 16 * 2048)
-    models = {}
-    for name in args.models:
-        shape = SHAPES[name]
-        ours = our_training(shape, corpus, args, work, env, peak)
-        plain_times = plain_step_seconds(shape, device, args.iters, args.warmup)
-        plain = figures(shape, statistics.median(plain_times), peak)
-        models[name] = {
-            "ours": ours,
-            "plain": plain,
-            "ratio": round(ours["tokens_per_s"] / plain["tokens_per_s"], 3),
-        }
-        torch.cuda.empty_cache()
-    export = export_hf(SHAPES[EXPORTED], work, env) if EXPORTED in models else None
-    return {
-        "device": torch.cuda.get_device_name(),
-        "dry_run": False,
-        "peak_tflops": peak,
-        "torch": torch.__version__,
-        "tests": summary,
-        "models": models,
-        "hf_export": export and {k: v for k, v in export.items() if k != "log_tail"},
-        "ratio": min(m["ratio"] for m in models.values()),
-    }
-
-
 def main(argv=None) -> int:
-    """Run the check; print the JSON line; 0 when everything ran, 1 (and why) when not."""
+    """Run the check; the JSON file after each step, its whole content as the last stdout line;
+    0 when everything ran and passed, 1 (and why, on stderr) when not."""
     args = parse_args(argv)
     start = time.monotonic()
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="gpu_check_"))
     work.mkdir(parents=True, exist_ok=True)
+    json_path = Path(args.json) if args.json else work / "gpu_check.json"
+    header = {"device": "cpu (dry run)" if args.dry_run else None, "dry_run": args.dry_run}
+    report = Report(json_path, {**header, "budget_s": args.budget_s})
     try:
-        result = dry_run(args, work) if args.dry_run else gpu_run(args, work)
+        passed = dry_run(args, work, report) if args.dry_run else gpu_run(args, work, report, start)
     except CheckFailed as err:
         print(f"gpu-check FAILED: {err}", file=sys.stderr)
-        return 1
+        report.data["error"] = str(err)
+        passed = False
     finally:
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
-    result["wall_s"] = round(time.monotonic() - start, 1)
-    line = json.dumps(result)
-    parse_result_line(line)  # what a reader of the line will do
-    print(line)
-    return 0
+    report.data["wall_s"] = round(time.monotonic() - start, 1)
+    report.write()
+    print(json.dumps(report.data))
+    return 0 if passed else 1
 
 
 if __name__ == "__main__":

@@ -84,8 +84,13 @@ def test_bf16_model_runs_on_the_flash_sdpa_kernel(device):
     calls were not flash-eligible) and its loss tracks the fp32 math-kernel model's."""
     # flash attention has dropout on CUDA only
     dropout = 0.1 if device.type == "cuda" else 0.0
+    # head dim 64 (512 / 8): CUDA's flash kernel takes multiples of 8 up to 256, not LLAMA's 4
     config = dataclasses.replace(
-        LLAMA, seq_length=256, max_position_embeddings=256, attention_dropout=dropout
+        LLAMA,
+        hidden_size=512,
+        seq_length=256,
+        max_position_embeddings=256,
+        attention_dropout=dropout,
     )
     tokens = torch.randint(0, 100, (2, 256), generator=torch.Generator().manual_seed(2))
     tokens = tokens.to(device)
