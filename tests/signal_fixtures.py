@@ -1,5 +1,6 @@
-"""Shared pieces of the signal tests: start a launch in its own session, find its ranks and their
-DataLoader workers, wait for logged iterations, collect the output under a hard timeout."""
+"""Shared pieces of the signal tests (a launch starts with `training_fixtures.start`, in its own
+session): find its ranks and their DataLoader workers, wait for logged iterations, collect the
+output under a hard timeout."""
 
 from __future__ import annotations
 
@@ -10,21 +11,7 @@ import time
 from pathlib import Path
 
 import psutil
-from training_fixtures import REPO, read_metrics
-from training_fixtures import test_env as clean_env
-
-
-def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
-    """`cmd` in a new session (its own process group), stdout and stderr together."""
-    return subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=env or clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
+from training_fixtures import read_metrics
 
 
 def _runs_script(process: psutil.Process) -> bool:

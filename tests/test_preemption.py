@@ -21,7 +21,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from signal_fixtures import finish, job, kill_group, start, wait_for_iterations
+from signal_fixtures import finish, job, kill_group, wait_for_iterations
 from training_fixtures import (
     PYTHON,
     REPO,
@@ -31,6 +31,7 @@ from training_fixtures import (
     model_flags,
     read_metrics,
     run,
+    start,
     torchrun_cmd,
     train_flags,
 )

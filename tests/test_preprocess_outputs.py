@@ -4,14 +4,19 @@ another run's files, never removes a live run's temporary. Real processes, real 
 import glob
 import json
 import os
-import signal
 import socket
 import subprocess
-import time
 
 import pytest
 from test_preprocess import make_records, same_files, write_jsonl
-from test_preprocess_reliability import ENV, big_corpus, one_error_line, preprocess_cmd, run
+from test_preprocess_reliability import (
+    big_corpus,
+    finish_paused,
+    one_error_line,
+    paused_run,
+    preprocess_cmd,
+    run,
+)
 
 from pretrain.data.indexed_dataset import IndexedDataset
 
@@ -55,25 +60,14 @@ def test_aliased_prefix_and_key_refuses_while_the_first_run_writes(tmp_path):
         tmp_path / "x.jsonl", [{"x_text": json.loads(r)["text"]} for r in open(src)]
     )
     out = tmp_path / "P_k_x_text_document"
-    first = subprocess.Popen(preprocess_cmd(aliased, tmp_path / "P_k", "--json-keys", "x_text"),
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV,
-                             start_new_session=True)  # fmt: skip
-    try:
-        deadline = time.time() + 120
-        while not glob.glob(f"{out}.bin.*.tmp") and time.time() < deadline:
-            time.sleep(0.01)
-        os.killpg(first.pid, signal.SIGSTOP)
-        assert first.poll() is None, "run A finished before run B could start"
+    run_a = preprocess_cmd(aliased, tmp_path / "P_k", "--json-keys", "x_text")
+    with paused_run(run_a, f"{out}.bin.*.tmp") as first:
         (live,) = glob.glob(f"{out}.bin.*.tmp")
         line = one_error_line(run(preprocess_cmd(src, tmp_path / "P_k_x")))
         assert f"--output-prefix {tmp_path}/P_k_x: another run is writing {out}.bin/.idx" in line
         assert os.path.exists(live)  # A's temporary is untouched
-        os.killpg(first.pid, signal.SIGCONT)
-        _, err = first.communicate(timeout=240)
-    finally:
-        if first.poll() is None:
-            os.killpg(first.pid, signal.SIGKILL)
-    assert first.returncode == 0, err
+        finish_paused(first)
+    assert first.returncode == 0, first.stderr_text
     assert IndexedDataset(str(out)).num_documents == 3000
 
 

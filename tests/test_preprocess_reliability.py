@@ -2,6 +2,7 @@
 file-size limit, an empty corpus, JSON no parser accepts, a 20 MB line, a killed run's
 temporaries. Real processes, real files, real signals."""
 
+import contextlib
 import glob
 import json
 import os
@@ -59,6 +60,31 @@ def temporaries(directory):
     return [f for f in os.listdir(directory) if f.endswith(".tmp") or f.startswith(".")]
 
 
+@contextlib.contextmanager
+def paused_run(cmd, temporary_glob):
+    """Run A: `cmd` in its own session, stopped (SIGSTOP) as soon as a temporary matching
+    `temporary_glob` exists; yields the process; killed on exit if it still runs."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=ENV,
+                            start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while not glob.glob(temporary_glob) and time.time() < deadline:
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGSTOP)
+        assert proc.poll() is None, "run A finished before run B could start"
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def finish_paused(proc) -> subprocess.Popen:
+    """Let a `paused_run` go on (SIGCONT) and wait for it; the process, with `stderr_text`."""
+    os.killpg(proc.pid, signal.SIGCONT)
+    _, proc.stderr_text = proc.communicate(timeout=240)
+    return proc
+
+
 def big_corpus(path, n=3000, seed=0):
     rng = random.Random(seed)
     texts = awkward_texts(seed=seed, n=200)
@@ -73,14 +99,7 @@ def test_second_run_on_a_busy_prefix_refuses(tmp_path, hf_reference):
     and leave A's files alone; A then finishes with Megatron's bytes, and no temporary is left."""
     src = big_corpus(tmp_path / "c.jsonl")
     prefix = tmp_path / "out"
-    first = subprocess.Popen(preprocess_cmd(src, prefix), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, env=ENV, start_new_session=True)  # fmt: skip
-    try:
-        deadline = time.time() + 120
-        while not glob.glob(f"{prefix}_text_document.bin.*.tmp") and time.time() < deadline:
-            time.sleep(0.01)
-        os.killpg(first.pid, signal.SIGSTOP)
-        assert first.poll() is None, "run A finished before run B could start"
+    with paused_run(preprocess_cmd(src, prefix), f"{prefix}_text_document.bin.*.tmp") as first:
         second = run(preprocess_cmd(src, prefix))
         line = one_error_line(second)
         assert (
@@ -88,12 +107,8 @@ def test_second_run_on_a_busy_prefix_refuses(tmp_path, hf_reference):
             in line
         )
         assert glob.glob(f"{prefix}_text_document.bin.*.tmp")  # A's temporary is untouched
-        os.killpg(first.pid, signal.SIGCONT)
-        out, err = first.communicate(timeout=240)
-    finally:
-        if first.poll() is None:
-            os.killpg(first.pid, signal.SIGKILL)
-    assert first.returncode == 0, err
+        finish_paused(first)
+    assert first.returncode == 0, first.stderr_text
     ref = megatron_reference(src, ["text"], str(tmp_path / "ref"), hf_reference, False)
     assert same_files(f"{prefix}_text_document", ref["text"])
     assert temporaries(tmp_path) == []

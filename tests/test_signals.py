@@ -8,7 +8,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from signal_fixtures import finish, job, kill_group, start, wait_for_iterations
+from signal_fixtures import finish, job, kill_group, wait_for_iterations
 from training_fixtures import (
     deepspeed_cmd,
     layout_flags,
@@ -17,6 +17,7 @@ from training_fixtures import (
     multirun_cmd,
     read_metrics,
     run,
+    start,
     train_flags,
 )
 

@@ -151,11 +151,9 @@ def test_env(**extra) -> dict:
     return env
 
 
-def run(
-    cmd: list[str], timeout: float, env: dict | None = None, cwd: Path = REPO
-) -> subprocess.CompletedProcess:
-    """Run `cmd` in a new session; kill the whole process group on timeout."""
-    proc = subprocess.Popen(
+def start(cmd: list[str], env: dict | None = None, cwd: Path = REPO) -> subprocess.Popen:
+    """`cmd` in a new session (its own process group), stdout and stderr together."""
+    return subprocess.Popen(
         cmd,
         cwd=cwd,
         env=env or test_env(),
@@ -164,6 +162,13 @@ def run(
         text=True,
         start_new_session=True,
     )
+
+
+def run(
+    cmd: list[str], timeout: float, env: dict | None = None, cwd: Path = REPO
+) -> subprocess.CompletedProcess:
+    """Run `cmd` in a new session; kill the whole process group on timeout."""
+    proc = start(cmd, env, cwd)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
