@@ -74,3 +74,25 @@ def test_pretrain_rebuilds_what_a_replaced_config_changed(tmp_path):
     rebuilt = _prepared(moved)
     assert rebuilt.files is not cfg.prepared.files and rebuilt.data_config == moved.data
     assert cfg == dataclasses.replace(cfg, prepared=None)  # not part of the configuration
+
+
+def test_a_resume_hashes_its_tokenizer_files_once(tmp_path):
+    """A resumed run hashes each tokenizer file once (`Prepared.tokenizer_fingerprint`), for the
+    data check, the comparison with the checkpoint's tokenizer and the record its checkpoints
+    keep (was three times, once for each)."""
+    from tokenizer_fixtures import MERGES, VOCAB
+
+    prefix = make_corpus(tmp_path / "corpus")
+    argv = model_flags("gpt2") + train_flags(prefix, iters=3)
+    i = argv.index("--tokenizer-type")
+    argv[i : i + 4] = ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", VOCAB]
+    argv += ["--merge-file", MERGES, "--save", str(tmp_path / "ck"), "--save-interval", "2"]
+    env = clean_env(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    first = run([PYTHON, "-c", COUNTING_RUN, *argv, "--exit-interval", "2"], 600, env, REPO)
+    assert first.returncode == 0, first.stdout[-4000:]
+    env["MASTER_PORT"] = str(free_port())
+    resumed = run([PYTHON, "-c", COUNTING_RUN, *argv, "--load", str(tmp_path / "ck")], 600, env)
+    assert resumed.returncode == 0, resumed.stdout[-4000:]
+    assert "loaded checkpoint" in resumed.stdout.lower(), resumed.stdout[-3000:]
+    counts = json.loads(resumed.stdout.split("COUNTS ", 1)[1].splitlines()[0])
+    assert counts[f"sha256 {VOCAB}"] == 1 and counts[f"sha256 {MERGES}"] == 1, counts

@@ -23,7 +23,7 @@ from pretrain.cli.resolve import (
     precision_config,
 )
 from pretrain.data.config import DataConfig
-from pretrain.data.fingerprint import PrefixFiles, check_data
+from pretrain.data.fingerprint import PrefixFiles, check_data, tokenizer_fingerprint
 from pretrain.errors import UserError
 from pretrain.launch import detect_launch_env
 from pretrain.parallel.config import ParallelConfig, check_world_divisible
@@ -170,12 +170,20 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
     prepared = Prepared(
         tokenizer_config=tokenizer,
         tokenizer=built_tokenizer,
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer, built_tokenizer),
         data_config=data,
         files=PrefixFiles(data.data_cache_path),  # read here, reused by pretrain
     )
     check_data_files(data)
     # data fingerprints: made by this tokenizer, largest token id inside its vocabulary
-    check_data(data, tokenizer, built_tokenizer, built_tokenizer.vocab_size, prepared.files)
+    check_data(
+        data,
+        tokenizer,
+        built_tokenizer,
+        built_tokenizer.vocab_size,
+        prepared.files,
+        fingerprint=prepared.tokenizer_fingerprint,
+    )
     check_data_splits(data, ns, train_iters, gbs, launch.rank, prepared.files)
     evaluation = EvalConfig(
         **section_values(ns, "evaluation"), eval_interval=ns.eval_interval, eval_iters=ns.eval_iters

@@ -299,12 +299,19 @@ def check_prefix(
 
 
 def check_data(
-    cfg: DataConfig, tok_cfg, tokenizer, vocab_size: int, files: PrefixFiles | None = None
+    cfg: DataConfig,
+    tok_cfg,
+    tokenizer,
+    vocab_size: int,
+    files: PrefixFiles | None = None,
+    *,
+    fingerprint: dict | None = None,
 ) -> None:
     """Check every prefix of `cfg` against the tokenizer given and a vocabulary of `vocab_size`
     ids (the model's, or the tokenizer's where there is no model). One-line UserError on a mismatch.
-    `files`: the prefixes' files as already read (PrefixFiles(cfg.data_cache_path))."""
-    given = tokenizer_fingerprint(tok_cfg, tokenizer)
+    `files`: the prefixes' files as already read (PrefixFiles(cfg.data_cache_path));
+    `fingerprint`: the tokenizer's `tokenizer_fingerprint` where already made (its files hashed)."""
+    given = fingerprint or tokenizer_fingerprint(tok_cfg, tokenizer)
     files = files or PrefixFiles(cfg.data_cache_path)
     for prefix in data_prefixes(cfg):
         if IndexedDataset.exists(prefix):  # a missing pair is reported by the builder

@@ -59,6 +59,9 @@ class Prepared:
     """The config `tokenizer` was built from."""
     tokenizer: Tokenizer
     """The built tokenizer (its files read, its vocabulary size known)."""
+    tokenizer_fingerprint: dict
+    """`tokenizer_fingerprint(tokenizer_config, tokenizer)`: its files hashed once per process
+    (the data check, the resume check and the checkpoints' record use it)."""
     data_config: DataConfig
     """The data config `files` was made for."""
     files: PrefixFiles
@@ -67,9 +70,11 @@ class Prepared:
     @classmethod
     def build(cls, tokenizer_config: TokenizerConfig, data_config: DataConfig) -> Prepared:
         """A tokenizer built now, and no data files read yet."""
+        tokenizer = build_tokenizer(tokenizer_config)
         return cls(
             tokenizer_config=tokenizer_config,
-            tokenizer=build_tokenizer(tokenizer_config),
+            tokenizer=tokenizer,
+            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer_config, tokenizer),
             data_config=data_config,
             files=PrefixFiles(data_config.data_cache_path),
         )
@@ -125,7 +130,7 @@ def _run_record(cfg: RunConfig, prepared: Prepared) -> dict:
     """How the run was configured, for checkpoint metadata (everything but model and layout)."""
     files = prepared.files
     return {
-        "tokenizer_fingerprint": tokenizer_fingerprint(cfg.tokenizer, prepared.tokenizer),
+        "tokenizer_fingerprint": prepared.tokenizer_fingerprint,
         "data": dataclasses.asdict(cfg.data),
         "training": dataclasses.asdict(cfg.training),
         "schedule": dataclasses.asdict(cfg.schedule),
@@ -159,16 +164,15 @@ def _start_batch_schedule(t: TrainingConfig, consumed: int) -> None:
     )
 
 
-def _resume_notes(cfg: RunConfig, meta: dict, prepared: Prepared) -> list[str]:
+def _resume_notes(cfg: RunConfig, meta: dict, record: dict) -> list[str]:
     """Refuse a checkpoint trained with another tokenizer; the lines saying what else this run
-    changes (another tokenizer allowed by --allow-tokenizer-mismatch, other data)."""
+    changes (another tokenizer allowed by --allow-tokenizer-mismatch, other data). `record`:
+    this run's `_run_record` (its tokenizer and data fingerprints)."""
     load = cfg.checkpoint.load
-    given = tokenizer_fingerprint(cfg.tokenizer, prepared.tokenizer)
+    given = record["tokenizer_fingerprint"]
     notes = [check_tokenizer(meta, given, cfg.data.allow_tokenizer_mismatch, load)]
     if not cfg.checkpoint.finetune:  # --finetune restarts the data at 0 anyway
-        notes.append(
-            data_changes(meta, cfg.data, data_fingerprints(cfg.data, prepared.files), load)
-        )
+        notes.append(data_changes(meta, cfg.data, record["data_fingerprints"], load))
     return [n for n in notes if n]
 
 
@@ -182,7 +186,8 @@ def pretrain(cfg: RunConfig) -> TrainState:
     t = cfg.training
     exit_signal = ExitSignal(t.exit_signal) if t.exit_signal_handler else None
     prepared = _prepared(cfg)
-    notes = [] if choice is None else _resume_notes(cfg, choice.meta, prepared)
+    record = _run_record(cfg, prepared)  # fingerprints hash files: once, for the notes and saves
+    notes = [] if choice is None else _resume_notes(cfg, choice.meta, record)
     exit_with_launcher(cfg.launch.rank, exit_signal.count if exit_signal is not None else None)
     prepare_process_environment(cfg.launch)
     setup_logging(cfg.launch.rank)
@@ -196,7 +201,9 @@ def pretrain(cfg: RunConfig) -> TrainState:
     try:
         save_lock = hold_save_lock(cfg.checkpoint.save)  # every rank: a refusal before any write
         try:
-            return _train(cfg, choice, prepared, backend, owns_process_group, device, exit_signal)
+            return _train(
+                cfg, choice, prepared, record, backend, owns_process_group, device, exit_signal
+            )
         finally:
             if save_lock is not None:
                 save_lock.release()
@@ -210,6 +217,7 @@ def _train(
     cfg: RunConfig,
     choice: Choice | None,
     prepared: Prepared,
+    record: dict,
     backend: str,
     owns_process_group: bool,
     device: torch.device,
@@ -335,7 +343,7 @@ def _train(
         model=cfg.model,
         parallel=par,
         tokenizer=dataclasses.asdict(cfg.tokenizer),
-        run_record=_run_record(cfg, prepared),
+        run_record=record,
         tokens_seen=_tokens_seen_counter(cfg, train_dataset),
     )
     try:
