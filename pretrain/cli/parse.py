@@ -8,11 +8,14 @@ every check before launch, in a fixed order, so the first problem is reported in
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
 import torch
 
+from pretrain.cli.checkpoint_args import fill_from_checkpoint, force_from_checkpoint, saved_model
 from pretrain.cli.flags import DEPRECATED_FLAGS, build_parser, section_values
+from pretrain.cli.refused import refuse_unsupported
 from pretrain.cli.resolve import (
     batch_schedule,
     check_data_files,
@@ -22,6 +25,7 @@ from pretrain.cli.resolve import (
     model_config,
     precision_config,
 )
+from pretrain.cli.script_flags import check_position_embedding, check_script_flags
 from pretrain.data.config import DataConfig
 from pretrain.data.fingerprint import PrefixFiles, check_data, tokenizer_fingerprint
 from pretrain.errors import UserError
@@ -54,11 +58,21 @@ def _require(ns: argparse.Namespace, **dests_by_flag: str) -> None:
             raise UserError(f"{flag} is required")
 
 
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
     """Flags (and the launcher's environment) -> a validated `RunConfig`, or one UserError."""
     argv = list(argv)
     _refuse_deprecated(argv)
+    refuse_unsupported(argv)
     ns = build_parser().parse_args(argv)
+    launch = detect_launch_env(env, ns.local_rank)
+    say = _say if launch.rank == 0 else (lambda _line: None)
+    saved = saved_model(ns, say) if ns.checkpoint__use_checkpoint_args else None
+    if saved is not None:
+        fill_from_checkpoint(ns, saved, say)
     _require(
         ns,
         **{
@@ -71,7 +85,6 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
         },
     )
     check_lower_bounds(ns)
-    launch = detect_launch_env(env, ns.local_rank)
     tp, pp = ns.parallel__tensor_model_parallel_size, ns.parallel__pipeline_model_parallel_size
     check_world_divisible(launch.world_size, tp, pp)  # the layout check, first
     dp = launch.world_size // (tp * pp)
@@ -113,6 +126,7 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
             precision=precision,
             clip_grad=ns.optimizer__clip_grad,
             zero_stage_flag=ns.zero_stage,
+            overlap_grad_reduce=ns.parallel__overlap_grad_reduce,
         )
     else:
         zero = ns.zero_stage if ns.zero_stage is not None else 0
@@ -165,6 +179,10 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
     # trains with this one (Prepared), so a process builds it once
     built_tokenizer = build_tokenizer(tokenizer)
     model = model_config(ns, built_tokenizer.vocab_size)
+    if saved is not None:
+        model = force_from_checkpoint(model, saved, say)
+    check_position_embedding(ns, model.position_embedding_type)
+    check_script_flags(ns, model.num_layers, pp)
     model.validate(tp, pp)
     data = DataConfig.from_args(ns)
     prepared = Prepared(

@@ -100,6 +100,13 @@ def _recompute(ns: argparse.Namespace) -> dict:
     selective; Megatron-DeepSpeed's --checkpoint-activations = full, uniform [, 1 layer]."""
     granularity = ns.model__recompute_granularity
     method, layers = ns.model__recompute_method, ns.model__recompute_num_layers
+    if ns.activations_checkpoint_method is not None:  # the older spelling of --recompute-method
+        if method not in (None, ns.activations_checkpoint_method):
+            raise UserError(
+                f"--activations-checkpoint-method {ns.activations_checkpoint_method} contradicts "
+                f"--recompute-method {method} (drop one)"
+            )
+        method = ns.activations_checkpoint_method
     for alias, implies in (
         ("--recompute-activations", "selective"),
         ("--checkpoint-activations", "full"),
@@ -122,12 +129,25 @@ def _recompute(ns: argparse.Namespace) -> dict:
     }
 
 
+def _rotary_base(ns: argparse.Namespace) -> int:
+    """--rotary-base, or Megatron-DeepSpeed's --rotary-position-embeddings-theta; they must agree."""
+    theta, base = ns.rotary_position_embeddings_theta, ns.model__rotary_base
+    if theta is None:
+        return base
+    if base != theta and base != ModelConfig.rotary_base:
+        raise UserError(
+            f"--rotary-position-embeddings-theta {theta} disagrees with --rotary-base {base} "
+            f"(give one spelling)"
+        )
+    return theta
+
+
 def model_config(ns: argparse.Namespace, vocab_size: int) -> ModelConfig:
     """The model flags, their aliases resolved, for a tokenizer of `vocab_size` ids."""
     dtype = torch.bfloat16 if ns.precision__bf16 else None
     dtype = torch.float16 if ns.precision__fp16 else dtype
     return ModelConfig(
-        **{**section_values(ns, "model"), **_recompute(ns)},
+        **{**section_values(ns, "model"), **_recompute(ns), "rotary_base": _rotary_base(ns)},
         num_query_groups=_query_groups(ns),
         position_embedding_type=_position_embedding_type(ns),
         vocab_size=vocab_size,

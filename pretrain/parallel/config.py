@@ -40,6 +40,9 @@ class ParallelConfig:
     """DeepSpeed ZeRO stage (0-3), sharding over the data-parallel ranks."""
     cpu_offload: bool = False
     """Keep optimizer state in CPU memory (ZeRO >= 1)."""
+    overlap_grad_reduce: bool = False
+    """Overlap the ZeRO-1/2 gradient reduction with backward: DeepSpeed's `overlap_comm`
+    (--overlap-grad-reduce)."""
     distributed_backend: str | None = None
     """"nccl" or "gloo"; None picks nccl with GPUs, gloo without."""
     distributed_timeout_minutes: float = 10.0

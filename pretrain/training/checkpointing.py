@@ -88,6 +88,8 @@ class CheckpointConfig:
     """Do not restore RNG states (--no-load-rng)."""
     finetune: bool = False
     """Load weights only; iteration and data restart at 0 (--finetune)."""
+    use_checkpoint_args: bool = False
+    """The model flags were taken from the --load checkpoint (--use-checkpoint-args)."""
     save_total_limit: int | None = None
     """Keep the newest this many complete steps, deleting older ones after each commit
     (--save-total-limit); the step `latest` names is never deleted."""

@@ -83,6 +83,8 @@ def build_deepspeed_config(
 
     zero = ds.setdefault("zero_optimization", {})
     zero["stage"] = parallel.zero_stage
+    if parallel.overlap_grad_reduce and parallel.zero_stage > 0:
+        zero["overlap_comm"] = True  # ZeRO-0 reduces after backward (DeepSpeed has no overlap)
     if parallel.cpu_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
         # our torch AdamW on CPU-resident state (DeepSpeedCPUAdam would need a JIT build)
@@ -130,6 +132,7 @@ def check_user_config(
     precision: PrecisionConfig,
     clip_grad: float,
     zero_stage_flag: int | None,
+    overlap_grad_reduce: bool = False,
 ) -> int:
     """Compare the user's DeepSpeed JSON with the flags (one UserError naming the disagreement);
     return the ZeRO stage to use (--zero-stage, else the JSON's, else 0)."""
@@ -187,6 +190,9 @@ def check_user_config(
                 f'--deepspeed_config {path} has an "{section}" section; the optimizer and LR '
                 f"schedule come from {flags} (remove the section)"
             )
+    json_overlap = ds.get("zero_optimization", {}).get("overlap_comm")
+    if overlap_grad_reduce and json_overlap is False:
+        raise mismatch("zero_optimization.overlap_comm", "false", "--overlap-grad-reduce", "given")
     json_stage = ds.get("zero_optimization", {}).get("stage")
     if json_stage is not None and zero_stage_flag is not None and json_stage != zero_stage_flag:
         raise mismatch("zero_optimization.stage", json_stage, "--zero-stage", zero_stage_flag)
