@@ -174,6 +174,7 @@ def changes(f) -> dict:
         # logging
         "--log-interval": ["5"], "--tensorboard-dir": [f["dir"]], "--tensorboard-log-interval": ["5"],
         "--wandb-project": ["p"], "--wandb-exp-name": ["e"], "--peak-tflops": ["100"],
+        "--wandb-save-dir": [f["dir"]],
         "--metrics-file": [f["dir"] + ".jsonl"], "--use-distributed-optimizer": [],
         # sample counts
         "--seq-length": ["32"], "--seed": ["5"], "--train-iters": ["5"],
@@ -234,6 +235,7 @@ NOOP_VALUES = {
     "--profile-step-start": ["4"],
     "--profile-step-end": ["6"],
     "--profile-ranks": ["0"],
+    "--cuda-graph-impl": ["local"],
 }
 # The context a no-op needs to be accepted at all (compared with the same context without it).
 NOOP_CONTEXT = {"--no-position-embedding": ["--position-embedding-type", "rope"]}

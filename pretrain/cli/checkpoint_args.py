@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 from collections.abc import Callable
 
+from pretrain.checkpoint.format import refuse_foreign_checkpoint
 from pretrain.checkpoint.load_target import choose_load
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig, flag_for
@@ -58,6 +59,7 @@ def saved_model(ns: argparse.Namespace, say: Callable[[str], None]) -> dict | No
         raise UserError(
             "--use-checkpoint-args needs --load (the checkpoint to read the model from)"
         )
+    refuse_foreign_checkpoint(ns.checkpoint__load)  # a Megatron-LM one: the converter to use
     choice = choose_load(ns.checkpoint__load, ns.checkpoint__save)
     if choice is None:
         say(

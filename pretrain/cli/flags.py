@@ -212,6 +212,7 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _flag("--profile-step-start", type=int, metavar="N", help="accepted: see --profile"),
         _flag("--profile-step-end", type=int, metavar="N", help="accepted: see --profile"),
         _flag("--profile-ranks", type=int, nargs="+", metavar="RANK", help="accepted: see --profile"),
+        _flag("--wandb-save-dir", field="logging.wandb_save_dir", metavar="PATH", help="folder for wandb's local files [wandb's default]"),
     )),
     ("evaluation", (
         _flag("--multiple-validation-sets", field="evaluation.multiple_validation_sets", action="store_true", help="evaluate each --valid-data-path prefix as its own validation set (unblended; --eval-iters global batches of each), one 'validation-<name> loss' block per set"),
@@ -245,6 +246,7 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _flag("--manual-gc-interval", type=int, metavar="N", help="accepted: see --manual-gc"),
         _flag("--init-model-with-meta-device", action="store_true", help="accepted: every full weight is drawn from the seeded generator, then sharded (the layout-independent init)"),
         _flag("--enable-experimental", action="store_true", help="accepted: there are no experimental features to enable"),
+        _flag("--cuda-graph-impl", choices=["none", "local", "transformer_engine"], help="accepted: no CUDA graphs are captured (speed only)"),
     )),
 )
 # fmt: on

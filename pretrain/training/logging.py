@@ -32,6 +32,8 @@ class LoggingConfig:
     """Log to this Weights & Biases project, if wandb is installed (--wandb-project)."""
     wandb_exp_name: str | None = None
     """The wandb run name (--wandb-exp-name)."""
+    wandb_save_dir: str | None = None
+    """The folder wandb writes its local files to; None = wandb's default (--wandb-save-dir)."""
     peak_tflops: float | None = None
     """Peak TFLOP/s per device for MFU; None = the known-GPU table (--peak-tflops)."""
     metrics_file: str | None = None
@@ -139,6 +141,7 @@ class ScalarWriter:
         wandb_exp_name: str | None,
         metrics_file: str | None,
         run_config: dict,
+        wandb_dir: str | None = None,
     ):
         self.active = rank == 0
         self.tb = self.wandb = self.metrics = None
@@ -157,7 +160,7 @@ class ScalarWriter:
                 )
             else:
                 self.wandb = wandb.init(
-                    project=wandb_project, name=wandb_exp_name, config=run_config
+                    project=wandb_project, name=wandb_exp_name, config=run_config, dir=wandb_dir
                 )
         if metrics_file:
             os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)

@@ -310,6 +310,7 @@ def _train(
         log.wandb_exp_name,
         log.metrics_file,
         {"argv": list(cfg.argv)},
+        wandb_dir=log.wandb_save_dir,
     )
     metrics = MetricsLogger(
         log,
