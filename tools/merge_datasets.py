@@ -23,9 +23,9 @@ from pretrain.data.indexed_dataset import (  # noqa: E402
     IndexedDatasetBuilder,
     get_bin_path,
     get_idx_path,
-    lock_output,
     remove_stray_temporaries,
 )
+from pretrain.data.output_lock import lock_output  # noqa: E402
 from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
 
 
@@ -38,7 +38,7 @@ def prefixes_in_dir(directory: str) -> list[str]:
     for name in names:
         stem, ext = os.path.splitext(name)
         if ext == ".lock":
-            continue  # the empty lock file preprocess_data.py leaves beside its outputs
+            continue  # the lock file of a preprocess_data.py that runs or failed
         if ext == ".json" and os.path.isfile(os.path.join(directory, stem + ".idx")):
             continue  # a fingerprint sidecar (PREFIX.json), merged separately
         if ext not in (".bin", ".idx"):
@@ -76,8 +76,10 @@ def merge(prefixes: list[str], output_prefix: str) -> IndexedDataset:
         except BaseException:
             builder.abort()
             raise
-    finally:
-        lock.release()
+    except BaseException:
+        lock.release()  # the empty lock file stays
+        raise
+    lock.remove()  # finished: no lock file left
     return IndexedDataset(output_prefix)
 
 
