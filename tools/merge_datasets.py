@@ -97,13 +97,16 @@ def merged_sidecar(prefixes: list[str]) -> dict | None:
                 f"but {prefixes[0]} with {first.get('type')} (sha256 {first.get('sha256', '')[:12]}); "
                 "merge only datasets made by one tokenizer (nothing was written)"
             )
-    return {
+    merged = {
         "tokenizer": first,
         "json_keys": sorted({k for s in sidecars for k in s.get("json_keys", [])}),
         "inputs": [i for s in sidecars for i in s.get("inputs", [])],
         "merged_from": [os.path.abspath(p) for p in prefixes],
         "max_token_id": max(int(s["max_token_id"]) for s in sidecars),
     }
+    if "tokenizer_flags" in sidecars[0]:  # same tokenizer (checked above): the first's flags
+        merged["tokenizer_flags"] = sidecars[0]["tokenizer_flags"]
+    return merged
 
 
 def build_parser() -> argparse.ArgumentParser:

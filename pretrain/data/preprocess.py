@@ -345,6 +345,7 @@ def _write_sidecars(
             prefix,
             {
                 "tokenizer": tokenizer,
+                "tokenizer_flags": cfg.tokenizer.record(),  # tools/inspect_data.py decodes with it
                 "json_keys": cfg.json_keys,
                 "json_key": key,
                 "level": cfg.level,
