@@ -215,14 +215,16 @@ def test_a_sidecar_of_replaced_data_is_refused_at_start_up(tiny, preprocessed, t
     assert f"delete {prefix}.json" in line and "preprocess_data.py" in line, line
 
 
-def test_a_bad_command_line_is_said_once_by_a_two_rank_launch(tmp_path):
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_a_bad_command_line_is_said_once_by_a_two_rank_launch(tmp_path, launcher):
     """Both ranks parse the same flags and fail alike; the job prints the line once (both ranks
-    printed it before), and still exits 2 on both ranks."""
-    from training_fixtures import torchrun_cmd
+    printed it before), and still fails."""
+    from training_fixtures import deepspeed_cmd, torchrun_cmd
 
     corpus = make_corpus(tmp_path / "corpus")
     flags = model_flags("gpt2") + train_flags(corpus, iters=2) + layout_flags(1, 1, 0)
-    result = run(torchrun_cmd(2, flags + ["--data-path", str(tmp_path / "missing")]), timeout=300)
+    launch = torchrun_cmd if launcher == "torchrun" else deepspeed_cmd
+    result = run(launch(2, flags + ["--data-path", str(tmp_path / "missing")]), timeout=300)
     lines = [line for line in result.stdout.splitlines() if "error: " in line]
     assert result.returncode != 0 and "missing.bin does not exist" in result.stdout, result.stdout
     assert len([line for line in lines if "missing.bin" in line]) == 1, result.stdout[-4000:]
