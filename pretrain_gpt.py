@@ -7,14 +7,21 @@ Also runs under torchrun, Slurm's srun, or plain `python pretrain_gpt.py ...` (o
 import sys
 
 from pretrain.cli import parse_args
-from pretrain.errors import exit_on_user_error
+from pretrain.errors import EXIT_USER_ERROR, UserError, exit_on_user_error
+from pretrain.launch import reports_start_up_errors
 from pretrain.training.run import pretrain
 
 
 @exit_on_user_error
 def main() -> None:
-    """Parse the flags, then train."""
-    pretrain(parse_args(sys.argv[1:]))
+    """Parse the flags, then train. A bad command line is said once per node, not once per rank."""
+    try:
+        cfg = parse_args(sys.argv[1:])
+    except UserError:
+        if not reports_start_up_errors():
+            sys.exit(EXIT_USER_ERROR)
+        raise
+    pretrain(cfg)
 
 
 if __name__ == "__main__":

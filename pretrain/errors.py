@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import TypeVar
@@ -38,6 +39,24 @@ def exit_on_user_error(main: F) -> F:
         except UserError as err:
             print(f"error: {err}", file=sys.stderr, flush=True)
             sys.exit(EXIT_USER_ERROR)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def exit_quietly_on_closed_stdout(main: F) -> F:
+    """Decorate a CLI `main` whose output may go to a reader that stops early (`| head`): the
+    closed pipe ends the tool with status 0 and nothing on stderr, not a BrokenPipeError."""
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        try:
+            result = main(*args, **kwargs)
+            sys.stdout.flush()  # inside the try: the last buffered lines may meet the closed pipe
+            return result
+        except BrokenPipeError:
+            # Python flushes stdout once more at exit: send that to /dev/null, silently
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            sys.exit(0)
 
     return wrapper  # type: ignore[return-value]
 

@@ -128,3 +128,17 @@ def detect_launch_env(
         master_port=free_port(),
         launcher="python",
     )
+
+
+def reports_start_up_errors(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this process prints a UserError raised before any process group exists: the first
+    rank of each node does (LOCAL_RANK / SLURM_LOCALID 0, or no launcher). The others exit with
+    the same status silently: every rank of a node checks the same command line against the same
+    files and environment, so their error is the same line (a node whose files differ still says
+    so, through its own first rank). An unreadable local rank prints, rather than hide an error."""
+    env = os.environ if env is None else env
+    for key in ("LOCAL_RANK", "SLURM_LOCALID"):
+        if key in env:
+            value = env[key].strip()
+            return not value.isdigit() or int(value) == 0
+    return True

@@ -114,6 +114,63 @@ def test_deepspeed_config_consistency(corpus, tmp_path):
         assert all(w in str(err.value) for w in words), str(err.value)
 
 
+def _without_batch_flags(corpus, *extra):
+    args = _args(corpus, *extra)
+    for flag in ("--micro-batch-size", "--global-batch-size"):
+        at = args.index(flag)
+        del args[at : at + 2]
+    return args
+
+
+@pytest.mark.parametrize(
+    "sizes, world, gbs, mbs",
+    [
+        ({"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2}, 2, 8, 2),
+        ({"train_batch_size": 8, "gradient_accumulation_steps": 2}, 2, 8, 2),
+        ({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3}, 2, 12, 2),
+        ({"train_batch_size": 8}, 2, 8, 4),  # DeepSpeed: one key alone = 1 accumulation step
+        ({"train_micro_batch_size_per_gpu": 3}, 2, 6, 3),
+    ],
+)
+def test_deepspeed_json_supplies_the_batch_sizes_the_flags_leave_out(
+    corpus, tmp_path, sizes, world, gbs, mbs
+):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps(sizes))
+    args = _without_batch_flags(corpus, "--deepspeed_config", str(ds))
+    cfg = parse_args(args, env=_world(world))
+    assert (cfg.training.global_batch_size, cfg.training.micro_batch_size) == (gbs, mbs)
+    assert cfg.training.num_microbatches == gbs // (mbs * world)
+    built = ds_config(cfg)  # what DeepSpeed gets agrees with every key the JSON set
+    assert all(built[key] == value for key, value in sizes.items())
+
+
+def test_deepspeed_json_batch_sizes_beside_flags(corpus, tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"gradient_accumulation_steps": 2}))
+    # the flag's global batch and the JSON's accumulation steps give the micro batch
+    with_gbs = _without_batch_flags(
+        corpus, "--deepspeed_config", str(ds), "--global-batch-size", "8"
+    )
+    cfg = parse_args(with_gbs, env=ONE_RANK)
+    assert (cfg.training.micro_batch_size, cfg.training.num_microbatches) == (4, 2)
+    # given flags that disagree with the JSON: the one-line refusal names both
+    with pytest.raises(UserError) as err:
+        parse_args(_args(corpus, "--deepspeed_config", str(ds)), env=ONE_RANK)  # 8 / 2 = 4 steps
+    assert "gradient_accumulation_steps=2 but" in str(err.value) and "is 4" in str(err.value)
+    # without a JSON the defaults stay Megatron's: micro batch 1, global batch micro x DP
+    cfg = parse_args(_without_batch_flags(corpus), env=_world(2))
+    assert (cfg.training.micro_batch_size, cfg.training.global_batch_size) == (1, 2)
+    for bad, words in (
+        ({"train_batch_size": "auto"}, ['train_batch_size="auto": must be a positive integer']),
+        ({"train_batch_size": 9, "gradient_accumulation_steps": 2}, ["9 is not divisible"]),
+    ):
+        ds.write_text(json.dumps(bad))
+        with pytest.raises(UserError) as err:
+            parse_args(_without_batch_flags(corpus, "--deepspeed_config", str(ds)), env=ONE_RANK)
+        assert all(w in str(err.value) for w in words), str(err.value)
+
+
 def test_deepspeed_config_from_flags(corpus):
     zero0 = ds_config(parse_args(_args(corpus), env=ONE_RANK))
     assert zero0["gradient_clipping"] == 0.0  # our optimizer clips with the true norm

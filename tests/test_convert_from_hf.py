@@ -141,7 +141,12 @@ def test_hf_to_ours_to_hf_is_identical(tmp_path, capsys, name):
             "2",
         ]
     )
-    assert "continue pretraining with: pretrain_gpt.py" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "continue pretraining with: pretrain_gpt.py" in printed
+    # learned absolute positions (GPT-2) have no RoPE base to give; rotary ones (Llama) do
+    learned = HF_MODELS[name].model_type == "gpt2"
+    assert ("--position-embedding-type learned_absolute" in printed) == learned, printed
+    assert ("--rotary-base" in printed) != learned, printed
     convert_to_hf.main(
         [
             "--load",

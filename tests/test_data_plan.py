@@ -139,6 +139,11 @@ def test_warnings_name_repeated_and_unused_sources(corpora):
     assert len(warnings) == 2
     assert a in warnings[0] and "are used" in warnings[0]
     assert c in warnings[1] and "> --max-epochs 4" in warnings[1]
+    assert "raise its weight or drop it" in warnings[0]
+    alone = plan_blend(DataConfig(seq_length=S, blend=([a], None), split="1"), [4, 0, 0])
+    (warning,) = plan_warnings(alone)  # one dataset: no weight to raise, and nothing to drop to
+    assert a in warning and "are used" in warning and "weight" not in warning
+    assert "train longer (--train-iters / --train-samples)" in warning
     table = format_plan(rows, S)
     assert table.splitlines()[0].split() == [
         "split",

@@ -132,3 +132,57 @@ def test_inspect_summary_and_decode(tmp_path, capsys):
     assert "Hello world.\n Second sentence 😀\n" in out and "漢字 é\n" in out
     with pytest.raises(UserError, match="--document 3: out of range"):
         inspect_tool.main(["--input", prefix, "--document", "3"])
+
+
+def test_inspect_decodes_with_the_tokenizer_its_sidecar_names(tmp_path, capsys, monkeypatch):
+    """preprocess_data.py records its tokenizer flags (absolute paths) in PREFIX.json: --document
+    decodes without tokenizer flags, from any folder; changed tokenizer files print ids instead."""
+    import shutil
+
+    from test_preprocess import preprocess, write_jsonl
+
+    vocab, merges = tmp_path / "vocab.json", tmp_path / "merges.txt"
+    shutil.copyfile(VOCAB, vocab)
+    shutil.copyfile(MERGES, merges)
+    texts = ["Hello world, the first document.", "A second one 😀 with 漢字."]
+    src = write_jsonl(tmp_path / "c.jsonl", [{"text": t} for t in texts])
+    monkeypatch.chdir(tmp_path)  # relative tokenizer paths, as users give them
+    tok = TokenizerConfig(
+        tokenizer_type="GPT2BPETokenizer", vocab_file="vocab.json", merge_file="merges.txt"
+    )
+    preprocess([src], tmp_path / "d", workers=1, tokenizer=tok)
+    prefix = str(tmp_path / "d_text_document")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    inspect_tool.main(["--input", prefix, "--document", "1", "--document", "0"])
+    captured = capsys.readouterr()
+    assert f"{texts[1]}\n" in captured.out and f"{texts[0]}\n" in captured.out, captured
+    assert "note:" not in captured.err
+    with open(merges, "a") as f:
+        f.write("x y\n")  # another tokenizer now: its text would be wrong
+    inspect_tool.main(["--input", prefix, "--document", "0"])
+    captured = capsys.readouterr()
+    assert texts[0] not in captured.out and "changed since preprocessing" in captured.err
+    ids = build_tokenizer(
+        TokenizerConfig(tokenizer_type="GPT2BPETokenizer", vocab_file=VOCAB, merge_file=MERGES)
+    ).tokenize(texts[0])
+    assert " ".join(map(str, ids)) in captured.out
+
+
+def test_inspect_piped_into_a_reader_that_stops_early_exits_quietly(tmp_path):
+    """`inspect_data.py --document 0 | head -1`: far more output than the pipe holds; the reader
+    closes after one line. Exit status 0, nothing but the tool's note on stderr."""
+    prefix = _write(tmp_path / "big", [[list(range(i, i + 2000)) for i in range(200)]])
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(REPO, "tools", "inspect_data.py"), "--input", prefix,
+         "--document", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )  # fmt: skip
+    assert proc.stdout.readline().startswith(prefix.encode())
+    proc.stdout.close()  # as `head -1` does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err

@@ -213,3 +213,34 @@ def test_a_sidecar_of_replaced_data_is_refused_at_start_up(tiny, preprocessed, t
     line = _one_error_line(_train_on(tiny, prefix))
     assert f"{prefix}.json: records documents 60, but {prefix}.idx has 50" in line, line
     assert f"delete {prefix}.json" in line and "preprocess_data.py" in line, line
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
+def test_a_bad_command_line_is_said_once_by_a_two_rank_launch(tmp_path, launcher):
+    """Both ranks parse the same flags and fail alike; the job prints the line once (both ranks
+    printed it before), and still fails."""
+    from training_fixtures import deepspeed_cmd, torchrun_cmd
+
+    corpus = make_corpus(tmp_path / "corpus")
+    flags = model_flags("gpt2") + train_flags(corpus, iters=2) + layout_flags(1, 1, 0)
+    launch = torchrun_cmd if launcher == "torchrun" else deepspeed_cmd
+    result = run(launch(2, flags + ["--data-path", str(tmp_path / "missing")]), timeout=300)
+    lines = [line for line in result.stdout.splitlines() if "error: " in line]
+    assert result.returncode != 0 and "missing.bin does not exist" in result.stdout, result.stdout
+    assert len([line for line in lines if "missing.bin" in line]) == 1, result.stdout[-4000:]
+
+
+@pytest.mark.parametrize(
+    "env, prints",
+    [
+        ({}, True),  # one process, no launcher
+        ({"LOCAL_RANK": "0", "RANK": "2"}, True),  # the first rank of the second node
+        ({"LOCAL_RANK": "1", "RANK": "1"}, False),
+        ({"SLURM_LOCALID": "3"}, False),
+        ({"LOCAL_RANK": "x"}, True),  # unreadable: print rather than hide the error
+    ],
+)
+def test_which_ranks_print_a_start_up_error(env, prints):
+    from pretrain.launch import reports_start_up_errors
+
+    assert reports_start_up_errors(env) is prints

@@ -68,6 +68,7 @@ def test_aliased_prefix_and_key_refuses_while_the_first_run_writes(tmp_path):
         assert os.path.exists(live)  # A's temporary is untouched
         finish_paused(first)
     assert first.returncode == 0, first.stderr_text
+    assert glob.glob(f"{tmp_path}/*.lock") == []  # finished: A removed its lock file
     assert IndexedDataset(str(out)).num_documents == 3000
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Summarise a Megatron .bin/.idx dataset (sequences, documents, tokens, dtype, length percentiles)
-and decode documents back to text: `--document I` with the tokenizer flags used to preprocess it
-(without them the ids are printed)."""
+and decode documents back to text: `--document I` with the tokenizer flags used to preprocess it,
+or without them the tokenizer the data's sidecar PREFIX.json names (made by preprocess_data.py);
+else the ids are printed. Output piped into a reader that stops early (`| head`) ends quietly."""
 
 from __future__ import annotations
 
@@ -13,8 +14,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
+from pretrain.data.fingerprint import read_sidecar, sidecar_path, tokenizer_fingerprint  # noqa: E402
 from pretrain.data.indexed_dataset import IndexedDataset  # noqa: E402
-from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
+from pretrain.errors import (  # noqa: E402
+    UserError,
+    exit_on_user_error,
+    exit_quietly_on_closed_stdout,
+)
 from pretrain.tokenizer import TokenizerConfig, add_tokenizer_args, build_tokenizer  # noqa: E402
 
 PERCENTILES = (0, 50, 90, 99, 100)
@@ -49,6 +55,32 @@ def document_tokens(ds: IndexedDataset, index: int) -> list[np.ndarray]:
     return [ds[i] for i in range(start, end)]
 
 
+def sidecar_tokenizer(prefix: str):
+    """The tokenizer PREFIX.json names, or None and a note saying why it cannot decode (no
+    sidecar, no tokenizer flags in it, files missing, or files changed since preprocessing)."""
+    sidecar = read_sidecar(prefix)
+    if sidecar is None or "tokenizer_flags" not in sidecar:
+        return None, f"{sidecar_path(prefix)} names no tokenizer"
+    cfg = TokenizerConfig.from_record(sidecar["tokenizer_flags"])
+    try:
+        tokenizer = build_tokenizer(cfg)
+    except UserError as err:
+        return None, f"the tokenizer {sidecar_path(prefix)} names cannot be loaded: {err}"
+    if tokenizer_fingerprint(cfg, tokenizer)["sha256"] != sidecar["tokenizer"].get("sha256"):
+        return None, f"the tokenizer files {sidecar_path(prefix)} names changed since preprocessing"
+    return tokenizer, None
+
+
+def _tokenizer(args):
+    """The flags' tokenizer, else the sidecar's (a note on stderr when there is none)."""
+    if args.tokenizer_type:
+        return build_tokenizer(TokenizerConfig.from_args(args))
+    tokenizer, why = sidecar_tokenizer(args.input)
+    if tokenizer is None:
+        print(f"note: printing token ids: {why} (give the tokenizer flags)", file=sys.stderr)
+    return tokenizer
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Print the summary (and decoded documents) as JSON; returns it."""
     p = argparse.ArgumentParser(description=__doc__)
@@ -66,7 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
         f"({info['empty_documents']:,} empty), {info['tokens']:,} tokens, dtype {info['dtype']}"
     )
     print(f"sequence length: {pct}")
-    tokenizer = build_tokenizer(TokenizerConfig.from_args(args)) if args.tokenizer_type else None
+    tokenizer = _tokenizer(args) if args.document else None
     for index in args.document:
         sequences = document_tokens(ds, index)
         print(
@@ -78,4 +110,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    exit_on_user_error(main)()
+    exit_on_user_error(exit_quietly_on_closed_stdout(main))()

@@ -23,9 +23,9 @@ from pretrain.data.indexed_dataset import (  # noqa: E402
     IndexedDatasetBuilder,
     get_bin_path,
     get_idx_path,
-    lock_output,
     remove_stray_temporaries,
 )
+from pretrain.data.output_lock import lock_output  # noqa: E402
 from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
 
 
@@ -38,7 +38,7 @@ def prefixes_in_dir(directory: str) -> list[str]:
     for name in names:
         stem, ext = os.path.splitext(name)
         if ext == ".lock":
-            continue  # the empty lock file preprocess_data.py leaves beside its outputs
+            continue  # the lock file of a preprocess_data.py that runs or failed
         if ext == ".json" and os.path.isfile(os.path.join(directory, stem + ".idx")):
             continue  # a fingerprint sidecar (PREFIX.json), merged separately
         if ext not in (".bin", ".idx"):
@@ -76,8 +76,10 @@ def merge(prefixes: list[str], output_prefix: str) -> IndexedDataset:
         except BaseException:
             builder.abort()
             raise
-    finally:
-        lock.release()
+    except BaseException:
+        lock.release()  # the empty lock file stays
+        raise
+    lock.remove()  # finished: no lock file left
     return IndexedDataset(output_prefix)
 
 
@@ -95,13 +97,16 @@ def merged_sidecar(prefixes: list[str]) -> dict | None:
                 f"but {prefixes[0]} with {first.get('type')} (sha256 {first.get('sha256', '')[:12]}); "
                 "merge only datasets made by one tokenizer (nothing was written)"
             )
-    return {
+    merged = {
         "tokenizer": first,
         "json_keys": sorted({k for s in sidecars for k in s.get("json_keys", [])}),
         "inputs": [i for s in sidecars for i in s.get("inputs", [])],
         "merged_from": [os.path.abspath(p) for p in prefixes],
         "max_token_id": max(int(s["max_token_id"]) for s in sidecars),
     }
+    if "tokenizer_flags" in sidecars[0]:  # same tokenizer (checked above): the first's flags
+        merged["tokenizer_flags"] = sidecars[0]["tokenizer_flags"]
+    return merged
 
 
 def build_parser() -> argparse.ArgumentParser:

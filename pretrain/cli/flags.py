@@ -280,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
         for row in rows:
             group.add_argument(*row.names, dest=flag_dest(row), **row.options)
     add_sample_count_args(parser)
+    # unset, not 1: a --deepspeed_config JSON may supply it (pretrain.cli.parse resolves it)
+    parser.set_defaults(micro_batch_size=None)
     add_data_args(parser)
     add_tokenizer_args(parser)
     return parser

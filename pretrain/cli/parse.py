@@ -33,7 +33,11 @@ from pretrain.launch import detect_launch_env
 from pretrain.parallel.config import ParallelConfig, check_world_divisible
 from pretrain.tokenizer import TokenizerConfig, build_tokenizer
 from pretrain.training.checkpointing import CheckpointConfig
-from pretrain.training.deepspeed_config import check_user_config, load_user_config
+from pretrain.training.deepspeed_config import (
+    check_user_config,
+    json_batch_sizes,
+    load_user_config,
+)
 from pretrain.training.evaluator import EvalConfig
 from pretrain.training.logging import LoggingConfig
 from pretrain.training.loop import TrainingConfig
@@ -79,7 +83,6 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
             "--num-layers": "model__num_layers",
             "--hidden-size": "model__hidden_size",
             "--num-attention-heads": "model__num_attention_heads",
-            "--micro-batch-size": "micro_batch_size",
             "--seq-length": "seq_length",
             "--lr": "schedule__lr",
         },
@@ -93,7 +96,6 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
             f"--no-pipeline-parallel contradicts --pipeline-model-parallel-size {pp} (drop one)"
         )
 
-    mbs = ns.micro_batch_size
     if (ns.train_iters is None) == (ns.train_samples is None):
         raise UserError("give exactly one of --train-iters and --train-samples")
     if ns.rotary_percent != 1.0:
@@ -101,9 +103,19 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
             f"--rotary-percent {ns.rotary_percent}: only 1.0 is implemented (RoPE rotates every "
             f"dimension of a head; drop the flag)"
         )
+    ds_json = load_user_config(ns.deepspeed_config) if ns.deepspeed_config else None
+    json_gbs, ns.micro_batch_size = json_batch_sizes(
+        ds_json,
+        ns.deepspeed_config,
+        global_batch_size=ns.global_batch_size,
+        micro_batch_size=ns.micro_batch_size,
+        data_parallel_size=dp,
+    )
+    if ns.step_batch_size_schedule is None:  # the schedule sets the global batch itself
+        ns.global_batch_size = json_gbs
+    mbs = ns.micro_batch_size
     batches = batch_schedule(ns, dp, launch.world_size)
     gbs = batches.global_batch_size
-    ds_json = load_user_config(ns.deepspeed_config) if ns.deepspeed_config else None
     precision = precision_config(ns, ds_json)
     if precision.bf16 and precision.fp16:
         raise UserError("--bf16 and --fp16 are exclusive (keep one)")

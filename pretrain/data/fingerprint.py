@@ -2,8 +2,8 @@
 
 `tools/preprocess_data.py` writes a sidecar `PREFIX.json` beside `PREFIX.bin`/`PREFIX.idx` (which
 stay byte-identical to Megatron's): the tokenizer (type, a SHA-256 of its files, vocabulary size,
-EOD id, whether EOD was appended), the JSON keys, the input files with their sizes, the counts and
-the largest token id. `check_data` then refuses, in one line naming both sides, data whose largest
+EOD id, whether EOD was appended), its flags (`tokenizer_flags`, absolute paths), the JSON keys,
+the input files with their sizes, the counts and the largest token id. `check_data` then refuses, in one line naming both sides, data whose largest
 token id does not fit the vocabulary, or whose sidecar names another tokenizer than the one given
 (`--allow-tokenizer-mismatch` overrides). Megatron-made data has no sidecar: its largest token id is
 computed once in one streaming pass over the `.bin` and cached beside the index caches.
@@ -115,6 +115,7 @@ def read_sidecar(prefix: str) -> dict | None:
 # the entries readers use -> their JSON types (None: may be null)
 _SIDECAR_TYPES = {
     "tokenizer": (dict,),
+    "tokenizer_flags": (dict,),
     "max_token_id": (int,),
     "documents": (int,),
     "sequences": (int,),

@@ -26,7 +26,6 @@ from collections.abc import Iterable
 
 import numpy as np
 import xxhash
-from filelock import FileLock, Timeout
 
 from pretrain.errors import UserError
 
@@ -330,36 +329,6 @@ def remove_stray_temporaries(path: str) -> tuple[list[str], list[str]]:
         except FileNotFoundError:
             pass
     return removed, kept
-
-
-def lock_output(prefix: str, flag: str = "--output-prefix", label: str | None = None) -> FileLock:
-    """Take `PREFIX.lock` without waiting; a `UserError` if another run holds it or it cannot be
-    created. `label` starts the message (default `FLAG PREFIX`).
-
-    Two runs writing one prefix would replace each other's files; the lock makes the second refuse
-    (the first one's output stays complete). The empty `.lock` file stays (deleting a lock file that
-    another process may be opening would let two runs hold "the" lock at once).
-    """
-    head, path = label or f"{flag} {prefix}", prefix + ".lock"
-    try:  # filelock reports a lock file it cannot open as held by another run: check first
-        os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o666))
-    except OSError as err:
-        raise UserError(
-            f"{head}: cannot be written: cannot create {path} ({err.strerror}); choose another prefix"
-        ) from None
-    lock = FileLock(path)
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        raise UserError(
-            f"{head}: another run is writing {prefix}.bin/.idx (it holds {path}); wait for it "
-            "to finish or choose another prefix"
-        ) from None
-    except OSError as err:
-        raise UserError(
-            f"{head}: cannot be written: cannot create {path} ({err.strerror})"
-        ) from None
-    return lock
 
 
 def no_space_error(path: str, err: OSError, needed: int) -> UserError | None:

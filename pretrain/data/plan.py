@@ -178,8 +178,10 @@ def plan_warnings(
     min_epochs: float = DEFAULT_MIN_EPOCHS,
 ) -> list[str]:
     """One line per prefix that repeats more than max_epochs, or of which training reads less
-    than min_epochs (train split only: validation and test sets are small on purpose)."""
+    than min_epochs (train split only: validation and test sets are small on purpose); the fix
+    it suggests for the latter is a weight in a blend, more training when the prefix is alone."""
     out = []
+    alone = sum(r.split == "train" for r in rows) == 1
     for r in rows:
         if r.epochs > max_epochs:
             out.append(
@@ -189,7 +191,12 @@ def plan_warnings(
         elif r.split == "train" and r.epochs < min_epochs:
             out.append(
                 f"warning: train {r.prefix}: only {100 * r.epochs:.1f}% of its {r.tokens:,} tokens "
-                f"are used (< --min-epochs {min_epochs:g}); raise its weight or drop it"
+                f"are used (< --min-epochs {min_epochs:g}); "
+                + (
+                    "train longer (--train-iters / --train-samples) to read more of it"
+                    if alone
+                    else "raise its weight or drop it"
+                )
             )
     return out
 

@@ -38,9 +38,9 @@ from pretrain.data.indexed_dataset import (
     IndexedDatasetBuilder,
     get_bin_path,
     get_idx_path,
-    lock_output,
     remove_stray_temporaries,
 )
+from pretrain.data.output_lock import lock_output
 from pretrain.errors import UserError, data_error
 from pretrain.tokenizer import TokenizerConfig, add_tokenizer_args
 
@@ -345,6 +345,7 @@ def _write_sidecars(
             prefix,
             {
                 "tokenizer": tokenizer,
+                "tokenizer_flags": cfg.tokenizer.record(),  # tools/inspect_data.py decodes with it
                 "json_keys": cfg.json_keys,
                 "json_key": key,
                 "level": cfg.level,
@@ -409,10 +410,10 @@ def run(cfg: PreprocessConfig) -> Summary:
     start = time.monotonic()
     _make_output_dir(cfg)
     locks = _lock_outputs(cfg)
+    finished = False
     try:
         _remove_strays(cfg)
         builders = _open_builders(cfg, encoder.dtype)
-        finished = False
         try:
             share_with_forked_workers(encoder)
             largest = _tokenize_into(cfg, sources, opts, builders, summary)
@@ -433,8 +434,11 @@ def run(cfg: PreprocessConfig) -> Summary:
                 for builder in builders:
                     builder.abort()
     finally:
-        for lock in locks:
-            lock.release()
+        for lock in locks:  # a finished run leaves no lock file; a failed one keeps it, empty
+            if finished:
+                lock.remove()
+            else:
+                lock.release()
     summary.seconds = time.monotonic() - start
     summary.outputs = cfg.output_prefixes()
     return summary

@@ -63,7 +63,7 @@ class ModelConfig:
         default="learned_absolute", metadata=_flag("--position-embedding-type")
     )
     """"learned_absolute" or "rope"."""
-    rotary_base: int = field(default=10000, metadata=_flag("--rotary-base"))
+    rotary_base: int = field(default=10000, metadata=_flag("--rotary-base", only_with="uses_rope"))
     """RoPE base (theta)."""
     use_rope_scaling: bool = field(default=False, metadata=_flag("--use-rope-scaling"))
     """Llama 3.x frequency scaling of RoPE (HF rope_type "llama3")."""
@@ -142,6 +142,11 @@ class ModelConfig:
         return (
             self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
         )
+
+    @property
+    def uses_rope(self) -> bool:
+        """Positions are rotary (RoPE), not a learned table: the RoPE fields take effect."""
+        return self.position_embedding_type == "rope"
 
     @property
     def max_positions(self) -> int:

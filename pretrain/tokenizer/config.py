@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, fields
 
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 SUPPORTED_TYPES = (
@@ -52,6 +53,22 @@ class TokenizerConfig:
             tiktoken_pattern=getattr(ns, "tiktoken_pattern", None),
             tokenizer_engine=getattr(ns, "tokenizer_engine", None) or "auto",
         )
+
+    def record(self) -> dict:
+        """The flags as a JSON object with absolute paths (a data sidecar's `tokenizer_flags`),
+        so that a tool run from another folder can rebuild the tokenizer (`from_record`)."""
+        paths = ("vocab_file", "merge_file", "tokenizer_model")
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = os.path.abspath(value) if f.name in paths and value else value
+        return out
+
+    @classmethod
+    def from_record(cls, record: dict) -> TokenizerConfig:
+        """The config `record()` wrote (unknown entries ignored)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in record.items() if k in names})
 
 
 def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -122,6 +122,56 @@ def load_user_config(path: str) -> dict:
         raise UserError(f"{path}:{err.lineno}: invalid JSON: {err.msg} (fix the file)") from None
 
 
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def json_batch_sizes(
+    ds: dict | None,
+    path: str | None,
+    *,
+    global_batch_size: int | None,
+    micro_batch_size: int | None,
+    data_parallel_size: int,
+) -> tuple[int | None, int]:
+    """(global batch or None, micro batch): the flags where given, else what the --deepspeed_config
+    JSON makes of them as DeepSpeed does (two of train_batch_size, train_micro_batch_size_per_gpu
+    and gradient_accumulation_steps give the third; one alone means 1 accumulation step). Without
+    the JSON's batch keys the micro batch is 1 and the global batch None (micro x DP, Megatron's
+    default). A flag given beside a JSON key that disagrees is refused by `check_user_config`."""
+    ds = ds or {}
+    for key in _BATCH_KEYS:
+        value = ds.get(key)
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 1
+        ):
+            raise UserError(
+                f"--deepspeed_config {path} sets {key}={json.dumps(value)}: must be a positive "
+                f"integer (write the number, or drop the key and give the flag)"
+            )
+    gbs = global_batch_size if global_batch_size is not None else ds.get("train_batch_size")
+    mbs = (
+        micro_batch_size
+        if micro_batch_size is not None
+        else ds.get("train_micro_batch_size_per_gpu")
+    )
+    gas = ds.get("gradient_accumulation_steps")
+    if mbs is None:
+        if gbs is None or not any(key in ds for key in _BATCH_KEYS):
+            mbs = 1
+        else:
+            per_step = (gas or 1) * data_parallel_size
+            if gbs % per_step:
+                raise UserError(
+                    f"--deepspeed_config {path}: global batch {gbs} is not divisible by "
+                    f"gradient_accumulation_steps {gas or 1} x data-parallel size "
+                    f"{data_parallel_size} (give --micro-batch-size or make them divisible)"
+                )
+            mbs = gbs // per_step
+    if gbs is None and any(key in ds for key in _BATCH_KEYS):
+        gbs = mbs * (gas or 1) * data_parallel_size
+    return gbs, mbs
+
+
 def check_user_config(
     ds: dict,
     path: str,
