@@ -19,6 +19,9 @@ alive (tests/test_preemption.py::test_workers_ignore_exit_signals_but_end_with_t
 
 from __future__ import annotations
 
+import atexit
+import multiprocessing
+import multiprocessing.util  # noqa: F401  (its exit hook is registered before ours)
 import signal
 from collections.abc import Iterator
 
@@ -137,6 +140,18 @@ def ignore_exit_signals(worker_id: int) -> None:
         signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
+def kill_daemonic_children() -> None:
+    """atexit hook: SIGKILL this process's daemonic children (the DataLoader workers). At exit
+    multiprocessing terminates them with SIGTERM and joins them; workers ignore SIGTERM
+    (`ignore_exit_signals`), so a loader still referenced at exit (a DeepSpeed engine holding its
+    iterator) would keep the rank waiting forever. Registered after multiprocessing's hook, this
+    one runs first."""
+    for child in multiprocessing.active_children():
+        if child.daemon:
+            child.kill()
+            child.join()
+
+
 def collate_samples(data):
     """Our datasets build whole micro-batches (`__getitems__`); anything else is stacked by torch."""
     return data if isinstance(data, dict) else torch.utils.data.default_collate(data)
@@ -161,6 +176,9 @@ def build_pretraining_data_loader(
         )
     else:
         raise UserError(f"--dataloader-type {cfg.dataloader_type}: choose single or cyclic")
+    if cfg.num_workers > 0:
+        atexit.unregister(kill_daemonic_children)  # once per process
+        atexit.register(kill_daemonic_children)
     return torch.utils.data.DataLoader(
         dataset,
         batch_sampler=sampler,
