@@ -150,47 +150,28 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+_SAMPLE_COUNT_FLAGS = (  # (group, flag, default, help) of integer flags
+    ("data and dataloader", "--seq-length", None, "tokens per sample (required)"),
+    ("initialization", "--seed", 1234, "random seed of the data order and the weights"),
+    ("training", "--train-iters", None, "training iterations"),
+    ("training", "--train-samples", None, "training samples (instead of --train-iters)"),
+    (
+        "training",
+        "--global-batch-size",
+        None,
+        "samples per iteration (required unless --step-batch-size-schedule)",
+    ),
+    ("training", "--micro-batch-size", 1, "samples per forward pass per data-parallel rank"),
+    ("validation", "--eval-interval", 1000, "training iterations between evaluations"),
+    ("validation", "--eval-iters", 100, "global batches per evaluation (0 = no evaluation)"),
+)
+
+
 def add_sample_count_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Flags that fix how many samples each split needs, and the sample shape and seed, each in
     its Megatron-LM group (training, initialization, validation, data and dataloader)."""
-    data = argument_group(parser, "data and dataloader")
-    data.add_argument("--seq-length", type=int, default=None, help="tokens per sample (required)")
-    argument_group(parser, "initialization").add_argument(
-        "--seed", type=int, default=1234, help="random seed of the data order and the weights"
-    )
-    g = argument_group(parser, "training")
-    g.add_argument("--train-iters", type=int, default=None, help="training iterations")
-    g.add_argument(
-        "--train-samples",
-        type=int,
-        default=None,
-        help="training samples (instead of --train-iters)",
-    )
-    g.add_argument(
-        "--global-batch-size",
-        type=int,
-        default=None,
-        help="samples per iteration (required unless --step-batch-size-schedule)",
-    )
-    g.add_argument(
-        "--micro-batch-size",
-        type=int,
-        default=1,
-        help="samples per forward pass per data-parallel rank",
-    )
-    g = argument_group(parser, "validation")
-    g.add_argument(
-        "--eval-interval",
-        type=int,
-        default=1000,
-        help="training iterations between evaluations on the validation split",
-    )
-    g.add_argument(
-        "--eval-iters",
-        type=int,
-        default=100,
-        help="global batches per evaluation (0 = no evaluation)",
-    )
+    for group, flag, default, text in _SAMPLE_COUNT_FLAGS:
+        argument_group(parser, group).add_argument(flag, type=int, default=default, help=text)
     return parser
 
 
