@@ -10,7 +10,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 # Bottom up; a module may import its own layer and the layers below it.
 LAYERS = [
-    {"pretrain.errors", "pretrain.atomic", "pretrain.testing_hooks", "pretrain.launch"},
+    {
+        "pretrain.errors",
+        "pretrain.atomic",
+        "pretrain.testing_hooks",
+        "pretrain.launch",
+        "pretrain.flag_help",
+    },
     {"pretrain.parallel", "pretrain.tokenizer"},
     {"pretrain.data", "pretrain.model"},
     {"pretrain.checkpoint"},

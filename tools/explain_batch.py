@@ -49,11 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
     """The run's data, sample-count and tokenizer flags, plus what to explain."""
     parser = data_tool_parser(__doc__)
     g = parser.add_argument_group("what to explain")
-    g.add_argument("--iteration", default="1", help="N or A-B (1-indexed, as in the log)")
+    g.add_argument(
+        "--iteration", default="1", metavar="N|A-B", help="N or A-B (1-indexed, as in the log)"
+    )
     g.add_argument(
         "--data-parallel-size", type=int, default=1, help="the run's DP size (world / (TP x PP))"
     )
-    g.add_argument("--dp-rank", type=int, default=None, help="only this DP rank (default: all)")
+    g.add_argument("--dp-rank", type=int, default=None, help="only this DP rank [default: all]")
     g.add_argument("--json", action="store_true", help="one JSON object per sample")
     g.add_argument(
         "--iterations-to-skip",
@@ -61,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         action="extend",
         default=None,
+        metavar="N|A-B",
         help="the run's skipped iterations (N or A-B): their samples are marked skipped",
     )
     g.add_argument(
@@ -68,7 +71,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="mark the skipped sample ranges recorded in this checkpoint directory's latest",
     )
-    g.add_argument("--grep", default=None, help="find iterations with a document containing TEXT")
+    g.add_argument(
+        "--grep",
+        default=None,
+        metavar="TEXT",
+        help="find iterations with a document containing TEXT",
+    )
     g.add_argument(
         "--max-iterations", type=int, default=1000, help="--grep searches at most this many"
     )

@@ -21,6 +21,7 @@ from pretrain.errors import (  # noqa: E402
     exit_on_user_error,
     exit_quietly_on_closed_stdout,
 )
+from pretrain.flag_help import RawDescriptionHelpFormatter  # noqa: E402
 from pretrain.tokenizer import TokenizerConfig, add_tokenizer_args, build_tokenizer  # noqa: E402
 
 PERCENTILES = (0, 50, 90, 99, 100)
@@ -83,10 +84,12 @@ def _tokenizer(args):
 
 def main(argv: list[str] | None = None) -> dict:
     """Print the summary (and decoded documents) as JSON; returns it."""
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--input", required=True, help="dataset prefix (PREFIX.bin / PREFIX.idx)")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=RawDescriptionHelpFormatter)
     p.add_argument(
-        "--document", type=int, action="append", default=[], help="decode document I (repeatable)"
+        "--input", required=True, metavar="PREFIX", help="dataset prefix (PREFIX.bin / PREFIX.idx)"
+    )
+    p.add_argument(
+        "--document", type=int, action="append", default=[], help="decode document N (repeatable)"
     )
     add_tokenizer_args(p)
     args = p.parse_args(argv)

@@ -45,16 +45,20 @@ def add_plan_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--max-epochs",
         type=float,
         default=DEFAULT_MAX_EPOCHS,
-        help=f"warn when a prefix is read more often than this (default {DEFAULT_MAX_EPOCHS:g})",
+        help="warn when a prefix is read more often than this many epochs",
     )
     g.add_argument(
         "--min-epochs",
         type=float,
         default=DEFAULT_MIN_EPOCHS,
-        help="warn when training reads less than this fraction of a prefix "
-        f"(default {DEFAULT_MIN_EPOCHS:g})",
+        help="warn when training reads less than this fraction of a prefix",
     )
-    g.add_argument("--plot", default=None, help="also draw token shares and epochs into this PNG")
+    g.add_argument(
+        "--plot",
+        default=None,
+        metavar="PATH",
+        help="also draw token shares and epochs into this PNG",
+    )
     return parser
 
 

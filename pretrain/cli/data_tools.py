@@ -8,6 +8,7 @@ import argparse
 from pretrain.cli.flags import build_parser
 from pretrain.data.config import add_data_args, add_sample_count_args
 from pretrain.errors import UserError
+from pretrain.flag_help import RawDescriptionHelpFormatter, add_megatron_groups
 from pretrain.tokenizer import add_tokenizer_args
 
 
@@ -16,10 +17,9 @@ def data_tool_parser(description: str, *, tokenizer: bool = True) -> argparse.Ar
     sample-count flags (and tokenizer flags), so a tool takes a run's command line as it is."""
     # allow_abbrev=False: a training flag must never be taken for an abbreviation of a tool's own
     parser = argparse.ArgumentParser(
-        description=description,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        allow_abbrev=False,
+        description=description, formatter_class=RawDescriptionHelpFormatter, allow_abbrev=False
     )
+    add_megatron_groups(parser)  # Megatron's group order, as pretrain_gpt.py --help
     add_data_args(parser)
     add_sample_count_args(parser)
     if tokenizer:

@@ -5,7 +5,9 @@ Each row gives the spellings, the argparse options and the config field the valu
 field<->flag mapping exists once, in `pretrain/model/config.py`). Rows without a field are read by
 the resolvers (`pretrain.cli.resolve`), which derive values from several flags. The data,
 sample-count and tokenizer flags are owned by `pretrain.data.config` and `pretrain.tokenizer`
-(the data tools share them).
+(the data tools share them). A group is one of Megatron-LM's argument groups (`network size`,
+`regularization`, `training`, ...; `pretrain.flag_help.MEGATRON_GROUPS`) or one only this project
+has; a row's `help` is one line, and `--help` appends its default and picks its metavar.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 from pretrain.data.config import add_data_args, add_sample_count_args
 from pretrain.errors import UserError
+from pretrain.flag_help import HelpFormatter, add_megatron_groups, argument_group
 from pretrain.model.config import ModelConfig
 from pretrain.tokenizer import add_tokenizer_args
 from pretrain.training.exit_signal import SIGNALS
@@ -61,57 +64,60 @@ def _normalization(value: str) -> str:
 
 # fmt: off
 FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
-    ("model", (
-        _model("num_layers", type=int, help="transformer blocks (required)"),
-        _model("hidden_size", type=int, help="model width (required)"),
-        _model("ffn_hidden_size", type=int, help="MLP width [4*hidden; with --swiglu int(8h/3/64)*64]"),
-        _model("num_attention_heads", type=int, help="attention heads (required)"),
-        _model("kv_channels", type=int, help="per-head dimension [hidden / heads]"),
-        _flag("--group-query-attention", action="store_true", help="grouped-query attention (GQA)"),
-        _flag("--num-query-groups", type=int, help="key/value groups with --group-query-attention [1 = MQA]"),
-        _flag("--num-key-value-heads", type=int, help="Megatron-DeepSpeed spelling of GQA: number of key/value heads"),
-        _model("max_position_embeddings", type=int, help="[--seq-length]"),
-        _flag("--position-embedding-type", choices=["learned_absolute", "rope"], help="[learned_absolute]"),
+    ("network size", (
+        _model("num_layers", type=int, help="number of transformer layers (required)"),
+        _model("hidden_size", type=int, help="model width: the size of each layer's input and output (required)"),
+        _model("ffn_hidden_size", type=int, help="MLP hidden size [default: 4 x --hidden-size; with --swiglu int(8h/3/64)*64]"),
+        _model("num_attention_heads", type=int, help="attention heads per layer (required)"),
+        _model("kv_channels", type=int, help="dimension of each attention head [default: --hidden-size / --num-attention-heads]"),
+        _flag("--group-query-attention", action="store_true", help="grouped-query attention (GQA): the heads share --num-query-groups key/value heads"),
+        _flag("--num-query-groups", type=int, help="key/value heads with --group-query-attention (1 = multi-query attention) [default: 1]"),
+        _flag("--num-key-value-heads", type=int, help="Megatron-DeepSpeed spelling of GQA: number of key/value heads [default: --num-attention-heads]"),
+        _model("max_position_embeddings", type=int, help="positions the model is built for, in tokens [default: --seq-length]"),
+        _flag("--position-embedding-type", choices=["learned_absolute", "rope"], help="learned absolute positions (GPT-2) or rotary embeddings (Llama) [default: learned_absolute]"),
         _flag("--use-rotary-position-embeddings", action="store_true", help="Megatron-DeepSpeed spelling of --position-embedding-type rope"),
-        _model("rotary_base", type=int, default=10000),
+        _model("rotary_base", type=int, default=10000, help="RoPE base period (theta)"),
         _flag("--rotary-percent", type=float, default=1.0, help="accepted with 1.0 only (RoPE rotates every dimension of a head, Megatron's default); other values are refused"),
         _model("use_rope_scaling", action="store_true", help="Llama 3.x RoPE frequency scaling"),
-        _model("rope_scaling_factor", type=float, default=8.0, help="Llama 3.x scaling factor [8]"),
+        _model("rope_scaling_factor", type=float, default=8.0, help="Llama 3.x RoPE scaling factor"),
         # not Megatron flags (it fixes these at Llama 3.1's values); they express other HF configs
-        _model("rope_scaling_low_freq_factor", type=float, default=1.0, help="Llama 3.x [1]"),
-        _model("rope_scaling_high_freq_factor", type=float, default=4.0, help="Llama 3.x [4]"),
-        _model("rope_scaling_original_max_position_embeddings", type=int, default=8192, help="Llama 3.x [8192]"),
-        _model("normalization", type=_normalization, default="LayerNorm", help="LayerNorm | RMSNorm"),
-        _model("norm_epsilon", type=float, default=1e-5),
+        _model("rope_scaling_low_freq_factor", type=float, default=1.0, help="Llama 3.x RoPE low-frequency factor"),
+        _model("rope_scaling_high_freq_factor", type=float, default=4.0, help="Llama 3.x RoPE high-frequency factor"),
+        _model("rope_scaling_original_max_position_embeddings", type=int, default=8192, help="Llama 3.x: the context length (tokens) the RoPE frequencies were made for"),
+        _model("normalization", type=_normalization, default="LayerNorm", metavar="{LayerNorm,RMSNorm}", help="normalization layer (either spelling case)"),
+        _model("norm_epsilon", type=float, default=1e-5, help="epsilon of every LayerNorm/RMSNorm"),
         _model("swiglu", action="store_true", help="gated SiLU MLP (Llama)"),
         _model("openai_gelu", action="store_true", help="tanh-approximate GELU (OpenAI GPT-2, HF gelu_new)"),
         _model("untie_embeddings_and_output_weights", action="store_true", help="separate LM head (default: tied to the input embedding)"),
         _model("add_bias_linear", action="store_false", help="no biases in linear layers (Llama)"),
-        _model("attention_dropout", type=float, default=0.1),
-        _model("hidden_dropout", type=float, default=0.1),
-        _model("init_method_std", type=float, default=0.02),
-        _model("make_vocab_size_divisible_by", type=int, default=128, help="pad the vocabulary to a multiple of this times TP [128]"),
-        _flag("--recompute-activations", action="store_true", help="= --recompute-granularity selective (Megatron's spelling)"),
-        _flag("--checkpoint-activations", action="store_true", help="Megatron-DeepSpeed's spelling of --recompute-granularity full --recompute-method uniform [--recompute-num-layers 1]"),
-        _model("recompute_granularity", choices=["full", "selective"], help="recompute in backward: selective = the attention core of every layer; full = whole layers (needs --recompute-method, --recompute-num-layers)"),
-        _model("recompute_method", choices=["uniform", "block"], help="full recompute: uniform = every chunk of N layers; block = the first N layers of each pipeline stage"),
-        _model("recompute_num_layers", type=int, help="N of --recompute-method"),
+        _model("make_vocab_size_divisible_by", type=int, default=128, help="pad the vocabulary to a multiple of this times the tensor-parallel size"),
         _flag("--rotary-position-embeddings-theta", type=int, metavar="N", help="Megatron-DeepSpeed spelling of --rotary-base"),
         _flag("--no-position-embedding", action="store_true", help="accepted with --position-embedding-type rope only (a RoPE model has no learned position table); refused with learned_absolute"),
-        _flag("--activations-checkpoint-method", choices=["uniform", "block"], help="older Megatron / Megatron-DeepSpeed spelling of --recompute-method (with --checkpoint-activations)"),
-        _flag("--recompute-modules", nargs="+", metavar="MODULE", help="accepted with core_attn only (selective recompute is the attention core, Megatron's default); other modules are refused"),
     )),
-    ("parallelism", (
-        _flag("--tensor-model-parallel-size", field="parallel.tensor_model_parallel_size", type=int, default=1),
-        _flag("--pipeline-model-parallel-size", field="parallel.pipeline_model_parallel_size", type=int, default=1),
+    ("regularization", (
+        _model("attention_dropout", type=float, default=0.1, help="dropout probability on the attention probabilities"),
+        _model("hidden_dropout", type=float, default=0.1, help="dropout probability on the embeddings and on each attention and MLP output"),
+        _flag("--weight-decay", field="optimizer.weight_decay", type=float, default=0.01, help="AdamW (decoupled) weight decay of the matrices; biases and norm weights have none"),
+        _flag("--clip-grad", field="optimizer.clip_grad", type=float, default=1.0, help="global gradient-norm clip (0 = off)"),
+        _flag("--adam-beta1", field="optimizer.adam_beta1", type=float, default=0.9, help="Adam decay rate of the gradient average"),
+        _flag("--adam-beta2", field="optimizer.adam_beta2", type=float, default=0.999, help="Adam decay rate of the squared-gradient average"),
+        _flag("--adam-eps", field="optimizer.adam_eps", type=float, default=1e-8, help="Adam epsilon, added to the denominator"),
+    )),
+    ("initialization", (
+        _model("init_method_std", type=float, default=0.02, help="standard deviation of the normal distribution the weights are drawn from"),
+    )),
+    ("distributed", (
+        _flag("--tensor-model-parallel-size", field="parallel.tensor_model_parallel_size", type=int, default=1, help="tensor-parallel size: ranks that split each layer's weights"),
+        _flag("--pipeline-model-parallel-size", field="parallel.pipeline_model_parallel_size", type=int, default=1, help="pipeline-parallel size: stages the layers are split into"),
         _model("sequence_parallel", action="store_true", help="norms and dropout on sequence chunks over TP ranks (all-gather/reduce-scatter around the TP linears); no-op at TP 1"),
         _flag("--no-pipeline-parallel", action="store_true", help="accepted (Megatron-DeepSpeed): PP=1 always runs without the pipeline engine; refused with PP > 1"),
-        _flag("--zero-stage", type=int, choices=[0, 1, 2, 3], help="ZeRO stage over data-parallel ranks [0, or the stage in --deepspeed_config]"),
+        _flag("--zero-stage", type=int, choices=[0, 1, 2, 3], help="ZeRO stage over data-parallel ranks [default: 0, or the stage in --deepspeed_config]"),
+        _flag("--use-distributed-optimizer", action="store_true", help="shard the optimizer state over data-parallel ranks: ZeRO-1 unless --zero-stage says more"),
         _flag("--cpu-offload", field="parallel.cpu_offload", action="store_true", help="keep optimizer state in CPU memory (ZeRO >= 1)"),
-        _flag("--distributed-backend", field="parallel.distributed_backend", choices=["nccl", "gloo"], help="[nccl with GPUs, gloo without]"),
-        _flag("--distributed-timeout-minutes", field="parallel.distributed_timeout_minutes", type=float, default=10.0, help="collectives that wait longer than this fail instead of hanging [10]"),
+        _flag("--distributed-backend", field="parallel.distributed_backend", choices=["nccl", "gloo"], help="torch.distributed backend [default: nccl with GPUs, gloo without]"),
+        _flag("--distributed-timeout-minutes", field="parallel.distributed_timeout_minutes", type=float, default=10.0, help="minutes after which a waiting collective fails instead of hanging"),
         _flag("--deepspeed", action="store_true", help="accepted for Megatron-DeepSpeed scripts (always on)"),
-        _flag("--deepspeed_config", "--deepspeed-config", help="DeepSpeed JSON; must agree with the batch, precision and ZeRO flags"),
+        _flag("--deepspeed_config", "--deepspeed-config", help="DeepSpeed JSON; must agree with the batch, precision and ZeRO flags [default: built from the flags]"),
         _flag("--local_rank", "--local-rank", type=int, help="set by the deepspeed launcher"),
         _flag("--context-parallel-size", type=int, default=1, metavar="N", help="accepted with 1 only: there is no context parallelism (TP, PP and DP exist; >1 is refused)"),
         _flag("--ds-sequence-parallel-size", type=int, default=1, metavar="N", help="accepted with 1 only: there is no DeepSpeed-Ulysses sequence parallelism (use --sequence-parallel with TP; >1 is refused)"),
@@ -125,63 +131,67 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _flag("--no-scatter-gather-tensors-in-pipeline", action="store_true", help="accepted: DeepSpeed's pipeline engine decides how activations are sent between stages"),
         _flag("--use-nccl-ub", action="store_true", help="accepted: no NCCL user buffers are registered (communication speed only)"),
     )),
-    ("optimizer and schedule", (
+    ("learning rate", (
         _flag("--lr", field="schedule.lr", type=float, help="peak learning rate (required)"),
-        _flag("--min-lr", field="schedule.min_lr", type=float, default=0.0),
-        _flag("--lr-decay-style", field="schedule.decay_style", choices=list(DECAY_STYLES), default="linear"),
-        _flag("--lr-decay-iters", type=int, help="[--train-iters]"),
-        _flag("--lr-decay-samples", type=int, help="[--train-samples] (sample-based training)"),
-        _flag("--lr-wsd-decay-style", field="schedule.wsd_decay_style", choices=list(WSD_DECAY_STYLES), default="exponential", help="shape of the WSD anneal [exponential]"),
+        _flag("--min-lr", field="schedule.min_lr", type=float, default=0.0, help="learning rate at the end of the decay"),
+        _flag("--lr-decay-style", field="schedule.decay_style", choices=list(DECAY_STYLES), default="linear", help="shape of the decay from --lr to --min-lr after warmup"),
+        _flag("--lr-decay-iters", type=int, help="iteration at which the decay to --min-lr ends (warmup included) [default: --train-iters]"),
+        _flag("--lr-decay-samples", type=int, help="sample at which the decay to --min-lr ends (warmup included; sample-based training) [default: --train-samples]"),
+        _flag("--lr-wsd-decay-style", field="schedule.wsd_decay_style", choices=list(WSD_DECAY_STYLES), default="exponential", help="shape of the WSD anneal"),
         _flag("--lr-wsd-decay-iters", type=int, help="WSD: iterations of the final anneal (with --train-iters)"),
         _flag("--lr-wsd-decay-samples", type=int, help="WSD: samples of the final anneal (with --train-samples)"),
-        _flag("--lr-warmup-iters", type=int, default=0),
-        _flag("--lr-warmup-samples", type=int, default=0),
+        _flag("--lr-warmup-iters", type=int, default=0, help="iterations of linear warmup from --lr-warmup-init to --lr"),
+        _flag("--lr-warmup-samples", type=int, default=0, help="samples of linear warmup (sample-based training)"),
         _flag("--lr-warmup-fraction", type=float, help="warmup as a fraction of the decay span"),
-        _flag("--lr-warmup-init", field="schedule.warmup_init", type=float, default=0.0),
+        _flag("--lr-warmup-init", field="schedule.warmup_init", type=float, default=0.0, help="learning rate the warmup starts from"),
         _flag("--lr-decay-tokens", type=int, help="Megatron-DeepSpeed: decay over this many tokens (= tokens / --seq-length samples; replaces --lr-decay-iters/-samples)"),
         _flag("--lr-warmup-tokens", type=int, help="Megatron-DeepSpeed: warm up over this many tokens (= tokens / --seq-length samples)"),
-        _flag("--train-tokens", field="training.train_tokens", type=int, help="Megatron-DeepSpeed: also stop once this many tokens were trained on (samples x --seq-length)"),
         _flag("--override-opt_param-scheduler", action="store_true", help="accepted: the LR schedule always comes from the flags, a checkpoint gives only its position"),
-        _flag("--weight-decay", field="optimizer.weight_decay", type=float, default=0.01),
-        _flag("--clip-grad", field="optimizer.clip_grad", type=float, default=1.0, help="global gradient-norm clip (0 = off)"),
-        _flag("--adam-beta1", field="optimizer.adam_beta1", type=float, default=0.9),
-        _flag("--adam-beta2", field="optimizer.adam_beta2", type=float, default=0.999),
-        _flag("--adam-eps", field="optimizer.adam_eps", type=float, default=1e-8),
+    )),
+    ("training", (
+        _flag("--train-tokens", field="training.train_tokens", type=int, help="Megatron-DeepSpeed: also stop once this many tokens were trained on (samples x --seq-length)"),
         _flag("--optimizer", choices=["adam"], default="adam", help="accepted: adam, the only choice (AdamW, decoupled weight decay)"),
-        _flag("--bf16", field="precision.bf16", action="store_true"),
-        _flag("--fp16", field="precision.fp16", action="store_true"),
-        _flag("--loss-scale", field="precision.loss_scale", type=float, help="static fp16 loss scale [dynamic]"),
-        _flag("--initial-loss-scale", field="precision.initial_loss_scale", type=float, help="first dynamic fp16 loss scale [2^32, or 2^initial_scale_power from --deepspeed_config]"),
-        _flag("--min-loss-scale", field="precision.min_loss_scale", type=float, help="[1, or the --deepspeed_config fp16 value]"),
-        _flag("--loss-scale-window", field="precision.loss_scale_window", type=int, help="[1000, or the --deepspeed_config fp16 value]"),
-        _flag("--hysteresis", field="precision.hysteresis", type=int, help="[2, or the --deepspeed_config fp16 value]"),
+        _flag("--recompute-activations", action="store_true", help="= --recompute-granularity selective (Megatron's spelling)"),
+        _flag("--checkpoint-activations", action="store_true", help="Megatron-DeepSpeed's spelling of --recompute-granularity full --recompute-method uniform [--recompute-num-layers 1]"),
+        _model("recompute_granularity", choices=["full", "selective"], help="recompute in backward: selective = the attention core of every layer; full = whole layers (needs --recompute-method, --recompute-num-layers)"),
+        _model("recompute_method", choices=["uniform", "block"], help="full recompute: uniform = every chunk of N layers; block = the first N layers of each pipeline stage"),
+        _model("recompute_num_layers", type=int, help="the N of --recompute-method: layers per recomputed chunk (uniform) or per stage (block)"),
         _flag("--exit-interval", field="training.exit_interval", type=int, help="save (with --save) and exit after this iteration"),
-        _flag("--iterations-to-skip", field="training.iterations_to_skip", type=iteration_spec, nargs="+", action="extend", help="1-indexed iterations (N or A-B) whose batches are read and dropped without a step"),
+        _flag("--iterations-to-skip", field="training.iterations_to_skip", type=iteration_spec, nargs="+", action="extend", metavar="N|A-B", help="1-indexed iterations (N or A-B) whose batches are read and dropped without a step"),
         _flag("--exit-duration-in-mins", field="training.exit_duration_in_mins", type=float, help="save and exit after this many minutes"),
         _flag("--exit-signal-handler", field="training.exit_signal_handler", action="store_true", help="on --exit-signal every rank finishes its iteration, saves (with --save) and exits 0"),
-        _flag("--exit-signal", field="training.exit_signal", choices=list(SIGNALS), default="SIGTERM", help="the signal --exit-signal-handler waits for [SIGTERM]"),
+        _flag("--exit-signal", field="training.exit_signal", choices=list(SIGNALS), default="SIGTERM", help="the signal --exit-signal-handler waits for"),
         _flag("--check-for-nan-in-loss-and-grad", field="training.check_for_nan_in_loss_and_grad", action="store_true", default=True, help="accepted: on by default (Megatron-LM main): a NaN/Inf loss or grad norm stops every rank at that iteration, before any save, exit 2"),
         _flag("--no-check-for-nan-in-loss-and-grad", field="training.check_for_nan_in_loss_and_grad", action="store_false", default=True, help="train on past a NaN/Inf loss or grad norm; saves of non-finite weights are still refused (one warning each)"),
+        _flag("--rampup-batch-size", nargs=3, type=int, metavar=("START", "INCREMENT", "SAMPLES"), help="grow the global batch from START by INCREMENT up to --global-batch-size over SAMPLES samples (needs --train-samples)"),
+        _flag("--step-batch-size-schedule", metavar="'THRESHOLD:BATCH ...'", help="Megatron-LM main's batch schedule, thresholds in tokens with K/M/B/T suffixes, e.g. '0:256 2B:512' (instead of --global-batch-size; needs --train-samples)"),
+        _flag("--activations-checkpoint-method", choices=["uniform", "block"], help="older Megatron / Megatron-DeepSpeed spelling of --recompute-method (with --checkpoint-activations)"),
+        _flag("--recompute-modules", nargs="+", metavar="MODULE", help="accepted with core_attn only (selective recompute is the attention core, Megatron's default); other modules are refused"),
+    )),
+    ("mixed precision", (
+        _flag("--bf16", field="precision.bf16", action="store_true", help="train in bfloat16 (DeepSpeed's bf16 mode)"),
+        _flag("--fp16", field="precision.fp16", action="store_true", help="train in float16 with loss scaling (DeepSpeed's fp16 mode; needs a GPU)"),
+        _flag("--loss-scale", field="precision.loss_scale", type=float, help="static fp16 loss scale [default: dynamic]"),
+        _flag("--initial-loss-scale", field="precision.initial_loss_scale", type=float, help="first dynamic fp16 loss scale [default: 2^32, or 2^initial_scale_power from --deepspeed_config]"),
+        _flag("--min-loss-scale", field="precision.min_loss_scale", type=float, help="smallest dynamic fp16 loss scale [default: 1, or the --deepspeed_config fp16 value]"),
+        _flag("--loss-scale-window", field="precision.loss_scale_window", type=int, help="iterations without overflow before the dynamic fp16 loss scale grows [default: 1000, or the --deepspeed_config fp16 value]"),
+        _flag("--hysteresis", field="precision.hysteresis", type=int, help="overflows tolerated before the dynamic fp16 loss scale shrinks [default: 2, or the --deepspeed_config fp16 value]"),
     )),
     ("loss spikes", (
         _flag("--check-for-spiky-loss", field="spikes.check_for_spiky_loss", action="store_true", help="detect loss spikes: a loss above mean + K x sigma of the trailing window; what happens is --spiky-loss-policy"),
-        _flag("--spiky-loss-policy", field="spikes.policy", choices=list(POLICIES), default="warn", help="warn: one line, train on; skip: withhold the update and record the batch as skipped (as --iterations-to-skip); rewind: reload the last checkpoint in --save and skip the batch when it comes again [warn]"),
-        _flag("--spiky-loss-window", field="spikes.window", type=int, default=128, help="trailing iterations the mean and sigma come from [128]"),
-        _flag("--spiky-loss-factor", field="spikes.factor", type=float, default=6.0, help="K: a spike exceeds mean + K x sigma [6]"),
-        _flag("--spiky-loss-min-window", field="spikes.min_fill", type=int, help="losses the window must hold before detection starts [half the window]"),
-    )),
-    ("batch-size schedule", (
-        _flag("--rampup-batch-size", nargs=3, type=int, metavar=("START", "INCREMENT", "SAMPLES"), help="grow the global batch from START by INCREMENT up to --global-batch-size over SAMPLES samples (needs --train-samples)"),
-        _flag("--step-batch-size-schedule", metavar="'THRESHOLD:BATCH ...'", help="Megatron-LM main's batch schedule, thresholds in tokens with K/M/B/T suffixes, e.g. '0:256 2B:512' (instead of --global-batch-size; needs --train-samples)"),
+        _flag("--spiky-loss-policy", field="spikes.policy", choices=list(POLICIES), default="warn", help="warn: one line, train on; skip: withhold the update and record the batch as skipped (as --iterations-to-skip); rewind: reload the last checkpoint in --save and skip the batch when it comes again"),
+        _flag("--spiky-loss-window", field="spikes.window", type=int, default=128, help="trailing iterations the mean and sigma come from"),
+        _flag("--spiky-loss-factor", field="spikes.factor", type=float, default=6.0, help="K: a spike exceeds mean + K x sigma"),
+        _flag("--spiky-loss-min-window", field="spikes.min_fill", type=int, help="losses the window must hold before detection starts [default: half the window]"),
     )),
     ("checkpointing", (
         _flag("--save", field="checkpoint.save", help="checkpoint directory to write"),
-        _flag("--save-interval", "--persistent-save-interval", field="checkpoint.save_interval", type=int),
+        _flag("--save-interval", "--persistent-save-interval", field="checkpoint.save_interval", type=int, help="iterations between checkpoints (needs --save)"),
         _flag("--load", field="checkpoint.load", help="checkpoint directory to resume from (its `latest`), or one of its global_step<N> folders (that step)"),
         _flag("--no-save-rng", field="checkpoint.no_save_rng", action="store_true", help="do not save per-rank RNG states"),
         _flag("--no-save-full-state", field="checkpoint.no_save_full_state", action="store_true", help="do not save the layout-independent full_state_*.pt files (fp32 weights + Adam moments again, 12 bytes per parameter): smaller, faster saves, but the checkpoint resumes only at its own TP/PP/DP/ZeRO layout and tools/reshard_checkpoint.py cannot read it (docs/CHECKPOINTS.md)"),
-        _flag("--no-load-optim", field="checkpoint.no_load_optim", action="store_true"),
-        _flag("--no-load-rng", field="checkpoint.no_load_rng", action="store_true"),
+        _flag("--no-load-optim", field="checkpoint.no_load_optim", action="store_true", help="do not load the optimizer state (Adam moments) from --load"),
+        _flag("--no-load-rng", field="checkpoint.no_load_rng", action="store_true", help="do not load the RNG states from --load"),
         _flag("--save-total-limit", "--save-keep-last", "--most-recent-k", field="checkpoint.save_total_limit", type=int, help="keep only the newest N complete checkpoints (older ones are deleted after a newer one is committed; never the one `latest` names)"),
         _flag("--finetune", field="checkpoint.finetune", action="store_true", help="load weights only: no optimizer, RNG or data position; iteration restarts at 0"),
         _flag("--use-checkpoint-args", field="checkpoint.use_checkpoint_args", action="store_true", help="take the model flags from the --load checkpoint, as Megatron does: shape flags not given on the command line (layers, hidden, FFN, heads, kv-channels, seq-length, positions) are filled in; the others (GQA groups, RoPE, norm, SwiGLU, biases, tied head, dropouts, vocabulary padding) are overridden, one line each"),
@@ -190,12 +200,12 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _flag("--dist-ckpt-strictness", metavar="MODE", help="accepted: applies to torch_dist checkpoints, which are not read here"),
     )),
     ("logging", (
-        _flag("--log-interval", field="logging.log_interval", type=int, default=100),
-        _flag("--tensorboard-dir", field="logging.tensorboard_dir"),
-        _flag("--tensorboard-log-interval", field="logging.tensorboard_log_interval", type=int, default=1, help="write training scalars to TensorBoard/wandb every N iterations [1]"),
-        _flag("--wandb-project", field="logging.wandb_project"),
-        _flag("--wandb-exp-name", field="logging.wandb_exp_name"),
-        _flag("--peak-tflops", field="logging.peak_tflops", type=float, help="peak TFLOP/s per device for MFU [a table of known GPUs; none on CPU]"),
+        _flag("--log-interval", field="logging.log_interval", type=int, default=100, help="iterations between training log lines"),
+        _flag("--tensorboard-dir", field="logging.tensorboard_dir", help="write TensorBoard event files into this directory"),
+        _flag("--tensorboard-log-interval", field="logging.tensorboard_log_interval", type=int, default=1, help="write training scalars to TensorBoard/wandb every N iterations"),
+        _flag("--wandb-project", field="logging.wandb_project", metavar="NAME", help="also log to this Weights & Biases project"),
+        _flag("--wandb-exp-name", field="logging.wandb_exp_name", metavar="NAME", help="Weights & Biases run name"),
+        _flag("--peak-tflops", field="logging.peak_tflops", type=float, help="peak TFLOP/s per device for MFU [default: a table of known GPUs; none on CPU]"),
         _flag("--metrics-file", field="logging.metrics_file", help="append one JSON line per iteration (full-precision loss, grad norm, lr)"),
         _flag("--log-throughput", action="store_true", help="accepted for Megatron scripts (always on)"),
         _flag("--log-validation-ppl-to-tensorboard", action="store_true", help="no-op: validation and test perplexity are always written"),
@@ -214,12 +224,11 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _flag("--profile-ranks", type=int, nargs="+", metavar="RANK", help="accepted: see --profile"),
         _flag("--wandb-save-dir", field="logging.wandb_save_dir", metavar="PATH", help="folder for wandb's local files [wandb's default]"),
     )),
-    ("evaluation", (
+    ("validation", (
         _flag("--multiple-validation-sets", field="evaluation.multiple_validation_sets", action="store_true", help="evaluate each --valid-data-path prefix as its own validation set (unblended; --eval-iters global batches of each), one 'validation-<name> loss' block per set"),
-        _flag("--validation-set-names", field="evaluation.validation_set_names", nargs="+", metavar="NAME", help="with --multiple-validation-sets: one name per --valid-data-path prefix for its log lines and scalars [0 1 ...]"),
+        _flag("--validation-set-names", field="evaluation.validation_set_names", nargs="+", metavar="NAME", help="with --multiple-validation-sets: one name per --valid-data-path prefix for its log lines and scalars [default: 0 1 ...]"),
     )),
     ("Megatron script compatibility (accepted; the behaviour is fixed here)", (
-        _flag("--use-distributed-optimizer", action="store_true", help="shard the optimizer state over data-parallel ranks: ZeRO-1 unless --zero-stage says more"),
         _flag("--use-flash-attn", action="store_true", help="no-op: attention is torch SDPA, which picks flash attention on GPUs by itself"),
         _flag("--use-mcore-models", action="store_true", help="no-op: the model is always this project's megatron-core-style GPT"),
         _flag("--data-impl", choices=["mmap"], help="no-op: the mmap .bin/.idx format is the only one (Megatron-DeepSpeed scripts pass mmap)"),
@@ -267,16 +276,20 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The pretrain_gpt.py parser: the table's groups, then the sample-count, data and
-    tokenizer flags their modules own."""
+    """The pretrain_gpt.py parser: the table's rows, then the sample-count, data and tokenizer
+    flags their modules own, each in its Megatron-LM group (`pretrain.flag_help`)."""
     parser = _Parser(
         prog="pretrain_gpt.py",
+        usage="%(prog)s [-h] FLAG ...",
         allow_abbrev=False,
-        description="Pretrain a GPT (GPT-2 or Llama flavour) with Megatron-LM flags on "
-        "tensor parallelism + DeepSpeed pipeline parallelism and ZeRO.",
+        formatter_class=HelpFormatter,
+        description="Pretrain a GPT (GPT-2 or Llama flavour) with Megatron-LM flags on tensor "
+        "parallelism + DeepSpeed pipeline parallelism and ZeRO. The flags are in Megatron-LM's "
+        "groups; a help line ends with the flag's default (docs/TRAINING.md explains them).",
     )
+    add_megatron_groups(parser)
     for title, rows in FLAGS:
-        group = parser.add_argument_group(title)
+        group = argument_group(parser, title)
         for row in rows:
             group.add_argument(*row.names, dest=flag_dest(row), **row.options)
     add_sample_count_args(parser)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pretrain.errors import UserError
+from pretrain.flag_help import argument_group
 
 # (prefixes, weights or None)
 Blend = tuple[list[str], list[float] | None]
@@ -37,13 +38,15 @@ MOCK_SPLIT = "1,1,1"  # megatron-core's split for mock data, whatever --split sa
 
 
 def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add Megatron's data flags (paths, blends, split, cache, masks, loader) to `parser`."""
-    g = parser.add_argument_group("data", "where the tokenized data is and how samples are made")
+    """Add Megatron's data flags (paths, blends, split, cache, masks, loader) to `parser`'s
+    "data and dataloader" group."""
+    g = argument_group(parser, "data and dataloader")
     g.add_argument(
         "--data-path",
         nargs="*",
         default=None,
-        help="one prefix (PATH for PATH.bin/PATH.idx), several prefixes (blended by size), "
+        metavar="PREFIX",
+        help="one prefix (PREFIX for PREFIX.bin/PREFIX.idx), several prefixes (blended by size), "
         "or 'W1 PREFIX1 W2 PREFIX2 ...' (blended by weight)",
     )
     g.add_argument(
@@ -61,6 +64,7 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
             f"--{split}-data-path",
             nargs="*",
             default=None,
+            metavar="PREFIX",
             help=f"the {split} split's own blend (same forms as --data-path); "
             "replaces --data-path and --split",
         )
@@ -73,15 +77,16 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument(
         "--split",
         default=None,
-        help="train,valid,test proportions of each --data-path prefix, e.g. 949,50,1 "
-        f"(default '{LEGACY_DEFAULT_SPLIT}', Megatron's legacy default)",
+        metavar="TRAIN,VALID,TEST",
+        help="proportions of each --data-path prefix per split, e.g. 949,50,1 "
+        f"[default: {LEGACY_DEFAULT_SPLIT.replace(' ', '')} (Megatron's legacy default); "
+        f"{MOCK_SPLIT} with --mock-data]",
     )
     g.add_argument(
         "--data-cache-path",
         default=None,
-        help="directory for the index caches (default: PREFIX/cache/GPTDataset_indices beside "
-        "each prefix, as Megatron); node-local directories are fine, each node builds "
-        "its own",
+        help="directory for the index caches; node-local directories are fine, each node builds "
+        "its own [default: PREFIX/cache/GPTDataset_indices for each prefix, as Megatron]",
     )
     g.add_argument(
         "--blend-weights-unit",
@@ -99,7 +104,7 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--mid-level-dataset-surplus",
         type=float,
         default=0.005,
-        help="extra fraction of samples built per blended prefix (default 0.005)",
+        help="extra fraction of samples built per blended prefix",
     )
     g.add_argument(
         "--num-dataset-builder-threads",
@@ -145,24 +150,33 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+_SAMPLE_COUNT_FLAGS = (  # (group, flag, default, help) of integer flags
+    ("data and dataloader", "--seq-length", None, "tokens per sample (required)"),
+    ("initialization", "--seed", 1234, "random seed of the data order and the weights"),
+    ("training", "--train-iters", None, "training iterations"),
+    ("training", "--train-samples", None, "training samples (instead of --train-iters)"),
+    (
+        "training",
+        "--global-batch-size",
+        None,
+        "samples per iteration [default: the --deepspeed_config JSON's, else micro batch x DP]",
+    ),
+    (
+        "training",
+        "--micro-batch-size",
+        1,
+        "samples per forward pass per data-parallel rank [default: the --deepspeed_config JSON's, else 1]",
+    ),
+    ("validation", "--eval-interval", 1000, "training iterations between evaluations"),
+    ("validation", "--eval-iters", 100, "global batches per evaluation (0 = no evaluation)"),
+)
+
+
 def add_sample_count_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Flags that fix how many samples each split needs, and the sample shape and seed."""
-    g = parser.add_argument_group("sample counts", "shared with training")
-    g.add_argument("--seq-length", type=int, default=None, help="tokens per sample")
-    g.add_argument("--seed", type=int, default=1234, help="random seed (data order and init)")
-    g.add_argument("--train-iters", type=int, default=None, help="training iterations")
-    g.add_argument(
-        "--train-samples",
-        type=int,
-        default=None,
-        help="training samples (instead of --train-iters)",
-    )
-    g.add_argument("--global-batch-size", type=int, default=None, help="samples per iteration")
-    g.add_argument(
-        "--micro-batch-size", type=int, default=1, help="samples per forward pass per rank"
-    )
-    g.add_argument("--eval-interval", type=int, default=1000, help="iterations between evaluations")
-    g.add_argument("--eval-iters", type=int, default=100, help="iterations per evaluation")
+    """Flags that fix how many samples each split needs, and the sample shape and seed, each in
+    its Megatron-LM group (training, initialization, validation, data and dataloader)."""
+    for group, flag, default, text in _SAMPLE_COUNT_FLAGS:
+        argument_group(parser, group).add_argument(flag, type=int, default=default, help=text)
     return parser
 
 

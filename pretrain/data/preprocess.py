@@ -42,6 +42,7 @@ from pretrain.data.indexed_dataset import (
 )
 from pretrain.data.output_lock import lock_output
 from pretrain.errors import UserError, data_error
+from pretrain.flag_help import HelpFormatter
 from pretrain.tokenizer import TokenizerConfig, add_tokenizer_args
 
 _MAX_REPORTED_SKIPS = 20
@@ -109,6 +110,7 @@ class PreprocessConfig:
 def build_parser() -> argparse.ArgumentParser:
     """tools/preprocess_data.py's flags (Megatron's spellings)."""
     p = argparse.ArgumentParser(
+        formatter_class=HelpFormatter,
         description="Tokenize a corpus into Megatron-LM's mmap dataset format (.bin/.idx), byte for byte "
         "what Megatron's tools/preprocess_data.py writes, in parallel and streaming.",
         epilog="example: tools/preprocess_data.py --input data/shakespeare.jsonl --output-prefix data/shakespeare "
@@ -127,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--json-keys",
         nargs="+",
         default=["text"],
-        help="keys to extract; one output per key (default: text)",
+        metavar="KEY",
+        help="keys to extract; one output per key",
     )
     g.add_argument(
         "--split-sentences", action="store_true", help="split texts into sentences (pysbd, offline)"
@@ -138,7 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --split-sentences: keep newlines in sentences",
     )
     g.add_argument(
-        "--lang", default="english", help="sentence-splitting language (NLTK name or ISO code)"
+        "--lang",
+        default="english",
+        metavar="LANGUAGE",
+        help="sentence-splitting language (NLTK name or ISO code)",
     )
     g.add_argument(
         "--skip-bad-lines",
@@ -148,7 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_tokenizer_args(p)
     g = p.add_argument_group("output")
     g.add_argument(
-        "--output-prefix", required=True, help="writes {prefix}_{key}_{document|sentence}.bin/.idx"
+        "--output-prefix",
+        required=True,
+        metavar="PREFIX",
+        help="writes {prefix}_{key}_{document|sentence}.bin/.idx",
     )
     g.add_argument(
         "--allow-empty",
@@ -166,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers",
         type=int,
         default=os.cpu_count() or 1,
-        help="tokenizer processes (default: all cores)",
+        help=f"tokenizer processes [default: {os.cpu_count() or 1}, the cores here]",
     )
     g.add_argument(
         "--partitions",

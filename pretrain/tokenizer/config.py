@@ -6,6 +6,8 @@ import argparse
 import os
 from dataclasses import dataclass, fields
 
+from pretrain.flag_help import argument_group
+
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
 SUPPORTED_TYPES = (
     "GPT2BPETokenizer",
@@ -72,9 +74,10 @@ class TokenizerConfig:
 
 
 def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add Megatron-LM's tokenizer flags (plus `--tokenizer-engine`) to `parser`."""
-    g = parser.add_argument_group("tokenizer (Megatron-LM flag names)")
-    g.add_argument("--tokenizer-type", help=f"one of {', '.join(SUPPORTED_TYPES)}")
+    """Add Megatron-LM's tokenizer flags (plus `--tokenizer-engine`) to `parser`'s "tokenizer"
+    group."""
+    g = argument_group(parser, "tokenizer")
+    g.add_argument("--tokenizer-type", metavar="NAME", help=f"one of {', '.join(SUPPORTED_TYPES)}")
     g.add_argument("--vocab-file", help="GPT2BPETokenizer: vocab.json")
     g.add_argument("--merge-file", help="GPT2BPETokenizer: merges.txt")
     g.add_argument(
@@ -93,8 +96,9 @@ def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     )
     g.add_argument(
         "--tiktoken-pattern",
-        help="TikTokenizer: v1, v2, cl100k_base or a regex (default: from the file name, e.g. "
-        "cl100k_base)",
+        metavar="PATTERN",
+        help="TikTokenizer: v1, v2, cl100k_base or a regex [default: from the file name, e.g. "
+        "cl100k_base]",
     )
     g.add_argument(
         "--tokenizer-engine",
