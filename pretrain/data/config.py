@@ -165,7 +165,7 @@ _SAMPLE_COUNT_FLAGS = (  # (group, flag, default, help) of integer flags
         "training",
         "--micro-batch-size",
         1,
-        "samples per forward pass per data-parallel rank [default: the --deepspeed_config JSON's, else 1]",
+        "samples per forward pass per data-parallel rank [default: 1, or pretrain_gpt.py's --deepspeed_config JSON's]",
     ),
     ("validation", "--eval-interval", 1000, "training iterations between evaluations"),
     ("validation", "--eval-iters", 100, "global batches per evaluation (0 = no evaluation)"),
