@@ -354,6 +354,16 @@ def test_blend_part_without_train_data_is_refused_unweighted(tmp_path):
     assert f"the train split of blend part {part} is empty" in line and why in line
 
 
+def test_per_split_train_blend_part_without_data_is_refused(tmp_path):
+    from pretrain.data.builder import check_splits_before_launch
+
+    big, part, _, why = _blend_part(tmp_path, "allow-empty")
+    cfg = DataConfig(seq_length=16, blend_per_split=[([big, part], [1.0, 1.0]), None, None])
+    with pytest.raises(UserError, match=f"blend part {re.escape(part)} is empty") as refused:
+        check_splits_before_launch(cfg, [20, 0, 0])
+    assert why in str(refused.value) and f"drop {part} from --train-data-path" in str(refused.value)
+
+
 @pytest.mark.parametrize("script", ["build_data_cache.py", "plan_blend.py"])
 def test_blend_part_without_validation_data_is_a_warning(tmp_path, script):
     big = write_corpus(str(tmp_path / "big"), [20] * 200)
