@@ -12,6 +12,7 @@ For every split and prefix it prints: tokens, documents, the requested weight (n
 samples the blend will draw, the resulting epochs and the prefix's actual share of the split's
 tokens; then a warning for every prefix read more than --max-epochs times or less than
 --min-epochs of it (train split). `tools/build_data_cache.py --plan` prints the same table.
+Like training, it first refuses a train split that is empty or a blend part that gives it no data.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pretrain.cli import data_tool_parser, parse_data_tool_args  # noqa: E402
+from pretrain.data.builder import check_splits_before_launch  # noqa: E402
 from pretrain.data.config import (  # noqa: E402
     DataConfig,
     train_valid_test_num_samples,
@@ -104,9 +106,13 @@ def plot_plan(rows: list[PlanRow], path: str, max_epochs: float) -> None:
 
 
 def run_plan(ns: argparse.Namespace, cfg: DataConfig) -> list[PlanRow]:
-    """Print the plan (and warnings), draw it if --plot; return its rows."""
+    """Refuse a blend that cannot feed training (as training would, before launch), then print
+    the plan (and warnings), draw it if --plot; return its rows."""
     counts = train_valid_test_num_samples(
         ns.train_iters, ns.train_samples, ns.eval_interval, ns.eval_iters, ns.global_batch_size
+    )
+    check_splits_before_launch(
+        cfg, counts, ns.eval_iters, lambda msg: print(f"warning: {msg}", file=sys.stderr)
     )
     rows = plan_blend(cfg, counts)
     print(format_plan(rows, cfg.seq_length))

@@ -16,7 +16,6 @@ one-layer copy of the architecture with tiny sizes tells them for every name, wi
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +25,6 @@ from pretrain.model.gpt import GPTModel
 from pretrain.parallel.sharding import merge_shards, shard_tensor
 
 VOCAB_PARAMS = ("embedding.word_embeddings.weight", "head.output_layer.weight")
-_LAYER = re.compile(r"^layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -52,11 +50,6 @@ def _structural_twin(config: ModelConfig) -> ModelConfig:
         make_vocab_size_divisible_by=8,
         params_dtype=torch.float32,
     )
-
-
-def layer_template(name: str) -> str:
-    """`layers.7.mlp.fc1.weight` -> `layers.0.mlp.fc1.weight` (the twin's name)."""
-    return _LAYER.sub("layers.0.", name)
 
 
 def parameter_partitions(config: ModelConfig) -> dict[str, Partition | None]:

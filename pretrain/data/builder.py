@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -240,6 +241,11 @@ def _split_blend(cfg: DataConfig, split: int) -> tuple[list[str], list | None, s
     return blend[0], matrix, None
 
 
+def _blend_flag(cfg: DataConfig, split: int) -> str:
+    """The flag that lists the prefixes of `split` (for messages)."""
+    return "--data-path" if cfg.blend is not None else f"--{Split(split).name}-data-path"
+
+
 def _why_empty(prefix: str, indexed: IndexedDataset, in_split: int, tokens: int, cfg) -> str:
     """Why one prefix gives a split no tokens: no documents, only empty ones, or the --split."""
     if indexed.num_documents == 0:
@@ -257,6 +263,40 @@ def _why_empty(prefix: str, indexed: IndexedDataset, in_split: int, tokens: int,
     return f"it gets {tokens} token(s) of {prefix}, too few for one sample"
 
 
+def duplicate_warnings(cfg: DataConfig) -> list[str]:
+    """One line per prefix that a blend lists more than once (the same path however spelled),
+    with its weights. Like Megatron-LM, each listing stays a part of its own: this only warns."""
+    blends = [(cfg.blend, "--data-path")] if cfg.blend is not None else []
+    for split, blend in enumerate(cfg.blend_per_split or []):
+        if blend is not None:
+            blends.append((blend, _blend_flag(cfg, split)))
+    out = []
+    for (prefixes, weights), flag in blends:
+        where: dict[str, list[int]] = {}
+        for i, prefix in enumerate(prefixes):
+            where.setdefault(os.path.realpath(prefix), []).append(i)
+        for places in where.values():
+            if len(places) < 2:
+                continue
+            name = prefixes[places[0]]
+            if weights is None:
+                how = "no weights: each listing adds the prefix's size, so it is read that often"
+            else:
+                share = sum(weights[i] for i in places) / sum(weights)
+                given = ", ".join(f"{weights[i]:g}" for i in places)
+                how = f"weights {given}: together {100 * share:.1f}% of the blend"
+            out.append(
+                f"{flag} lists {name} {len(places)} times ({how}); as in Megatron-LM each listing "
+                "is a blend part of its own (list it once, with the summed weight, to silence this)"
+            )
+    return out
+
+
+def _split_used(split: int, num_samples: Sequence[int | None], eval_iters: int) -> bool:
+    """Whether the run draws from `split`: always train; valid and test only when evaluating."""
+    return split == Split.train or bool(eval_iters > 0 and num_samples[split])
+
+
 def check_splits_before_launch(
     cfg: DataConfig,
     num_samples: Sequence[int | None],
@@ -264,35 +304,59 @@ def check_splits_before_launch(
     warn: Callable[[str], None] | None = None,
     files: PrefixFiles | None = None,
 ) -> None:
-    """Refuse an empty train split with one line saying why; `warn` once if evaluation will find
-    no validation data. Reads only the `.idx` files (validated, through `files`), so it runs
-    before launch. Mock data (no files) always has every split."""
+    """Refuse, with one line saying why, a train split that is empty or a blend part that gives
+    it no data (Megatron's builder never returns, or asserts, on such a blend); `warn` once per
+    prefix a blend lists twice, once if evaluation will find no validation data, and once per
+    blend part that gives the valid or test split nothing (that split is drawn from the other
+    parts). Reads only the `.idx` files (validated, through `files`), so it runs before launch.
+    Mock data (no files) always has every split."""
     if cfg.mock:
         return
     files = files or PrefixFiles(cfg.data_cache_path)
-    for split in (Split.train, Split.valid):
-        if split == Split.valid and not (eval_iters > 0 and num_samples[1]):
-            continue
-        prefixes, matrix, why = _split_blend(cfg, split)
-        reasons = [why] if why else []
-        total = 0
-        for prefix in prefixes:
-            indexed = _open(files, prefix)
-            ids = split_ranges(len(indexed), matrix)[split]
-            tokens = (
-                int(indexed.sequence_lengths[ids[0] : ids[-1] + 1].sum(dtype="int64"))
-                if len(ids)
-                else 0
-            )
-            total += tokens
-            if tokens <= 1:
-                reasons.append(_why_empty(prefix, indexed, len(ids), tokens, cfg))
-        if total > 1:  # a sample needs seq_length + 1 tokens, cycled over epochs: 2 suffice
-            continue
-        if split == 0:
+    for line in duplicate_warnings(cfg) if warn is not None else []:
+        warn(line)
+    for split in Split:
+        if _split_used(split, num_samples, eval_iters):
+            _check_split(cfg, split, eval_iters, warn, files)
+
+
+def _check_split(cfg: DataConfig, split: int, eval_iters: int, warn, files: PrefixFiles) -> None:
+    """`check_splits_before_launch` for one split that the run draws from."""
+    prefixes, matrix, why = _split_blend(cfg, split)
+    reasons = [why] if why else []
+    empty_parts = []  # (prefix, why) of the parts that give this split no data
+    total = 0
+    for prefix in prefixes:
+        indexed = _open(files, prefix)
+        ids = split_ranges(len(indexed), matrix)[split]
+        tokens = (
+            int(indexed.sequence_lengths[ids[0] : ids[-1] + 1].sum(dtype="int64"))
+            if len(ids)
+            else 0
+        )
+        total += tokens
+        if tokens <= 1:  # a sample needs seq_length + 1 tokens, cycled over epochs: 2 suffice
+            empty_parts.append((prefix, _why_empty(prefix, indexed, len(ids), tokens, cfg)))
+    reasons += [reason for _, reason in empty_parts]
+    name = Split(split).name
+    if total <= 1:
+        if split == Split.train:
             raise UserError(f"the train split is empty: {'; '.join(reasons)}")
-        if warn is not None:
+        if split == Split.valid and warn is not None:
             warn(
                 f"no validation data ({'; '.join(reasons)}): evaluation is skipped although "
                 f"--eval-iters is {eval_iters} (pass --eval-iters 0 to say so)"
+            )
+        return
+    flag = _blend_flag(cfg, split)
+    for prefix, reason in empty_parts:
+        if split == Split.train:
+            raise UserError(
+                f"the train split of blend part {prefix} is empty: {reason}; every part of a "
+                f"blend must feed training (drop {prefix} from {flag}, or change --split)"
+            )
+        if warn is not None:
+            warn(
+                f"the {name} split of blend part {prefix} is empty: {reason}; the {name} split "
+                f"is drawn from the other parts of {flag} only"
             )

@@ -53,11 +53,6 @@ FINGERPRINT = "idx_fingerprint.txt"
 _STALE_OTHER_HOST_S = 24 * 3600
 
 
-def cache_file_base(directory: str, description_hash: str, cls_name: str, split: str) -> str:
-    """`{directory}/{md5}-{Class}-{split}`: Megatron's prefix of every file of one cache."""
-    return os.path.join(directory, f"{description_hash}-{cls_name}-{split}")
-
-
 def _read_text(path: str) -> str | None:
     try:
         with open(path, encoding="utf-8") as f:

@@ -40,7 +40,6 @@ class _Layout:
     tp_ranks: list[int]
     dp_ranks: list[int]
     pp_ranks: list[int]
-    embedding_ranks: list[int]
 
 
 _LAYOUT: _Layout | None = None
@@ -94,7 +93,7 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1) -> None:
         [[global_rank(t, d, p, tp, dp) for p in range(pp) for t in range(tp)] for d in range(dp)]
     )
     embedding_groups = [sorted({ranks[0], ranks[-1]}) for ranks in pp_groups]
-    embedding_group, embedding_ranks = make(embedding_groups)
+    embedding_group, _ = make(embedding_groups)
     _LAYOUT = _Layout(
         tp,
         pp,
@@ -110,7 +109,6 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1) -> None:
         tp_ranks,
         dp_ranks,
         pp_ranks,
-        embedding_ranks,
     )
 
 
@@ -193,11 +191,6 @@ def get_model_parallel_group():
 def get_embedding_group():
     """First and last pipeline stage of this rank's pipeline (one rank when pp == 1)."""
     return _LAYOUT.embedding_group if _LAYOUT else None
-
-
-def get_embedding_ranks() -> list[int]:
-    """Global ranks of the first and last stage of this rank's pipeline."""
-    return list(_LAYOUT.embedding_ranks) if _LAYOUT else [0]
 
 
 def is_pipeline_first_stage() -> bool:

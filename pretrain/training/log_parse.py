@@ -36,11 +36,6 @@ def parse_iteration_lines(text: str) -> list[dict[str, str]]:
     return rows
 
 
-def parse_log(path: Path) -> list[dict[str, str]]:
-    """The iteration lines of the log file at `path` (see parse_iteration_lines)."""
-    return parse_iteration_lines(Path(path).read_text(errors="replace"))
-
-
 @dataclass
 class RunLog:
     """The numbers of one training log, for plots and summaries."""
