@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 from dataclasses import dataclass
 
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
@@ -52,6 +54,16 @@ class TokenizerConfig:
             tiktoken_pattern=getattr(ns, "tiktoken_pattern", None),
             tokenizer_engine=getattr(ns, "tokenizer_engine", None) or "auto",
         )
+
+    def with_absolute_paths(self) -> TokenizerConfig:
+        """This config with its file paths made absolute (what checkpoints record, so that a
+        tool run from another folder finds the files)."""
+        paths = {
+            key: os.path.abspath(getattr(self, key))
+            for key in ("vocab_file", "merge_file", "tokenizer_model")
+            if getattr(self, key)
+        }
+        return dataclasses.replace(self, **paths)
 
 
 def add_tokenizer_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
