@@ -256,7 +256,7 @@ def check_data(
     """Check every prefix of `cfg` against the tokenizer given and a vocabulary of `vocab_size`
     ids (the model's, or the tokenizer's where there is no model). One-line UserError on a mismatch.
     `files`: the prefixes' files as already read (PrefixFiles(cfg.data_cache_path));
-    `fingerprint`: the tokenizer's `tokenizer_fingerprint` where already made (its files hashed)."""
+    `fingerprint`: the tokenizer's `tokenizer_fingerprint` where already made (hashed once)."""
     given = fingerprint or tokenizer_fingerprint(tok_cfg, tokenizer)
     files = files or PrefixFiles(cfg.data_cache_path)
     for prefix in data_prefixes(cfg):

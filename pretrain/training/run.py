@@ -60,7 +60,7 @@ class Prepared:
     tokenizer: Tokenizer
     """The built tokenizer (its files read, its vocabulary size known)."""
     tokenizer_fingerprint: dict
-    """`tokenizer_fingerprint(tokenizer_config, tokenizer)`: its files hashed once per process
+    """`tokenizer_fingerprint(tokenizer_config, tokenizer)`: its behaviour and files hashed once per process
     (the data check, the resume check and the checkpoints' record use it)."""
     data_config: DataConfig
     """The data config `files` was made for."""
