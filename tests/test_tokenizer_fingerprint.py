@@ -298,3 +298,17 @@ def test_convert_finds_a_moved_tokenizer_by_flag_checked_against_the_fingerprint
     assert f"trained with HuggingFaceTokenizer (sha256 {ours}" in line
     assert f"--tokenizer-model {other} give HuggingFaceTokenizer (sha256 {theirs}" in line
     assert not (tmp_path / "d").exists()
+
+
+def test_an_old_checkpoint_record_is_compared_by_bytes(demo, tmp_path):
+    """A checkpoint's byte-hash fingerprint (before content fingerprints): the same files resume;
+    other files of the same tokenizer are refused as before, in one line saying "file sha256"."""
+    meta = {"tokenizer_fingerprint": _old_record(fp(hf(demo / "tok")))}
+    assert check_tokenizer(meta, fp(hf(demo / "tok")), False, "ck") is None
+    shutil.copytree(demo / "tok", tmp_path / "resaved")
+    (tmp_path / "resaved" / "tokenizer_config.json").write_text('{"eos_token": "<|endoftext|>"}')
+    with pytest.raises(UserError, match="trained with HuggingFaceTokenizer \\(file sha256") as err:
+        check_tokenizer(meta, fp(hf(tmp_path / "resaved")), False, "ck")
+    assert "\n" not in str(err.value)
+    assert check_tokenizer({"tokenizer_fingerprint": fp(hf(demo / "tok"))},
+                           fp(hf(tmp_path / "resaved")), False, "ck") is None  # fmt: skip
