@@ -19,6 +19,7 @@ import collections, json, sys
 from pretrain.data import fingerprint
 from pretrain.data.indexed_dataset import IndexedDataset
 from pretrain.tokenizer import NullTokenizer
+from pretrain.tokenizer import fingerprint as tokenizer_fp
 
 counts = collections.Counter()
 
@@ -32,6 +33,10 @@ NullTokenizer.__init__ = counting("tokenizer", NullTokenizer.__init__, lambda se
 IndexedDataset._validate = counting("validate", IndexedDataset._validate, lambda s, idx, b: idx)
 fingerprint.read_sidecar = counting("sidecar", fingerprint.read_sidecar, lambda prefix: prefix)
 fingerprint.file_sha256 = counting("sha256", fingerprint.file_sha256, lambda path: path)
+tokenizer_fp.file_sha256 = counting("sha256", tokenizer_fp.file_sha256, lambda path: path)
+tokenizer_fp.content_sha256 = counting(
+    "content", tokenizer_fp.content_sha256, lambda tok: type(tok).__name__
+)
 
 from pretrain.cli import parse_args
 from pretrain.training.run import pretrain
@@ -55,6 +60,7 @@ def test_a_run_builds_its_tokenizer_and_validates_its_data_once(tmp_path):
         f"validate {prefix}.idx": 1,  # was 5: split check, token scan, plan, builder, record
         f"sidecar {prefix}": 1,  # was 4: data check (twice), checkpoint fingerprints (twice)
         f"sha256 {prefix}.idx": 1,  # was 2: the largest-token-id cache of the check and record
+        "content NullTokenizer": 1,  # the tokenizer's content fingerprint
     }
 
 
@@ -77,9 +83,9 @@ def test_pretrain_rebuilds_what_a_replaced_config_changed(tmp_path):
 
 
 def test_a_resume_hashes_its_tokenizer_files_once(tmp_path):
-    """A resumed run hashes each tokenizer file once (`Prepared.tokenizer_fingerprint`), for the
-    data check, the comparison with the checkpoint's tokenizer and the record its checkpoints
-    keep (was three times, once for each)."""
+    """A resumed run hashes each tokenizer file, and what the tokenizer does, once
+    (`Prepared.tokenizer_fingerprint`), for the data check, the comparison with the checkpoint's
+    tokenizer and the record its checkpoints keep (was three times, once for each)."""
     from tokenizer_fixtures import MERGES, VOCAB
 
     prefix = make_corpus(tmp_path / "corpus")
@@ -96,3 +102,4 @@ def test_a_resume_hashes_its_tokenizer_files_once(tmp_path):
     assert "loaded checkpoint" in resumed.stdout.lower(), resumed.stdout[-3000:]
     counts = json.loads(resumed.stdout.split("COUNTS ", 1)[1].splitlines()[0])
     assert counts[f"sha256 {VOCAB}"] == 1 and counts[f"sha256 {MERGES}"] == 1, counts
+    assert counts["content GPT2BPETokenizer"] == 1, counts

@@ -119,7 +119,7 @@ def main(argv=None) -> None:
             ck.config,
             tp=ttp,
             pp=tpp,
-            tokenizer=dataclasses.asdict(tok_config),
+            tokenizer=dataclasses.asdict(tok_config.with_absolute_paths()),
             source=os.path.abspath(ck.path),
         )
         print(f"wrote {args.save} (TP={ttp}, PP={tpp})")

@@ -77,8 +77,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--allow-tokenizer-mismatch",
         action="store_true",
-        help="export even if the training data's fingerprint names another tokenizer",
+        help="export even if the tokenizer given (or found at the recorded paths), or the training "
+        "data's fingerprint, is another tokenizer than the checkpoint's",
     )
+    from pretrain.convert.checkpoint_tokenizer import add_override_args
+
+    add_override_args(p)
     p.add_argument("--prompt", default="First Citizen:", help="text the --verify sample continues")
     p.add_argument("--max-new-tokens", type=int, default=24, help="length of the --verify sample")
     return p.parse_args(argv)
@@ -181,26 +185,25 @@ def main(argv=None) -> None:
         _check_not_checkpoint(args.output_dir, args.load)
     _check_output_dir(args.output_dir, args.overwrite)
     from pretrain.convert.checkpoint_reader import read_checkpoint
+    from pretrain.convert.checkpoint_tokenizer import checkpoint_tokenizer, overrides_from_args
     from pretrain.convert.hf_adapter import HF_CLASSES, hf_flavour
-    from pretrain.convert.hf_folder import (
-        build_hf_model,
-        build_tokenizer_from_checkpoint,
-        save_hf_tokenizer,
-        special_tokens,
-    )
+    from pretrain.convert.hf_folder import build_hf_model, save_hf_tokenizer, special_tokens
     from pretrain.convert.model_card import model_card
 
     ck = read_checkpoint(args.load, args.iteration)
     flavour = hf_flavour(ck.config)  # before any writing: an inexpressible model fails here
-    tokenizer = build_tokenizer_from_checkpoint(ck.tokenizer)
+    tok_cfg, tokenizer, fingerprint = checkpoint_tokenizer(
+        ck.tokenizer, ck.meta, args.load, overrides_from_args(args), args.allow_tokenizer_mismatch
+    )
     from pretrain.data.fingerprint import check_recorded_data  # the data it was trained on
 
     check_recorded_data(
         ck.meta.get("data"),
-        ck.tokenizer,
+        tok_cfg,
         tokenizer,
         ck.config.vocab_size,
         args.allow_tokenizer_mismatch,
+        fingerprint=fingerprint,
     )
     dtype = DTYPES[args.dtype] or next(iter(ck.state_dict.values())).dtype
     print(
@@ -214,14 +217,12 @@ def main(argv=None) -> None:
         parent, f".{os.path.basename(os.path.abspath(args.output_dir))}.partial."
     )
     try:
-        model = build_hf_model(
-            ck.state_dict, ck.config, special_tokens(ck.tokenizer, tokenizer), dtype
-        )
+        model = build_hf_model(ck.state_dict, ck.config, special_tokens(tok_cfg, tokenizer), dtype)
         model.save_pretrained(tmp, max_shard_size=args.max_shard_size)
         del model
-        has_tokenizer = save_hf_tokenizer(ck.tokenizer, tokenizer, tmp)
+        has_tokenizer = save_hf_tokenizer(tok_cfg, tokenizer, tmp)
         if not has_tokenizer:
-            what = ck.tokenizer.tokenizer_type or "the checkpoint records no tokenizer and"
+            what = tok_cfg.tokenizer_type or "the checkpoint records no tokenizer and"
             print(f"note: {what} has no Hugging Face tokenizer files; exported the model only")
         with open(os.path.join(tmp, "README.md"), "w") as f:
             f.write(model_card(ck.meta, ck.config, HF_CLASSES[flavour]))

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from pretrain.data.fingerprint import read_sidecar, sidecar_path, tokenizer_fingerprint  # noqa: E402
+from pretrain.data.fingerprint import read_sidecar, sidecar_path  # noqa: E402
 from pretrain.data.indexed_dataset import IndexedDataset  # noqa: E402
 from pretrain.errors import (  # noqa: E402
     UserError,
@@ -23,6 +23,7 @@ from pretrain.errors import (  # noqa: E402
 )
 from pretrain.flag_help import RawDescriptionHelpFormatter  # noqa: E402
 from pretrain.tokenizer import TokenizerConfig, add_tokenizer_args, build_tokenizer  # noqa: E402
+from pretrain.tokenizer.fingerprint import same_tokenizer, tokenizer_fingerprint  # noqa: E402
 
 PERCENTILES = (0, 50, 90, 99, 100)
 
@@ -67,7 +68,7 @@ def sidecar_tokenizer(prefix: str):
         tokenizer = build_tokenizer(cfg)
     except UserError as err:
         return None, f"the tokenizer {sidecar_path(prefix)} names cannot be loaded: {err}"
-    if tokenizer_fingerprint(cfg, tokenizer)["sha256"] != sidecar["tokenizer"].get("sha256"):
+    if not same_tokenizer(tokenizer_fingerprint(cfg, tokenizer), sidecar["tokenizer"]):
         return None, f"the tokenizer files {sidecar_path(prefix)} names changed since preprocessing"
     return tokenizer, None
 

@@ -27,6 +27,7 @@ from pretrain.data.indexed_dataset import (  # noqa: E402
 )
 from pretrain.data.output_lock import lock_output  # noqa: E402
 from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
+from pretrain.tokenizer.fingerprint import describe_tokenizer, same_tokenizer  # noqa: E402
 
 
 def prefixes_in_dir(directory: str) -> list[str]:
@@ -91,10 +92,10 @@ def merged_sidecar(prefixes: list[str]) -> dict | None:
     first = sidecars[0]["tokenizer"]
     for prefix, sidecar in zip(prefixes, sidecars, strict=True):
         other = sidecar["tokenizer"]
-        if other.get("sha256") != first.get("sha256"):
+        if not same_tokenizer(other, first):
             raise UserError(
-                f"{prefix}: tokenized with {other.get('type')} (sha256 {other.get('sha256', '')[:12]}), "
-                f"but {prefixes[0]} with {first.get('type')} (sha256 {first.get('sha256', '')[:12]}); "
+                f"{prefix}: tokenized with {describe_tokenizer(other)}, "
+                f"but {prefixes[0]} with {describe_tokenizer(first)}; "
                 "merge only datasets made by one tokenizer (nothing was written)"
             )
     merged = {

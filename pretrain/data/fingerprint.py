@@ -1,9 +1,10 @@
 """Data fingerprints: which tokenizer made a dataset, and does it fit the model, before launch.
 
 `tools/preprocess_data.py` writes a sidecar `PREFIX.json` beside `PREFIX.bin`/`PREFIX.idx` (which
-stay byte-identical to Megatron's): the tokenizer (type, a SHA-256 of its files, vocabulary size,
-EOD id, whether EOD was appended), its flags (`tokenizer_flags`, absolute paths), the JSON keys,
-the input files with their sizes, the counts and the largest token id. `check_data` then refuses, in one line naming both sides, data whose largest
+stay byte-identical to Megatron's): the tokenizer (its `pretrain.tokenizer.fingerprint`: type, a
+SHA-256 of what it does, vocabulary size, EOD id; and whether EOD was appended), its flags
+(`tokenizer_flags`, absolute paths), the JSON keys, the input files with their sizes, the counts and
+the largest token id. `check_data` then refuses, in one line naming both sides, data whose largest
 token id does not fit the vocabulary, or whose sidecar names another tokenizer than the one given
 (`--allow-tokenizer-mismatch` overrides). Megatron-made data has no sidecar: its largest token id is
 computed once in one streaming pass over the `.bin` and cached beside the index caches.
@@ -23,6 +24,12 @@ from pretrain.atomic import atomic_write_bytes
 from pretrain.data.config import DataConfig
 from pretrain.data.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
 from pretrain.errors import UserError, check_json_types
+from pretrain.tokenizer.fingerprint import (
+    describe_tokenizer,
+    file_sha256,
+    same_tokenizer,
+    tokenizer_fingerprint,
+)
 
 log = logging.getLogger(__name__)
 
@@ -33,59 +40,6 @@ _CHUNK_TOKENS = 1 << 24  # streaming pass: 16 M tokens per read
 def sidecar_path(prefix: str) -> str:
     """`PREFIX.json`, beside `PREFIX.bin` and `PREFIX.idx`."""
     return f"{prefix}.json"
-
-
-def file_sha256(path: str) -> str:
-    """Hex SHA-256 of a file's bytes, read in 1 MiB pieces."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _tokenizer_files(tok_cfg, tokenizer) -> dict[str, str]:
-    """{role: path} of the files that define the tokenizer (paths may differ; contents count)."""
-    kind = tok_cfg.tokenizer_type
-    if kind == "GPT2BPETokenizer":
-        return {"vocab_file": tok_cfg.vocab_file, "merge_file": tok_cfg.merge_file}
-    if kind == "HuggingFaceTokenizer":
-        files = {"tokenizer.json": tokenizer.path}
-        config = os.path.join(os.path.dirname(tokenizer.path), "tokenizer_config.json")
-        if os.path.isfile(config):  # it can choose the EOD token
-            files["tokenizer_config.json"] = config
-        return files
-    if kind == "TikTokenizer":
-        return {"tokenizer_model": tok_cfg.tokenizer_model}
-    return {}
-
-
-def _eod(tokenizer) -> int | None:
-    try:
-        return int(tokenizer.eod)
-    except UserError:  # a tokenizer without an end-of-document token (fine without --append-eod)
-        return None
-
-
-def tokenizer_fingerprint(tok_cfg, tokenizer) -> dict:
-    """{type, files: {role: sha256}, sha256, vocab_size, eod}: equal for equal tokenizers."""
-    files = {role: file_sha256(path) for role, path in _tokenizer_files(tok_cfg, tokenizer).items()}
-    identity = {
-        "type": tok_cfg.tokenizer_type,
-        "files": files,
-        "vocab_size": int(tokenizer.vocab_size),
-        "eod": _eod(tokenizer),
-        "tiktoken_pattern": tok_cfg.tiktoken_pattern,
-        "include_special_tokens": tok_cfg.hf_include_special_tokens,
-    }
-    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
-    return {
-        "type": tok_cfg.tokenizer_type,
-        "files": files,
-        "sha256": digest,
-        "vocab_size": int(tokenizer.vocab_size),
-        "eod": _eod(tokenizer),
-    }
 
 
 def write_sidecar(prefix: str, sidecar: dict) -> None:
@@ -267,13 +221,6 @@ def data_prefixes(cfg: DataConfig) -> list[str]:
     return list(seen)
 
 
-def describe_tokenizer(tok: dict) -> str:
-    """ "TYPE (sha256 <12 hex>, vocab N)" for a `tokenizer_fingerprint`, in messages."""
-    return (
-        f"{tok.get('type')} (sha256 {str(tok.get('sha256'))[:12]}, vocab {tok.get('vocab_size')})"
-    )
-
-
 def check_prefix(
     prefix: str, given: dict, vocab_size: int, cfg: DataConfig, files: PrefixFiles | None = None
 ) -> None:
@@ -283,7 +230,7 @@ def check_prefix(
     if sidecar is not None:
         check_sidecar_matches(prefix, sidecar, files)
     made_by = None if sidecar is None else sidecar.get("tokenizer")
-    if made_by is not None and made_by.get("sha256") != given["sha256"]:
+    if made_by is not None and not same_tokenizer(made_by, given):
         line = f"{prefix}: tokenized with {describe_tokenizer(made_by)}, but this run uses {describe_tokenizer(given)}"
         if not cfg.allow_tokenizer_mismatch:
             raise UserError(
@@ -311,7 +258,7 @@ def check_data(
     """Check every prefix of `cfg` against the tokenizer given and a vocabulary of `vocab_size`
     ids (the model's, or the tokenizer's where there is no model). One-line UserError on a mismatch.
     `files`: the prefixes' files as already read (PrefixFiles(cfg.data_cache_path));
-    `fingerprint`: the tokenizer's `tokenizer_fingerprint` where already made (its files hashed)."""
+    `fingerprint`: the tokenizer's `tokenizer_fingerprint` where already made (hashed once)."""
     given = fingerprint or tokenizer_fingerprint(tok_cfg, tokenizer)
     files = files or PrefixFiles(cfg.data_cache_path)
     for prefix in data_prefixes(cfg):
@@ -336,11 +283,17 @@ def data_fingerprints(cfg: DataConfig, files: PrefixFiles | None = None) -> dict
 
 
 def check_recorded_data(
-    data_meta: dict | None, tok_cfg, tokenizer, vocab_size: int, allow_mismatch: bool = False
+    data_meta: dict | None,
+    tok_cfg,
+    tokenizer,
+    vocab_size: int,
+    allow_mismatch: bool = False,
+    *,
+    fingerprint: dict | None = None,
 ) -> int:
     """`check_data` for the data a checkpoint records (its metadata's "data" entry): the prefixes
     still on disk are checked, the others skipped (an export may run elsewhere). Returns how many
-    prefixes were checked."""
+    prefixes were checked. `fingerprint`: as for `check_data`."""
     if not data_meta or tokenizer is None:
         return 0
     blends = [data_meta.get("blend")] + list(data_meta.get("blend_per_split") or [])
@@ -349,7 +302,7 @@ def check_recorded_data(
     cfg = DataConfig(
         seq_length=1, blend=(here, None), split="1", allow_tokenizer_mismatch=allow_mismatch
     )
-    given = tokenizer_fingerprint(tok_cfg, tokenizer)
+    given = fingerprint or tokenizer_fingerprint(tok_cfg, tokenizer)
     for prefix in here:
         check_prefix(prefix, given, vocab_size, cfg)
     return len(here)

@@ -50,6 +50,11 @@ class Tokenizer:
         """The text of `ids`."""
         raise NotImplementedError
 
+    def behaviour(self) -> dict:
+        """What turns text into ids, as JSON data (`pretrain.tokenizer.behaviour`): equal for the
+        same tokenizer however its files were written; its content fingerprint hashes it."""
+        raise NotImplementedError
+
     @property
     def unique_identifiers(self) -> OrderedDict:
         """The identity Megatron-LM main records for the same flags (see `megatron_identity`)."""

@@ -10,6 +10,7 @@ import shutil
 
 from pretrain.errors import UserError
 from pretrain.tokenizer.base import Tokenizer, megatron_identity, require_file
+from pretrain.tokenizer.behaviour import hf_pipeline
 from pretrain.tokenizer.engine import GPT2_PATTERN, NotIdentical, TiktokenEngine, mergeable_ranks
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,11 @@ class _HFBackedTokenizer(Tokenizer):
     def detokenize(self, ids) -> str:
         """The text of `ids`, special tokens kept."""
         return self._backend.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def behaviour(self) -> dict:
+        """The `tokenizers` pipeline as `hf_pipeline` describes it (GPT2BPETokenizer's files and
+        the tokenizer.json an export writes for them describe one pipeline)."""
+        return hf_pipeline(json.loads(self._backend.to_str()), self._add_special)
 
 
 class GPT2BPETokenizer(_HFBackedTokenizer):

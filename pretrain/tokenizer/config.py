@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 from dataclasses import dataclass, fields
 
@@ -56,15 +57,20 @@ class TokenizerConfig:
             tokenizer_engine=getattr(ns, "tokenizer_engine", None) or "auto",
         )
 
+    def with_absolute_paths(self) -> TokenizerConfig:
+        """This config with its file paths made absolute (what checkpoints record, so that a
+        tool run from another folder finds the files)."""
+        paths = {
+            key: os.path.abspath(getattr(self, key))
+            for key in ("vocab_file", "merge_file", "tokenizer_model")
+            if getattr(self, key)
+        }
+        return dataclasses.replace(self, **paths)
+
     def record(self) -> dict:
         """The flags as a JSON object with absolute paths (a data sidecar's `tokenizer_flags`),
         so that a tool run from another folder can rebuild the tokenizer (`from_record`)."""
-        paths = ("vocab_file", "merge_file", "tokenizer_model")
-        out = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            out[f.name] = os.path.abspath(value) if f.name in paths and value else value
-        return out
+        return dataclasses.asdict(self.with_absolute_paths())
 
     @classmethod
     def from_record(cls, record: dict) -> TokenizerConfig:

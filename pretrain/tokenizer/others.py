@@ -6,6 +6,7 @@ import os
 
 from pretrain.errors import UserError
 from pretrain.tokenizer.base import Tokenizer, megatron_identity, require_file
+from pretrain.tokenizer.behaviour import sentencepiece_model, tiktoken_encoding
 
 _GPT2_EOD = "<|endoftext|>"
 # Megatron's TikTokenizer patterns (`--tiktoken-pattern v1|v2`) and the cl100k_base pattern.
@@ -58,6 +59,7 @@ class TikTokenizer(Tokenizer):
         )
         self.vocab_size = self._enc.n_vocab
         self._eod = specials[_GPT2_EOD]
+        self._spec = (ranks, regex, specials)  # for `behaviour`
 
     @property
     def eod(self) -> int:
@@ -71,6 +73,10 @@ class TikTokenizer(Tokenizer):
     def detokenize(self, ids) -> str:
         """The text of `ids`."""
         return self._enc.decode([int(i) for i in ids])
+
+    def behaviour(self) -> dict:
+        """Ranks, split regex and special tokens (`tiktoken_encoding`)."""
+        return tiktoken_encoding(*self._spec)
 
     @property
     def unique_identifiers(self):
@@ -119,6 +125,10 @@ class NullTokenizer(Tokenizer):
     def detokenize(self, ids) -> str:
         """The ids as space-separated integers."""
         return " ".join(str(int(i)) for i in ids)
+
+    def behaviour(self) -> dict:
+        """The number of text ids (the eod is the next one)."""
+        return {"scheme": "null", "text_ids": self._inner_size}
 
     @property
     def unique_identifiers(self):
@@ -173,6 +183,10 @@ class SentencePieceTokenizer(Tokenizer):
     def detokenize(self, ids) -> str:
         """The text of `ids`."""
         return self._sp.decode([int(i) for i in ids])
+
+    def behaviour(self) -> dict:
+        """The model proto as `sentencepiece_model` describes it."""
+        return sentencepiece_model(self._sp.serialized_model_proto())
 
     @property
     def unique_identifiers(self):

@@ -1,7 +1,7 @@
 """What a resume changes against the checkpoint: the tokenizer (refused) and the data (said).
 
 The checkpoint's `pretrain_meta.json` records the tokenizer that trained it (`tokenizer`: its
-config; `tokenizer_fingerprint`: type, SHA-256 of its files, vocabulary size, EOD) and its data
+config; `tokenizer_fingerprint`: type, SHA-256 of what it does, vocabulary size, EOD) and its data
 (`data`: the `DataConfig`; `data_fingerprints`: each prefix's counts). `check_tokenizer` refuses
 another tokenizer in one line naming both (token ids would mean other tokens; a NullTokenizer
 with the same vocabulary size as GPT-2's is another tokenizer) unless `--allow-tokenizer-mismatch`.
@@ -17,8 +17,8 @@ import dataclasses
 
 from pretrain.checkpoint.format import json_safe
 from pretrain.data.config import DataConfig
-from pretrain.data.fingerprint import describe_tokenizer
 from pretrain.errors import UserError
+from pretrain.tokenizer.fingerprint import describe_tokenizer, same_tokenizer
 
 _TOKENIZER_FLAGS = (
     ("tokenizer_type", "--tokenizer-type"),
@@ -49,7 +49,7 @@ def check_tokenizer(meta: dict, given: dict, allow_mismatch: bool, path: str) ->
     a converted (weights-only) one not at all: its recorded tokenizer is the source's."""
     recorded = meta.get("tokenizer_fingerprint")
     if recorded is not None:
-        if recorded.get("sha256") == given["sha256"]:
+        if same_tokenizer(recorded, given):
             return None
         saved = describe_tokenizer(recorded)
     else:

@@ -60,7 +60,7 @@ class Prepared:
     tokenizer: Tokenizer
     """The built tokenizer (its files read, its vocabulary size known)."""
     tokenizer_fingerprint: dict
-    """`tokenizer_fingerprint(tokenizer_config, tokenizer)`: its files hashed once per process
+    """`tokenizer_fingerprint(tokenizer_config, tokenizer)`: its behaviour and files hashed once per process
     (the data check, the resume check and the checkpoints' record use it)."""
     data_config: DataConfig
     """The data config `files` was made for."""
@@ -343,7 +343,7 @@ def _train(
         cfg.checkpoint,
         model=cfg.model,
         parallel=par,
-        tokenizer=dataclasses.asdict(cfg.tokenizer),
+        tokenizer=dataclasses.asdict(cfg.tokenizer.with_absolute_paths()),
         run_record=record,
         tokens_seen=_tokens_seen_counter(cfg, train_dataset),
     )
