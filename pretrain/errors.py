@@ -30,22 +30,9 @@ def data_error(path: str, line: int | None, what: str, fix: str) -> UserError:
 
 
 def exit_on_user_error(main: F) -> F:
-    """Decorate a CLI `main`: a `UserError` becomes `error: ...` on stderr and exit status 2."""
-
-    @functools.wraps(main)
-    def wrapper(*args, **kwargs):
-        try:
-            return main(*args, **kwargs)
-        except UserError as err:
-            print(f"error: {err}", file=sys.stderr, flush=True)
-            sys.exit(EXIT_USER_ERROR)
-
-    return wrapper  # type: ignore[return-value]
-
-
-def exit_quietly_on_closed_stdout(main: F) -> F:
-    """Decorate a CLI `main` whose output may go to a reader that stops early (`| head`): the
-    closed pipe ends the tool with status 0 and nothing on stderr, not a BrokenPipeError."""
+    """Decorate a CLI `main`: a `UserError` becomes `error: ...` on stderr and exit status 2; a
+    reader that stops early (`| head`) ends the tool with status 0 and nothing on stderr, not a
+    BrokenPipeError traceback."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
@@ -53,6 +40,9 @@ def exit_quietly_on_closed_stdout(main: F) -> F:
             result = main(*args, **kwargs)
             sys.stdout.flush()  # inside the try: the last buffered lines may meet the closed pipe
             return result
+        except UserError as err:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_USER_ERROR)
         except BrokenPipeError:
             # Python flushes stdout once more at exit: send that to /dev/null, silently
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -16,11 +16,7 @@ import numpy as np  # noqa: E402
 
 from pretrain.data.fingerprint import read_sidecar, sidecar_path  # noqa: E402
 from pretrain.data.indexed_dataset import IndexedDataset  # noqa: E402
-from pretrain.errors import (  # noqa: E402
-    UserError,
-    exit_on_user_error,
-    exit_quietly_on_closed_stdout,
-)
+from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
 from pretrain.flag_help import RawDescriptionHelpFormatter  # noqa: E402
 from pretrain.tokenizer import TokenizerConfig, add_tokenizer_args, build_tokenizer  # noqa: E402
 from pretrain.tokenizer.fingerprint import same_tokenizer, tokenizer_fingerprint  # noqa: E402
@@ -114,4 +110,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    exit_on_user_error(exit_quietly_on_closed_stdout(main))()
+    exit_on_user_error(main)()
