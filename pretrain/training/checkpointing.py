@@ -88,6 +88,12 @@ class CheckpointConfig:
     """Do not restore RNG states (--no-load-rng)."""
     finetune: bool = False
     """Load weights only; iteration and data restart at 0 (--finetune)."""
+    override_opt_param_scheduler: bool = False
+    """Resume with this run's LR schedule where the checkpoint's differs
+    (--override-opt_param-scheduler; `scheduler_resume`)."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """Resume with the checkpoint's LR schedule over this run's flags
+    (--use-checkpoint-opt_param-scheduler; `scheduler_resume`)."""
     save_total_limit: int | None = None
     """Keep the newest this many complete steps, deleting older ones after each commit
     (--save-total-limit); the step `latest` names is never deleted."""

@@ -1,0 +1,199 @@
+"""Resuming a changed LR schedule decides as megatron-core's `OptimizerParamScheduler.load_state_dict`
+(test-only oracle): refused where it asserts, this run's schedule with
+--override-opt_param-scheduler, the checkpoint's with --use-checkpoint-opt_param-scheduler; the
+learning rate after the load and after further steps equal, bit for bit. Spans are built by hand
+as Megatron's get_optimizer_param_scheduler builds them (iteration flags x global batch)."""
+
+import pytest
+import torch
+
+from pretrain.cli import parse_args
+from pretrain.errors import UserError
+from pretrain.training.checkpointing import CheckpointConfig
+from pretrain.training.lr_schedule import LRScheduleConfig, SampleLRScheduler
+from pretrain.training.scheduler_resume import resolve
+
+GBS, SAVED_AT, FURTHER = 8, 40, 6
+# The run that saved: --train-iters 40 (the decay span) --lr-warmup-iters 4, cosine.
+SAVED = dict(max_lr=3e-4, min_lr=3e-5, warmup=4 * GBS, decay=40 * GBS, style="cosine")
+CHANGES = {
+    "train_iters_44": dict(decay=44 * GBS),  # issue 25: --train-iters 44, default decay span
+    "lr": dict(max_lr=1e-4),
+    "min_lr": dict(min_lr=0.0),
+    "warmup_fraction": dict(warmup=0.05 * 44 * GBS, decay=44 * GBS),
+    "style": dict(style="linear"),
+    "nothing": {},
+}
+MODES = {
+    "neither": dict(override=False, use_checkpoint=False),
+    "override": dict(override=True, use_checkpoint=False),
+    "use_checkpoint": dict(override=False, use_checkpoint=True),
+}
+
+
+def _holder():
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+
+
+def megatron(values, *, override=False, use_checkpoint=False):
+    """megatron-core's scheduler for these flags (weight decay constant, its span fixed)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    holder = _holder()
+    return holder, OptimizerParamScheduler(
+        holder,
+        init_lr=0.0,
+        max_lr=values["max_lr"],
+        min_lr=values["min_lr"],
+        lr_warmup_steps=values["warmup"],
+        lr_decay_steps=values["decay"],
+        lr_decay_style=values["style"],
+        start_wd=0.1,
+        end_wd=0.1,
+        wd_incr_steps=40 * GBS,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=use_checkpoint,
+        override_opt_param_scheduler=override,
+    )
+
+
+def ours(values):
+    holder = _holder()
+    config = LRScheduleConfig(
+        lr=values["max_lr"],
+        min_lr=values["min_lr"],
+        warmup_samples=values["warmup"],
+        decay_samples=values["decay"],
+        decay_style=values["style"],
+    )
+    return holder, SampleLRScheduler(holder, config, global_batch_size=GBS)
+
+
+def _saved_states():
+    """Both schedulers after SAVED_AT iterations of the saved run: their state_dicts."""
+    _, theirs = megatron(SAVED)
+    _, mine = ours(SAVED)
+    for _ in range(SAVED_AT):
+        theirs.step(increment=GBS)
+        mine.step()
+    return theirs.state_dict(), mine.state_dict()
+
+
+def _megatron_lrs(state, flags, mode):
+    """megatron-core's lrs after load_state_dict(state) and FURTHER steps; None if it asserts."""
+    holder, theirs = megatron(flags, **mode)
+    try:
+        theirs.load_state_dict(state)
+    except AssertionError as err:
+        assert "do not match" in str(err)
+        return None
+    lrs = [holder.param_groups[0]["lr"]]
+    for _ in range(FURTHER):
+        theirs.step(increment=GBS)
+        lrs.append(holder.param_groups[0]["lr"])
+    return lrs
+
+
+def _our_lrs(state, flags, mode):
+    """Our lrs after the load, `resolve` and FURTHER steps; the UserError if refused."""
+    holder, mine = ours(flags)
+    mine.load_state_dict(state)
+    config = CheckpointConfig(
+        load="CKPT",
+        override_opt_param_scheduler=mode["override"],
+        use_checkpoint_opt_param_scheduler=mode["use_checkpoint"],
+    )
+    try:
+        resolve(mine, config)
+    except UserError as err:
+        return err
+    lrs = [holder.param_groups[0]["lr"]]
+    for _ in range(FURTHER):
+        mine.step()
+        lrs.append(holder.param_groups[0]["lr"])
+    return lrs
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_resume_decides_as_megatron(change, mode):
+    flags = {**SAVED, **CHANGES[change]}
+    megatron_state, our_state = _saved_states()
+    expected = _megatron_lrs(megatron_state, flags, MODES[mode])
+    # our checkpoint's state, and megatron-core's own state_dict (the same names), decide alike
+    for state in (our_state, megatron_state):
+        got = _our_lrs(state, flags, MODES[mode])
+        if expected is None:
+            assert isinstance(got, UserError), (change, mode, got)
+            line = str(got)
+            assert "\n" not in line and line.startswith("--load CKPT: ")
+            assert "--override-opt_param-scheduler" in line
+            assert "--use-checkpoint-opt_param-scheduler" in line
+        else:
+            assert got == expected, (change, mode)
+    # megatron-core asserts exactly where a value differs and neither flag is given
+    assert (expected is None) == (mode == "neither" and change != "nothing")
+
+
+def test_refusal_names_each_differing_value():
+    _, state = _saved_states()
+    flags = {**SAVED, "decay": 44 * GBS, "max_lr": 1e-4}
+    line = str(_our_lrs(state, flags, MODES["neither"]))
+    assert "max_lr (--lr) 0.0003 in the checkpoint, 0.0001 now" in line
+    assert "lr_decay_steps (--lr-decay-iters/-samples" in line
+    assert "320 in the checkpoint, 352 now" in line
+    assert "min_lr" not in line and "lr_decay_style" not in line
+
+
+def test_megatron_loads_our_state_dict():
+    """Our checkpoint's scheduler state is one megatron-core's load_state_dict reads (its names)."""
+    _, state = _saved_states()
+    flags = {**SAVED, "decay": 44 * GBS}
+    for mode in ("override", "use_checkpoint"):
+        holder, theirs = megatron(flags, **MODES[mode])
+        theirs.load_state_dict(state)
+        assert [holder.param_groups[0]["lr"]] == _our_lrs(state, flags, MODES[mode])[:1]
+
+
+def test_checkpoint_written_before_megatron_names():
+    """A state saved under our earlier names (`num_samples`, `decay_samples`, ...) decides alike."""
+    _, state = _saved_states()
+    old = {
+        "num_samples": state["num_steps"],
+        "max_lr": state["max_lr"],
+        "min_lr": state["min_lr"],
+        "warmup_samples": state["lr_warmup_steps"],
+        "decay_samples": state["lr_decay_steps"],
+        "style": state["lr_decay_style"],
+        "warmup_init": 0.0,
+        "wsd_decay_samples": None,
+        "wsd_style": "exponential",
+    }
+    flags = {**SAVED, "decay": 44 * GBS}
+    for mode in MODES.values():
+        new, before = _our_lrs(state, flags, mode), _our_lrs(old, flags, mode)
+        assert str(new) == str(before) if isinstance(new, UserError) else new == before
+
+
+def test_both_flags_are_refused(mock_run_flags):
+    both = ["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"]
+    with pytest.raises(UserError, match="are exclusive"):
+        parse_args(mock_run_flags + both, env={})
+    with pytest.raises(AssertionError, match="both override and use-checkpoint"):
+        megatron(SAVED, override=True, use_checkpoint=True)
+    for flag in both:
+        config = parse_args(mock_run_flags + [flag], env={}).checkpoint
+        assert (config.override_opt_param_scheduler, config.use_checkpoint_opt_param_scheduler) == (
+            flag == both[0],
+            flag == both[1],
+        )
+
+
+@pytest.fixture
+def mock_run_flags():
+    from training_fixtures import model_flags, train_flags
+
+    flags = model_flags("gpt2") + train_flags("unused")
+    return [a for a in flags if a not in ("--data-path", "unused", "--split", "90,10,0")] + [
+        "--mock-data"
+    ]
