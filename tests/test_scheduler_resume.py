@@ -197,3 +197,64 @@ def mock_run_flags():
     return [a for a in flags if a not in ("--data-path", "unused", "--split", "90,10,0")] + [
         "--mock-data"
     ]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_tiny_run_resumed_with_a_longer_train_iters(tmp_path):
+    """Train 4 iterations and save; resume with --train-iters 6 (a decay over 48 samples, not
+    32): refused in one line; with either flag the logged lr of iterations 5 and 6 is
+    megatron-core's for that flag."""
+    from training_fixtures import (
+        PYTHON,
+        REPO,
+        layout_flags,
+        make_corpus,
+        model_flags,
+        multirun_cmd,
+        read_metrics,
+        run,
+        train_flags,
+    )
+
+    corpus = make_corpus(tmp_path / "corpus")
+    ckpt = str(tmp_path / "ckpt")
+
+    def flags(iters, name, *extra):
+        return (
+            model_flags("gpt2")
+            + train_flags(corpus, iters=iters)
+            + layout_flags(1, 1, 0)
+            + ["--metrics-file", str(tmp_path / f"{name}.jsonl"), *extra]
+        )
+
+    pretrain = [PYTHON, str(REPO / "pretrain_gpt.py")]
+    first = run(pretrain + flags(4, "first", "--save", ckpt, "--save-interval", "4"), timeout=300)
+    assert first.returncode == 0, first.stdout[-4000:]
+    refused = run(pretrain + flags(6, "refused", "--load", ckpt), timeout=300)
+    errors = [line for line in refused.stdout.splitlines() if line.startswith("error: ")]
+    assert refused.returncode == 2 and len(errors) == 1, refused.stdout[-4000:]
+    assert f"--load {ckpt}: this run's LR schedule differs" in errors[0]
+    assert "lr_decay_steps" in errors[0] and "32 in the checkpoint, 48 now" in errors[0]
+    assert "Traceback" not in refused.stdout and not (tmp_path / "refused.jsonl").exists()
+
+    modes = {"override": "--override-opt_param-scheduler"}
+    modes["use_checkpoint"] = "--use-checkpoint-opt_param-scheduler"
+    runs = [flags(6, mode, "--load", ckpt, flag) for mode, flag in modes.items()]
+    resumed = run(multirun_cmd(1, runs, tmp_path / "runs.json"), timeout=400)
+    assert resumed.returncode == 0, resumed.stdout[-6000:]
+    assert "--use-checkpoint-opt_param-scheduler: the checkpoint's LR schedule" in resumed.stdout
+    # train_flags' schedule (lr 3e-3, min 3e-4, warmup 2 iterations, cosine), spans x 8 samples
+    spans = {"override": 6 * 8, "use_checkpoint": 4 * 8}
+    for mode, decay in spans.items():
+        values = dict(max_lr=3e-3, min_lr=3e-4, warmup=2 * 8, decay=decay, style="cosine")
+        holder, oracle = megatron(values)
+        oracle.step(increment=4 * 8)
+        metrics = read_metrics(tmp_path / f"{mode}.jsonl")
+        assert sorted(metrics) == [5, 6]
+        for iteration in (5, 6):  # the logged lr is the one after the iteration's step
+            oracle.step(increment=8)
+            lr = holder.param_groups[0]["lr"]
+            assert metrics[iteration]["learning-rate"] == pytest.approx(lr, rel=1e-12), mode
+    # the checkpoint's schedule ended at sample 32: iterations 5 and 6 are at its floor
+    assert read_metrics(tmp_path / "use_checkpoint.jsonl")[5]["learning-rate"] == 3e-4
