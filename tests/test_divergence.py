@@ -114,6 +114,7 @@ def test_diverging_run_stops_at_the_bad_iteration_with_one_line_and_saves_nothin
     assert len(errors) == 1, stopped.stdout[-6000:]  # rank 0's, not one per rank
     assert errors[0].startswith(f"error: iteration {bad}: loss is nan"), errors[0]
     assert "lower --lr or enable --clip-grad" in errors[0]
+    assert "a lower --lr there needs --override-opt_param-scheduler" in errors[0]
     assert f"resume from the last checkpoint, {ckpt / f'global_step{GOOD}'}" in errors[0]
     assert "Traceback" not in stopped.stdout
     assert stopped.stdout.count("saved checkpoint at iteration") == GOOD

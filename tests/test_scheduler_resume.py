@@ -175,6 +175,17 @@ def test_checkpoint_written_before_megatron_names():
         assert str(new) == str(before) if isinstance(new, UserError) else new == before
 
 
+def test_a_value_the_checkpoint_lacks_comes_from_the_flags():
+    _, state = _saved_states()
+    flags = {**SAVED, "decay": 44 * GBS}
+    position_only = {"num_steps": state["num_steps"]}
+    lacks_decay = {k: v for k, v in state.items() if k != "lr_decay_steps"}
+    expected = _megatron_lrs(state, flags, MODES["override"])
+    for mode in MODES.values():
+        assert _our_lrs(position_only, flags, mode) == expected
+        assert _our_lrs(lacks_decay, flags, mode) == expected
+
+
 def test_both_flags_are_refused(mock_run_flags):
     both = ["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"]
     with pytest.raises(UserError, match="are exclusive"):
@@ -204,7 +215,7 @@ def mock_run_flags():
 def test_a_tiny_run_resumed_with_a_longer_train_iters(tmp_path):
     """Train 4 iterations and save; resume with --train-iters 6 (a decay over 48 samples, not
     32): refused in one line; with either flag the logged lr of iterations 5 and 6 is
-    megatron-core's for that flag."""
+    megatron-core's for that flag; --finetune at another layout starts the schedule at 0."""
     from training_fixtures import (
         PYTHON,
         REPO,
@@ -241,6 +252,8 @@ def test_a_tiny_run_resumed_with_a_longer_train_iters(tmp_path):
     modes = {"override": "--override-opt_param-scheduler"}
     modes["use_checkpoint"] = "--use-checkpoint-opt_param-scheduler"
     runs = [flags(6, mode, "--load", ckpt, flag) for mode, flag in modes.items()]
+    # --finetune at another layout (ZeRO-1: through the full state) loads no scheduler state
+    runs.append(flags(6, "finetune", "--load", ckpt, "--finetune", "--zero-stage", "1"))
     resumed = run(multirun_cmd(1, runs, tmp_path / "runs.json"), timeout=400)
     assert resumed.returncode == 0, resumed.stdout[-6000:]
     assert "--use-checkpoint-opt_param-scheduler: the checkpoint's LR schedule" in resumed.stdout
@@ -256,5 +269,8 @@ def test_a_tiny_run_resumed_with_a_longer_train_iters(tmp_path):
             oracle.step(increment=8)
             lr = holder.param_groups[0]["lr"]
             assert metrics[iteration]["learning-rate"] == pytest.approx(lr, rel=1e-12), mode
+    finetuned = read_metrics(tmp_path / "finetune.jsonl")
+    assert sorted(finetuned) == list(range(1, 7))
+    assert finetuned[1]["learning-rate"] == pytest.approx(3e-3 * 8 / 16, rel=1e-12)  # warmup
     # the checkpoint's schedule ended at sample 32: iterations 5 and 6 are at its floor
     assert read_metrics(tmp_path / "use_checkpoint.jsonl")[5]["learning-rate"] == 3e-4

@@ -323,7 +323,11 @@ def _load_relayout(
         raise UserError(problem)
     loads_optimizer = not (config.finetune or config.no_load_optim)
     carried = load_full_state(
-        engine, step_dir, vocab_size=meta["model"]["vocab_size"], with_optimizer=loads_optimizer
+        engine,
+        step_dir,
+        vocab_size=meta["model"]["vocab_size"],
+        with_optimizer=loads_optimizer,
+        with_schedule=not config.finetune,  # --finetune starts the schedule at sample 0
     )
     problem = agree(_nonfinite_problem(engine, step_dir, loads_optimizer))
     if problem is not None:

@@ -57,6 +57,7 @@ def differences(saved: dict, current: dict) -> list[str]:
 
 
 def _megatron_values(saved: dict) -> dict:
+    """The compared values a checkpoint records (a value it lacks comes from the flags)."""
     return {name: saved[name] for name, _ in COMPARED if name in saved}
 
 
@@ -74,16 +75,9 @@ def resolve(scheduler: SampleLRScheduler, config: CheckpointConfig) -> None:
 
 
 def _choose(scheduler: SampleLRScheduler, *, override: bool, use_checkpoint: bool, path: str):
+    """Refuse, keep this run's values, or take the checkpoint's (module docstring)."""
     saved = _megatron_values(scheduler.loaded or {})
     where = f"--load {path}"
-    if not saved:
-        if use_checkpoint:
-            raise UserError(
-                f"{where}: the checkpoint records no LR schedule values, only its position: drop "
-                f"{USE_CHECKPOINT}"
-            )
-        logger.info(f"{where}: the checkpoint records no LR schedule values; this run's flags'")
-        return
     diffs = differences(saved, scheduler.values())
     position = f"at its position ({scheduler.num_samples} samples)"
     if use_checkpoint:
