@@ -186,6 +186,20 @@ def test_a_value_the_checkpoint_lacks_comes_from_the_flags():
         assert _our_lrs(lacks_decay, flags, mode) == expected
 
 
+def test_the_checkpoints_wsd_needs_the_anneal_from_the_flags():
+    """WSD's anneal is not in the state (megatron-core's state_dict omits it too)."""
+    _, mine = ours({**SAVED, "style": "WSD"})
+    mine.use_values({"wsd_decay_steps": 8 * GBS})
+    for _ in range(SAVED_AT):
+        mine.step()
+    wsd_state = mine.state_dict()
+    refused = _our_lrs(wsd_state, SAVED, MODES["use_checkpoint"])
+    assert isinstance(refused, UserError) and "give --lr-wsd-decay-iters/-samples" in str(refused)
+    assert isinstance(_our_lrs(wsd_state, SAVED, MODES["neither"]), UserError)
+    expected = _megatron_lrs(wsd_state, SAVED, MODES["override"])
+    assert _our_lrs(wsd_state, SAVED, MODES["override"]) == expected
+
+
 def test_both_flags_are_refused(mock_run_flags):
     both = ["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"]
     with pytest.raises(UserError, match="are exclusive"):
