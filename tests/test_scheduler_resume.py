@@ -187,7 +187,7 @@ def test_a_value_the_checkpoint_lacks_comes_from_the_flags():
 
 
 def test_the_checkpoints_wsd_needs_the_anneal_from_the_flags():
-    """WSD's anneal is not in the state (megatron-core's state_dict omits it too)."""
+    """WSD's anneal comes from the flags (megatron-core's state_dict omits it)."""
     _, mine = ours({**SAVED, "style": "WSD"})
     mine.use_values({"wsd_decay_steps": 8 * GBS})
     for _ in range(SAVED_AT):

@@ -84,7 +84,7 @@ def _choose(scheduler: SampleLRScheduler, *, override: bool, use_checkpoint: boo
         if saved.get("lr_decay_style") == "WSD" and scheduler.values()["wsd_decay_steps"] is None:
             raise UserError(
                 f"{where}: {USE_CHECKPOINT}: the checkpoint's LR schedule is WSD, whose anneal "
-                f"length it does not record: give --lr-wsd-decay-iters/-samples"
+                f"length comes from the flags (as in Megatron): give --lr-wsd-decay-iters/-samples"
             )
         scheduler.use_values(saved)
         overrides = f", over this run's flags: {'; '.join(diffs)}" if diffs else ""
