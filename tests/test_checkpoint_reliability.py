@@ -248,11 +248,12 @@ def reruns(base):
     (no_latest / "latest").unlink()
     before = {"relaunch": _snapshot(relaunch), "finetune": _snapshot(finetune)}
     every = ["--save-interval", "1"]
+    longer = ["--override-opt_param-scheduler"]  # --train-iters ITERS + 1: the flags' schedule
     runs = [
         _flags(corpus, ITERS, tmp / "r.jsonl", "--load", str(relaunch), "--save", str(relaunch), *every),
         _flags(corpus, ITERS, tmp / "f.jsonl", "--load", str(finetune), "--save", str(finetune), "--save-interval", "100", "--finetune"),
-        _flags(corpus, ITERS + 1, tmp / "fallback.jsonl", "--load", str(fallback), "--save", str(fallback), *every),
-        _flags(corpus, ITERS + 1, tmp / "no_latest.jsonl", "--load", str(no_latest), "--save", str(no_latest), *every),
+        _flags(corpus, ITERS + 1, tmp / "fallback.jsonl", "--load", str(fallback), "--save", str(fallback), *every, *longer),
+        _flags(corpus, ITERS + 1, tmp / "no_latest.jsonl", "--load", str(no_latest), "--save", str(no_latest), *every, *longer),
     ]  # fmt: skip
     result = _multirun(runs, tmp / "reruns.json")
     assert result.returncode == 0, result.stdout[-8000:]
@@ -308,7 +309,7 @@ def test_full_disk(base):
     same = ["--load", str(ckpt), "--save", str(ckpt), "--save-interval", "1"]
     runs = [
         _flags(corpus, ITERS, tmp / "full_a.jsonl", *same),
-        _flags(corpus, ITERS + 1, tmp / "full_b.jsonl", *same),
+        _flags(corpus, ITERS + 1, tmp / "full_b.jsonl", *same, "--override-opt_param-scheduler"),
     ]
     result = _multirun(runs, tmp / "full.json", preexec_fn=_limit_file_size)
     assert result.returncode == 2, result.stdout[-6000:]

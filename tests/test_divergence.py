@@ -43,6 +43,9 @@ from pretrain.training.logging import LoggingConfig, MetricsLogger, ScalarWriter
 DIVERGE = ["--lr", "1e8", "--clip-grad", "0"]  # after train_flags: these win
 GOOD = 2
 MBS = 2  # train_flags' micro-batch size
+# The resumes change --train-iters (the default decay span) or --lr: this run's schedule, as
+# Megatron's flag asks for it (without it they are refused, as in Megatron)
+OVERRIDE = "--override-opt_param-scheduler"
 
 
 def _flags(corpus: str, iters: int, metrics: Path, zero: int, *extra: str) -> list[str]:
@@ -83,14 +86,14 @@ def diverged(tmp_path_factory):
     first = [
         _flags(corpus, GOOD + 3, tmp / "reference.jsonl", 1),
         _flags(corpus, GOOD, tmp / "good.jsonl", 1, "--save", str(ckpt), "--save-interval", "1"),
-        _flags(corpus, GOOD + 4, tmp / "diverged.jsonl", 1, "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "100")
+        _flags(corpus, GOOD + 4, tmp / "diverged.jsonl", 1, "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "100", OVERRIDE)
         + DIVERGE,
     ]  # fmt: skip
     stopped = run(multirun_cmd(2, first, tmp / "first.json"), timeout=400)
     steps, latest = _steps(ckpt), (ckpt / "latest").read_text()  # before the resumes
     second = [
-        _flags(corpus, GOOD + 3, tmp / "resumed.jsonl", 1, "--load", str(ckpt)),
-        _flags(corpus, GOOD + 2, tmp / "lr0.jsonl", 1, "--load", str(ckpt), "--lr", "0", "--min-lr", "0"),
+        _flags(corpus, GOOD + 3, tmp / "resumed.jsonl", 1, "--load", str(ckpt), OVERRIDE),
+        _flags(corpus, GOOD + 2, tmp / "lr0.jsonl", 1, "--load", str(ckpt), "--lr", "0", "--min-lr", "0", OVERRIDE),
     ]  # fmt: skip
     resumed = run(multirun_cmd(2, second, tmp / "second.json"), timeout=400)
     assert resumed.returncode == 0, resumed.stdout[-6000:]
@@ -111,6 +114,7 @@ def test_diverging_run_stops_at_the_bad_iteration_with_one_line_and_saves_nothin
     assert len(errors) == 1, stopped.stdout[-6000:]  # rank 0's, not one per rank
     assert errors[0].startswith(f"error: iteration {bad}: loss is nan"), errors[0]
     assert "lower --lr or enable --clip-grad" in errors[0]
+    assert "a lower --lr there needs --override-opt_param-scheduler" in errors[0]
     assert f"resume from the last checkpoint, {ckpt / f'global_step{GOOD}'}" in errors[0]
     assert "Traceback" not in stopped.stdout
     assert stopped.stdout.count("saved checkpoint at iteration") == GOOD

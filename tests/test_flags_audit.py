@@ -171,6 +171,7 @@ def changes(f) -> dict:
         "--save-total-limit": (d + ["--save-interval", "2", "--save", f["dir"]], d + ["--save-interval", "2", "--save", f["dir"], "--save-total-limit", "2"], None),
         "--no-load-rng": [], "--finetune": (d + ["--load", f["dir"]], d + ["--load", f["dir"], "--finetune"], None),
         "--use-checkpoint-args": (d + ["--load", f["dir"] + "-none"], d + ["--load", f["dir"] + "-none", "--use-checkpoint-args"], None),
+        "--override-opt_param-scheduler": [], "--use-checkpoint-opt_param-scheduler": [],
         # logging
         "--log-interval": ["5"], "--tensorboard-dir": [f["dir"]], "--tensorboard-log-interval": ["5"],
         "--wandb-project": ["p"], "--wandb-exp-name": ["e"], "--peak-tflops": ["100"],

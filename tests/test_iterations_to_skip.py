@@ -63,7 +63,16 @@ def test_skipped_iteration_and_resume(tmp_path):
 
     # resume without the flag: the recorded range stays in later checkpoints
     resumed = model_flags("gpt2") + train_flags(corpus, iters=4, gbs=GBS, mbs=MBS)
-    resumed += ["--load", ckpt, "--save", ckpt, "--save-interval", "1"]
+    # one more iteration lengthens the default decay span: the flags' schedule, as before issue 25
+    resumed += [
+        "--load",
+        ckpt,
+        "--save",
+        ckpt,
+        "--save-interval",
+        "1",
+        "--override-opt_param-scheduler",
+    ]
     out = run([PYTHON, str(REPO / "pretrain_gpt.py"), *resumed], timeout=400)
     assert out.returncode == 0, out.stdout[-4000:]
     _, meta = find_checkpoint(ckpt, 4)

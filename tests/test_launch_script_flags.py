@@ -78,8 +78,6 @@ OTHER_TOOLS = {
         "examples/gptoss/02_train.sh's own options",
     ),  # fmt: skip
 }
-# owned by the resume-semantics work (LR-schedule state on --load); not decided here
-RESUME_SEMANTICS = {"--use-checkpoint-opt_param-scheduler", "--no-load-lr-state"}
 
 
 def script_flags() -> list[str]:
@@ -103,7 +101,6 @@ def test_every_script_flag_is_ours_refused_or_another_tools():
         f
         for f in script_flags()
         if f not in ours and f not in REFUSED_FLAGS and f not in OTHER_TOOLS
-        and f not in RESUME_SEMANTICS
     ]  # fmt: skip
     assert not unknown, f"launch-script flags without an entry: {unknown}"
     assert not set(REFUSED_FLAGS) & ours, "a refused flag is also in the parser"

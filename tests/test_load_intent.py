@@ -172,7 +172,10 @@ def test_a_new_or_empty_load_that_is_save_starts_fresh_and_then_resumes(base):
         f"--load {folder}: no checkpoint there (yet); starting from scratch: the first launch of a job that "
         f"resumes itself" in first.stdout
     )
-    second = _train(_flags(corpus, 3, tmp / "requeue.jsonl", *same))
+    # a longer --train-iters lengthens the default decay span: the flags' schedule, explicitly
+    second = _train(
+        _flags(corpus, 3, tmp / "requeue.jsonl", *same, "--override-opt_param-scheduler")
+    )
     assert second.returncode == 0, second.stdout[-6000:]
     assert sorted(read_metrics(tmp / "requeue.jsonl")) == [1, 2, 3]
     assert "loaded checkpoint" in second.stdout and "starting from scratch" not in second.stdout

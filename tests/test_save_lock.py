@@ -98,7 +98,8 @@ def test_second_run_refuses_and_a_killed_holder_is_taken_over(corpus, tmp_path):
     last = int((save / "latest").read_text()[len("global_step") :])
     after = run(
         [PYTHON, str(REPO / "pretrain_gpt.py"),
-         *_flags(corpus, last + 1, save, tmp_path / "c.jsonl"), "--load", str(save)],
+         *_flags(corpus, last + 1, save, tmp_path / "c.jsonl"), "--load", str(save),
+         "--override-opt_param-scheduler"],  # another --train-iters: the flags' schedule
         timeout=300,
     )  # fmt: skip
     assert after.returncode == 0, after.stdout[-6000:]

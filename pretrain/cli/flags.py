@@ -146,7 +146,8 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _flag("--lr-warmup-init", field="schedule.warmup_init", type=float, default=0.0, help="learning rate the warmup starts from"),
         _flag("--lr-decay-tokens", type=int, help="Megatron-DeepSpeed: decay over this many tokens (= tokens / --seq-length samples; replaces --lr-decay-iters/-samples)"),
         _flag("--lr-warmup-tokens", type=int, help="Megatron-DeepSpeed: warm up over this many tokens (= tokens / --seq-length samples)"),
-        _flag("--override-opt_param-scheduler", action="store_true", help="accepted: the LR schedule always comes from the flags, a checkpoint gives only its position"),
+        _flag("--override-opt_param-scheduler", field="checkpoint.override_opt_param_scheduler", action="store_true", help="on resume, use this run's LR schedule flags where they differ from the checkpoint's (from the checkpoint's position); without it or --use-checkpoint-opt_param-scheduler a difference is refused"),
+        _flag("--use-checkpoint-opt_param-scheduler", field="checkpoint.use_checkpoint_opt_param_scheduler", action="store_true", help="on resume, use the checkpoint's LR schedule (--lr, --min-lr, warmup, decay span and style) over this run's flags"),
     )),
     ("training", (
         _flag("--train-tokens", field="training.train_tokens", type=int, help="Megatron-DeepSpeed: also stop once this many tokens were trained on (samples x --seq-length)"),
@@ -256,6 +257,7 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _flag("--init-model-with-meta-device", action="store_true", help="accepted: every full weight is drawn from the seeded generator, then sharded (the layout-independent init)"),
         _flag("--enable-experimental", action="store_true", help="accepted: there are no experimental features to enable"),
         _flag("--cuda-graph-impl", choices=["none", "local", "transformer_engine"], help="accepted: no CUDA graphs are captured (speed only)"),
+        _flag("--no-load-lr-state", action="store_true", help="accepted: Megatron-DeepSpeed defines it but never reads it; the LR schedule on --load follows --override-opt_param-scheduler / --use-checkpoint-opt_param-scheduler"),
     )),
 )
 # fmt: on

@@ -32,6 +32,7 @@ from pretrain.errors import UserError
 from pretrain.launch import detect_launch_env
 from pretrain.parallel.config import ParallelConfig, check_world_divisible
 from pretrain.tokenizer import TokenizerConfig, build_tokenizer
+from pretrain.training import scheduler_resume
 from pretrain.training.checkpointing import CheckpointConfig
 from pretrain.training.deepspeed_config import (
     check_user_config,
@@ -177,6 +178,9 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
         )
     if checkpoint.finetune and checkpoint.load is None:
         raise UserError("--finetune needs --load (the checkpoint to start from)")
+    scheduler_resume.check_flags(
+        checkpoint.override_opt_param_scheduler, checkpoint.use_checkpoint_opt_param_scheduler
+    )
 
     train_iters = (
         ns.train_iters if ns.train_iters is not None else batches.train_iters(ns.train_samples)

@@ -90,6 +90,12 @@ class CheckpointConfig:
     """Load weights only; iteration and data restart at 0 (--finetune)."""
     use_checkpoint_args: bool = False
     """The model flags were taken from the --load checkpoint (--use-checkpoint-args)."""
+    override_opt_param_scheduler: bool = False
+    """Resume with this run's LR schedule where the checkpoint's differs
+    (--override-opt_param-scheduler; `scheduler_resume`)."""
+    use_checkpoint_opt_param_scheduler: bool = False
+    """Resume with the checkpoint's LR schedule over this run's flags
+    (--use-checkpoint-opt_param-scheduler; `scheduler_resume`)."""
     save_total_limit: int | None = None
     """Keep the newest this many complete steps, deleting older ones after each commit
     (--save-total-limit); the step `latest` names is never deleted."""

@@ -82,7 +82,8 @@ def _message(
     """The one line: the iteration, what was non-finite, the fix and where to resume from."""
     what = [_described("loss", loss, flags[0]), _described("grad norm", grad_norm, flags[1])]
     where = (
-        f"resume from the last checkpoint, {resume} (nothing was saved after it)"
+        f"resume from the last checkpoint, {resume} (nothing was saved after it; a lower --lr "
+        f"there needs --override-opt_param-scheduler)"
         if resume is not None
         else "start again (no checkpoint was saved; --save with --save-interval keeps one)"
     )

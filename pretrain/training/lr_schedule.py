@@ -109,12 +109,40 @@ def lr_at(
     return min_lr + coeff * (max_lr - min_lr)
 
 
+# The schedule's values in checkpoints, by Megatron's `OptimizerParamScheduler` names (its
+# state_dict's for the first five, its constructor's for the last three, which its state_dict
+# omits) -> our `lr_at` keyword (also the key checkpoints written before held the value under).
+STATE_NAMES = {
+    "max_lr": "max_lr",
+    "min_lr": "min_lr",
+    "lr_warmup_steps": "warmup_samples",
+    "lr_decay_steps": "decay_samples",
+    "lr_decay_style": "style",
+    "init_lr": "warmup_init",
+    "wsd_decay_steps": "wsd_decay_samples",
+    "lr_wsd_decay_style": "wsd_style",
+}
+
+
+def saved_schedule(state: dict) -> tuple[int, dict]:
+    """(samples seen, the schedule values it records by Megatron's names) from a scheduler
+    `state_dict`, ours in either naming (Megatron's since issue 25, `lr_at`'s before)."""
+    position = state["num_steps"] if "num_steps" in state else state["num_samples"]
+    values = {}
+    for name, old in STATE_NAMES.items():
+        if name in state or old in state:
+            values[name] = state[name] if name in state else state[old]
+    return int(position), values
+
+
 class SampleLRScheduler:
     """Sets every param group's lr from `lr_at(samples)`; `step()` adds one global batch.
 
     DeepSpeed drives it as its `lr_scheduler` (step() after each applied optimizer step) and saves
     `state_dict()` in its checkpoints, so the schedule resumes where it stopped. With a batch-size
-    schedule the loop sets `increment` to the iteration's global batch before each step.
+    schedule the loop sets `increment` to the iteration's global batch before each step. A load
+    takes the position and keeps the checkpoint's values in `loaded`; which schedule continues is
+    `pretrain.training.scheduler_resume`'s decision.
     """
 
     def __init__(
@@ -133,6 +161,8 @@ class SampleLRScheduler:
             wsd_style=config.wsd_decay_style,
         )
         self.num_samples = 0
+        self.loaded: dict | None = None
+        """The schedule values (Megatron's names) of the last `load_state_dict`; None before."""
         self._apply()
 
     def _apply(self) -> None:
@@ -154,14 +184,24 @@ class SampleLRScheduler:
         self.num_samples += self.increment if increment is None else increment
         self._apply()
 
+    def values(self) -> dict:
+        """The schedule this scheduler follows, by Megatron's names (`STATE_NAMES`)."""
+        return {name: self._kwargs[key] for name, key in STATE_NAMES.items()}
+
+    def use_values(self, values: dict) -> None:
+        """Follow `values` (Megatron's names, any subset) from the current position."""
+        for name, value in values.items():
+            self._kwargs[STATE_NAMES[name]] = value
+        self._apply()
+
     def state_dict(self) -> dict:
-        """The position (samples seen) and the shape, for DeepSpeed's checkpoint."""
-        return {"num_samples": self.num_samples, **self._kwargs}
+        """The position (`num_steps`, samples seen) and the schedule, by Megatron's names."""
+        return {"num_steps": self.num_samples, **self.values()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore the position; the shape comes from this run's flags."""
-        # As Megatron's default --override-opt_param-scheduler would.
-        self.num_samples = int(state["num_samples"])
+        """Take the position; keep the checkpoint's schedule values in `loaded` (this run's
+        flags' schedule stays until `scheduler_resume` decides)."""
+        self.num_samples, self.loaded = saved_schedule(state)
         self._apply()
 
 

@@ -132,10 +132,11 @@ class Carried:
 
 
 def load_full_state(
-    engine: Engine, step_dir: str, *, vocab_size: int, with_optimizer: bool
+    engine: Engine, step_dir: str, *, vocab_size: int, with_optimizer: bool, with_schedule: bool
 ) -> Carried:
-    """Set this rank's weights (and optimizer state, LR schedule, fp16 loss scale) from
-    `step_dir`'s full state; say what was set."""
+    """Set this rank's weights (and optimizer state, LR schedule position unless not
+    `with_schedule` (--finetune), fp16 loss scale) from `step_dir`'s full state; say what was
+    set."""
     full = FullState(step_dir, vocab_size)
     tp_rank = state.get_tensor_model_parallel_rank()
     tp = state.get_tensor_model_parallel_world_size()
@@ -155,7 +156,8 @@ def load_full_state(
         )
         _set_module_weight(engine, param, local["param"])
         target.set(param, local, with_optimizer)
-    engine.scheduler.load_state_dict(full.extra["lr_scheduler"])
+    if with_schedule:
+        engine.scheduler.load_state_dict(full.extra["lr_scheduler"])
     return Carried(
         fp32_masters=bool(full.extra.get("fp32_masters")),
         adam_state=with_optimizer,

@@ -29,6 +29,7 @@ from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
 from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.random import get_tensor_parallel_rng
+from pretrain.training import scheduler_resume
 from pretrain.training.checkpoint_writes import agree
 from pretrain.training.checkpointing import CheckpointConfig
 from pretrain.training.divergence import state_trees
@@ -322,7 +323,11 @@ def _load_relayout(
         raise UserError(problem)
     loads_optimizer = not (config.finetune or config.no_load_optim)
     carried = load_full_state(
-        engine, step_dir, vocab_size=meta["model"]["vocab_size"], with_optimizer=loads_optimizer
+        engine,
+        step_dir,
+        vocab_size=meta["model"]["vocab_size"],
+        with_optimizer=loads_optimizer,
+        with_schedule=not config.finetune,  # --finetune starts the schedule at sample 0
     )
     problem = agree(_nonfinite_problem(engine, step_dir, loads_optimizer))
     if problem is not None:
@@ -338,6 +343,7 @@ def _load_relayout(
     if config.finetune:
         logger.info(f"loaded weights from {step_dir} (saved at {layout}; --finetune)")
         return TrainState(), None
+    scheduler_resume.resolve(engine.scheduler, config)
     train_state = TrainState.from_checkpoint(meta)
     engine.ds.global_steps = train_state.iteration
     engine.ds.global_samples = train_state.consumed_train_samples
@@ -413,9 +419,9 @@ def load_checkpoint(
         logger.info(f"loaded weights from {step_dir} (--finetune: iteration and data restart at 0)")
         return TrainState(), None
     train_state = TrainState.from_checkpoint(client_state)
-    # ZeRO loads its optimizer state, with the saved lr, after the LR scheduler: this run's
-    # schedule (e.g. a lower --lr after a divergence) at the loaded position, not the saved lr
-    engine.scheduler.step(increment=0)
+    # ZeRO loads its optimizer state, with the saved lr, after the LR scheduler: the schedule
+    # `resolve` chooses sets the lr again at the loaded position
+    scheduler_resume.resolve(engine.scheduler, config)
     logger.info(
         f"loaded checkpoint {step_dir} at iteration {train_state.iteration} "
         f"({train_state.consumed_train_samples} samples consumed)"
