@@ -20,7 +20,8 @@ import sys
 
 import pytest
 import torch
-from training_fixtures import PYTHON, REPO, run, test_env
+from training_fixtures import PYTHON, REPO, run
+from training_fixtures import test_env as clean_env
 
 
 def _gpu_check():
@@ -35,7 +36,7 @@ def _gpu_check():
 def test_dry_run_writes_each_planned_command_and_env(tmp_path):
     report = tmp_path / "report.json"
     cmd = [PYTHON, str(REPO / "bench" / "gpu_check.py"), "--dry-run", "--work-dir", str(tmp_path)]
-    result = run([*cmd, "--json", str(report)], timeout=60, env=test_env())
+    result = run([*cmd, "--json", str(report)], timeout=60, env=clean_env())
     assert result.returncode == 0, result.stdout[-4000:]
     line = _gpu_check().parse_result_line(result.stdout)
     assert json.loads(report.read_text()) == line  # the file holds what the run reported
@@ -101,7 +102,7 @@ def test_result_lines_are_checked():
 def test_without_a_gpu_the_check_fails_loudly(tmp_path):
     report = tmp_path / "report.json"
     cmd = [PYTHON, str(REPO / "bench" / "gpu_check.py"), "--json", str(report)]
-    result = run(cmd, timeout=60, env=test_env())
+    result = run(cmd, timeout=60, env=clean_env())
     assert result.returncode == 1
     assert "gpu-check FAILED: torch.cuda.is_available() is False" in result.stdout
     assert "torch.cuda.is_available() is False" in json.loads(report.read_text())["error"]
