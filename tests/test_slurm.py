@@ -18,6 +18,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import slurm_cluster
 from training_fixtures import BIN, PYTHON, REPO, make_corpus, read_metrics, run
@@ -45,6 +46,37 @@ def cluster(tmp_path_factory):
     finally:
         slurm_cluster.down(root)
         assert not any(slurm_cluster.status(root).values()), slurm_cluster.status(root)
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or only its exit status left for its parent (pid 1) to reap."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.timeout(180)
+def test_cluster_script_is_idempotent_and_leaves_nothing_running(cluster, tmp_path):
+    """`up` twice starts each daemon once; `down` twice stops each by its pid, once."""
+    cli = [PYTHON, str(REPO / "tests" / "slurm_cluster.py")]
+    root = tmp_path / "c"
+    started = []
+    for _ in range(2):
+        out = subprocess.run(
+            [*cli, "up", "--dir", str(root)], capture_output=True, text=True, timeout=120
+        )
+        assert out.returncode == 0, out.stderr
+        started.append(slurm_cluster.status(root))
+    first, second = started
+    assert all(first.values()) and second == first
+    out = subprocess.run([*cli, "down", "--dir", str(root)], capture_output=True, text=True)
+    assert [f"stopped {name} (pid {pid})" for name, pid in first.items()] == (
+        out.stdout.splitlines()[:4]
+    )
+    assert all(_gone(pid) for pid in first.values())
+    out = subprocess.run([*cli, "down", "--dir", str(root)], capture_output=True, text=True)
+    assert out.returncode == 0 and "stopped" not in out.stdout
 
 
 def _recipe_env(corpus: str, save: Path, metrics: Path) -> dict:
