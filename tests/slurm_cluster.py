@@ -8,8 +8,9 @@ munge key, `slurm.conf` and the state, spool and log folders under DIR (default
 $TMPDIR/pretrain-slurm), then starts `munged` (its own socket and key there), one `slurmctld` and
 two `slurmd` (`-N n1`, `-N n2`), and waits until both nodes are idle. Both nodes are this machine
 (NodeAddr=127.0.0.1, one port each), 2 CPUs each whatever the machine has (`config_overrides`).
-`up` on a running cluster changes nothing; `down` stops every daemon by the pid in its pid file and
-waits until each is gone. Commands for the cluster need `SLURM_CONF=DIR/slurm.conf` (`env()`).
+`up` on a running cluster changes nothing; `down` cancels its jobs, then stops every daemon by the
+pid in its pid file and waits until each is gone. Commands for the cluster need
+`SLURM_CONF=DIR/slurm.conf` (`env()`).
 """
 
 from __future__ import annotations
@@ -203,9 +204,27 @@ def up(root: Path = DEFAULT_DIR) -> None:
     _wait(lambda: _nodes_idle(root), f"nodes {' '.join(NODES)} were not idle", root)
 
 
+def _cancel_jobs(root: Path, timeout: float) -> None:
+    """scancel every job still queued or running, and wait (up to `timeout` s) until none is
+    left, so that no job step (slurmstepd and its tasks) outlives the daemons."""
+
+    def jobs() -> list[str]:
+        cmd = ["squeue", "-h", "-o", "%i"]
+        return subprocess.run(cmd, env=env(root), capture_output=True, text=True).stdout.split()
+
+    if jobs():
+        subprocess.run(["scancel", *jobs()], env=env(root), capture_output=True, timeout=30)
+        deadline = time.monotonic() + timeout
+        while jobs() and time.monotonic() < deadline:
+            time.sleep(0.2)
+
+
 def down(root: Path = DEFAULT_DIR, timeout: float = 30) -> None:
-    """SIGTERM every daemon by its pid file (slurmd, slurmctld, munged), SIGKILL any left after
-    `timeout` s, and wait until each is gone. Nothing running: nothing done."""
+    """Cancel the cluster's jobs, then SIGTERM every daemon by its pid file (slurmd, slurmctld,
+    munged), SIGKILL any left after `timeout` s, and wait until each is gone. Nothing running:
+    nothing done."""
+    if _running_pid(_pid_files(root)["slurmctld"]) is not None:
+        _cancel_jobs(root, timeout)
     for name, pid_file in _pid_files(root).items():
         pid = _running_pid(pid_file)
         if pid is None:

@@ -56,11 +56,32 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def _sleeps() -> list[psutil.Process]:
+    """The running `sleep 317` tasks of the job the test below submits."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        cmdline = p.info["cmdline"] or []
+        if cmdline[-1:] == ["317"] and Path(cmdline[0]).name == "sleep":
+            if p.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(p)
+    return found
+
+
 @pytest.mark.timeout(180)
 def test_cluster_script_is_idempotent_and_leaves_nothing_running(cluster, tmp_path):
-    """`up` twice starts each daemon once; `down` twice stops each by its pid, once."""
+    """`up` twice starts each daemon once; `down` cancels the running job, then stops each
+    daemon by its pid; a second `down` does nothing."""
     cli = [PYTHON, str(REPO / "tests" / "slurm_cluster.py")]
     root = tmp_path / "c"
+    try:
+        _up_twice_down_twice(cli, root)
+    finally:
+        slurm_cluster.down(root)
+
+
+def _up_twice_down_twice(cli: list[str], root: Path) -> None:
+    """The CLI: up, up (same pids), a running job, down (the job cancelled, each daemon stopped
+    by its pid), down (nothing to stop)."""
     started = []
     for _ in range(2):
         out = subprocess.run(
@@ -70,11 +91,18 @@ def test_cluster_script_is_idempotent_and_leaves_nothing_running(cluster, tmp_pa
         started.append(slurm_cluster.status(root))
     first, second = started
     assert all(first.values()) and second == first
+    wrap = ["sbatch", "-N", "2", "-o", "/dev/null", "--wrap", "srun sleep 317"]
+    subprocess.run(wrap, env=slurm_cluster.env(root), check=True, timeout=30)
+    deadline = time.monotonic() + 60
+    while len(_sleeps()) < 2:  # a job step's task on each node
+        assert time.monotonic() < deadline, "the job's tasks did not start"
+        time.sleep(0.2)
     out = subprocess.run([*cli, "down", "--dir", str(root)], capture_output=True, text=True)
     assert [f"stopped {name} (pid {pid})" for name, pid in first.items()] == (
         out.stdout.splitlines()[:4]
     )
     assert all(_gone(pid) for pid in first.values())
+    assert not _sleeps()  # the running job was cancelled first: no task outlives the cluster
     out = subprocess.run([*cli, "down", "--dir", str(root)], capture_output=True, text=True)
     assert out.returncode == 0 and "stopped" not in out.stdout
 
