@@ -86,17 +86,25 @@ def status(root: Path = DEFAULT_DIR) -> dict[str, int | None]:
 
 
 def _ensure_hosts() -> None:
-    """`n1 n2` resolve to 127.0.0.1: appended to /etc/hosts once when they do not."""
+    """`n1 n2` resolve to 127.0.0.1: appended to /etc/hosts once when they do not resolve;
+    ClusterError when one resolves elsewhere or /etc/hosts cannot be written."""
     unresolved = []
     for node in NODES:
         try:
-            if socket.gethostbyname(node) != "127.0.0.1":
-                unresolved.append(node)
+            addr = socket.gethostbyname(node)
         except OSError:
             unresolved.append(node)
-    if unresolved:
+            continue
+        if addr != "127.0.0.1":
+            raise ClusterError(f"node name {node} resolves to {addr}, not 127.0.0.1 (/etc/hosts)")
+    if not unresolved:
+        return
+    line = f"127.0.0.1 {' '.join(unresolved)}"
+    try:
         with open("/etc/hosts", "a") as hosts:
-            hosts.write(f"127.0.0.1 {' '.join(unresolved)}  # tests/slurm_cluster.py\n")
+            hosts.write(f"{line}  # tests/slurm_cluster.py\n")
+    except OSError as e:
+        raise ClusterError(f"{e}: add '{line}' to /etc/hosts as root") from None
 
 
 def _config(root: Path) -> str:

@@ -13,6 +13,7 @@ Skipped where `slurm-wlm` and `munge` are not installed (`.ci/run` installs them
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import time
@@ -39,6 +40,8 @@ def cluster(tmp_path_factory):
     missing = slurm_cluster.missing_commands()
     if missing:
         pytest.skip(f"not installed: {' '.join(missing)} (apt-get install -y slurm-wlm munge)")
+    if os.geteuid() != 0:
+        pytest.skip("the Slurm daemons run as root (tests/slurm_cluster.py)")
     root = tmp_path_factory.mktemp("slurm-cluster")
     try:
         slurm_cluster.up(root)
