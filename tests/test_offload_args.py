@@ -103,6 +103,8 @@ def test_json_offload_is_respected(corpus, tmp_path):
         ({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/nonexistent"}}, [], ["offload_param.nvme_path /nonexistent: no such folder"]),
         ({"stage": 3, "offload_param": {"device": "disk"}}, [], ["zero_optimization.offload_param", '"none" | "cpu" | "nvme"']),
         ({"stage": 0, "offload_optimizer": {"device": "cpu"}}, [], ["needs ZeRO"]),
+        # Megatron-DeepSpeed's examples_deepspeed/offload_pp JSON: DeepSpeed asserts on it
+        ({"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True, "ratio": 0.3}}, [], ["offload_optimizer.ratio=0.3", "DeepSpeedCPUAdam", "remove the ratio key"]),
     ],
 )  # fmt: skip
 def test_json_contradicted_by_a_flag_is_refused(corpus, tmp_path, zero, extra, words):

@@ -45,6 +45,13 @@ def _json_device(zero: dict, key: str, path: str | None) -> str | None:
             f"--deepspeed_config {path} sets zero_optimization.{key} to {section!r}: DeepSpeed "
             f'wants {{"device": "none" | "cpu" | "nvme", ...}} (fix the value)'
         )
+    ratio = section.get("ratio", 1.0)
+    if key == "offload_optimizer" and device != "none" and ratio != 1.0:
+        raise UserError(
+            f"--deepspeed_config {path} sets zero_optimization.offload_optimizer.ratio={ratio}: "
+            f"partial offload is DeepSpeed's hybrid optimizer, which needs its DeepSpeedCPUAdam; "
+            f"the optimizer here is ours, torch AdamW (remove the ratio key: all state offloaded)"
+        )
     return device
 
 
