@@ -136,6 +136,20 @@ def _check(optimizer, param, nvme_path, zero_stage: int, opt_flag: str) -> None:
         )
     if nvme:
         _check_folder(nvme_path, "--offload-nvme-path")
+        _check_async_io()
+
+
+def _check_async_io() -> None:
+    """Refuse (one line) NVMe offload where DeepSpeed's async_io op cannot build (no libaio)."""
+    from deepspeed.accelerator import get_accelerator  # only for NVMe: parsing stays light
+
+    builder = get_accelerator().create_op_builder("AsyncIOBuilder")
+    if builder is None or not builder.is_compatible(verbose=False):
+        raise UserError(
+            f"NVMe offload needs DeepSpeed's async_io op, which cannot be built on this machine "
+            f"({get_accelerator().device_name()} accelerator; install libaio: apt-get install "
+            f"libaio-dev), or offload to cpu instead"
+        )
 
 
 def _check_folder(path: str, where: str) -> None:
