@@ -112,3 +112,25 @@ def test_json_contradicted_by_a_flag_is_refused(corpus, tmp_path, zero, extra, w
         _parse(corpus, "--deepspeed_config", _json(tmp_path, zero), *extra)
     assert all(w in str(err.value) for w in words), str(err.value)
     assert "\n" not in str(err.value)
+
+
+def test_nvme_without_libaio_is_one_line(corpus, tmp_path, monkeypatch):
+    """Where DeepSpeed's async_io op cannot build (no libaio), NVMe offload stops before launch."""
+    from deepspeed.accelerator import get_accelerator
+
+    builder = type(get_accelerator().create_op_builder("AsyncIOBuilder"))
+    monkeypatch.setattr(builder, "is_compatible", lambda self, verbose=False: False)
+    with pytest.raises(UserError) as err:
+        _parse(
+            corpus,
+            "--zero-stage",
+            "3",
+            "--offload-param",
+            "nvme",
+            "--offload-nvme-path",
+            str(tmp_path),
+        )
+    assert "async_io" in str(err.value) and "apt-get install libaio-dev" in str(err.value)
+    assert "\n" not in str(err.value)
+    cpu = _parse(corpus, "--zero-stage", "3", "--offload-param", "cpu")  # cpu needs no async_io
+    assert cpu.parallel.offload_param == "cpu"
