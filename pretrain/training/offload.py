@@ -2,8 +2,8 @@
 
 The flags (`--cpu-offload`, `--offload-optimizer`, `--offload-param`, `--offload-nvme-path`) and
 a `--deepspeed_config` JSON's `zero_optimization.offload_optimizer` / `offload_param` sections
-resolve here into ParallelConfig's offload fields, checked once: a JSON value the flags do not set is kept, a flag
-that contradicts the JSON is refused in one line. `zero_sections` writes the result back into the
+resolve here into ParallelConfig's offload fields, checked once: a JSON value the flags do not
+set is kept, a flag that contradicts the JSON is refused in one line. `zero_sections` writes the result back into the
 DeepSpeed config, keeping the JSON's other keys (pin_memory, buffer_count, ...).
 
 Facts of DeepSpeed 0.19 this relies on (docs/TRAINING.md, "Offload"):
@@ -24,14 +24,6 @@ from pretrain.errors import UserError
 from pretrain.parallel.config import ParallelConfig
 
 DEVICES = ("cpu", "nvme")
-
-
-def describe(parallel: ParallelConfig) -> str | None:
-    """The startup banner's line, "optimizer state: cpu, parameters: nvme (PATH)"; None: none."""
-    parts = [f"optimizer state: {parallel.offload_optimizer}"] if parallel.offload_optimizer else []
-    parts += [f"parameters: {parallel.offload_param}"] if parallel.offload_param else []
-    nvme = f" ({parallel.offload_nvme_path})" if parallel.offload_nvme_path else ""
-    return ", ".join(parts) + nvme if parts else None
 
 
 def _json_device(zero: dict, key: str, path: str | None) -> str | None:
