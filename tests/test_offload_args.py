@@ -59,6 +59,9 @@ def test_flags_write_deepspeeds_sections(corpus, tmp_path):
         (["--zero-stage", "1", "--cpu-offload", "--offload-optimizer", "nvme"], ["--cpu-offload and --offload-optimizer nvme disagree"]),
         (["--zero-stage", "3", "--offload-param", "nvme", "--offload-nvme-path", "/nonexistent/swap"], ["--offload-nvme-path /nonexistent/swap: no such folder"]),
         (["--zero-stage", "3", "--offload-param", "nvme", "--offload-nvme-path", "/proc/self"], ["--offload-nvme-path /proc/self: cannot write there"]),
+        # DeepSpeed 0.19's checkpoints of NVMe-offloaded runs resume wrongly (docs/TRAINING.md)
+        (["--zero-stage", "3", "--offload-optimizer", "nvme", "--offload-nvme-path", "/tmp", "--save", "/tmp/ck", "--save-interval", "2"], ["--save /tmp/ck with --offload-optimizer nvme", "do not resume correctly"]),
+        (["--zero-stage", "3", "--offload-optimizer", "nvme", "--offload-nvme-path", "/tmp", "--load", "/tmp/ck"], ["--load /tmp/ck with --offload-optimizer nvme", "use --cpu-offload"]),
     ],
 )  # fmt: skip
 def test_refusals_are_one_line(corpus, extra, words):

@@ -114,7 +114,7 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _flag("--zero-stage", type=int, choices=[0, 1, 2, 3], help="ZeRO stage over data-parallel ranks [default: 0, or the stage in --deepspeed_config]"),
         _flag("--use-distributed-optimizer", action="store_true", help="shard the optimizer state over data-parallel ranks: ZeRO-1 unless --zero-stage says more"),
         _flag("--cpu-offload", action="store_true", help="ZeRO-Offload: optimizer state and step in CPU memory (ZeRO >= 1); the same as --offload-optimizer cpu"),
-        _flag("--offload-optimizer", field="parallel.offload_optimizer", choices=["cpu", "nvme"], help="ZeRO-Offload/ZeRO-Infinity: optimizer state in CPU memory (ZeRO >= 1) or in --offload-nvme-path (ZeRO-3) [default: device memory, or the --deepspeed_config JSON's]"),
+        _flag("--offload-optimizer", field="parallel.offload_optimizer", choices=["cpu", "nvme"], help="ZeRO-Offload/ZeRO-Infinity: optimizer state in CPU memory (ZeRO >= 1) or in --offload-nvme-path (ZeRO-3; refused with --save/--load: its checkpoints do not resume) [default: device memory, or the --deepspeed_config JSON's]"),
         _flag("--offload-param", field="parallel.offload_param", choices=["cpu", "nvme"], help="ZeRO-3 parameter offload: partitioned parameters in CPU memory or in --offload-nvme-path [default: device memory, or the --deepspeed_config JSON's]"),
         _flag("--offload-nvme-path", field="parallel.offload_nvme_path", metavar="DIR", help="existing writable folder (fast local disk) the nvme offload swaps to: DeepSpeed's nvme_path"),
         _flag("--distributed-backend", field="parallel.distributed_backend", choices=["nccl", "gloo"], help="torch.distributed backend [default: nccl with GPUs, gloo without]"),

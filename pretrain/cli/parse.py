@@ -41,7 +41,7 @@ from pretrain.training.deepspeed_config import (
 from pretrain.training.evaluator import EvalConfig
 from pretrain.training.logging import LoggingConfig
 from pretrain.training.loop import TrainingConfig
-from pretrain.training.offload import resolve_offload
+from pretrain.training.offload import check_nvme_checkpoints, resolve_offload
 from pretrain.training.optimizer import OptimizerConfig
 from pretrain.training.run import Prepared, RunConfig
 from pretrain.training.spikes import SpikeConfig
@@ -168,6 +168,7 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
         **(section_values(ns, "parallel") | offload), world_size=launch.world_size, zero_stage=zero
     )
     checkpoint = CheckpointConfig(**section_values(ns, "checkpoint"))
+    check_nvme_checkpoints(parallel, save=checkpoint.save, load=checkpoint.load)
     spikes = SpikeConfig(**section_values(ns, "spikes"))
     if problems := spikes.problems(save=checkpoint.save):
         raise UserError("; ".join(problems))

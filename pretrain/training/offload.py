@@ -131,6 +131,19 @@ def _check(optimizer, param, nvme_path, zero_stage: int, opt_flag: str) -> None:
         _check_async_io()
 
 
+def check_nvme_checkpoints(parallel: ParallelConfig, *, save: str | None, load: str | None) -> None:
+    """Refuse --save/--load beside NVMe optimizer offload (one line): DeepSpeed 0.19's checkpoint
+    of it resumes wrongly (measured in docs/TRAINING.md, "Offload"; NVMe parameters resume)."""
+    given = [f"{flag} {path}" for flag, path in (("--save", save), ("--load", load)) if path]
+    if parallel.offload_optimizer == "nvme" and given:
+        raise UserError(
+            f"{' and '.join(given)} with --offload-optimizer nvme: DeepSpeed 0.19's checkpoints "
+            f"of NVMe-offloaded optimizer state do not resume correctly (use --cpu-offload, "
+            f"optionally with --offload-param nvme, whose checkpoints resume; or drop "
+            f"--save/--load)"
+        )
+
+
 def _check_async_io() -> None:
     """Refuse (one line) NVMe offload where DeepSpeed's async_io op cannot build (no libaio)."""
     from deepspeed.accelerator import get_accelerator  # only for NVMe: parsing stays light
