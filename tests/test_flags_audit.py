@@ -10,6 +10,7 @@ without an entry, or a no-op without "no-op"/"accepted" in its help, fails here.
 
 import dataclasses
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -142,6 +143,9 @@ def changes(f) -> dict:
         "--tensor-model-parallel-size": (d, d + ["--tensor-model-parallel-size", "2"], TWO_RANKS),
         "--pipeline-model-parallel-size": (d, d + ["--pipeline-model-parallel-size", "2"], TWO_RANKS),
         "--zero-stage": ["1"], "--cpu-offload": (d + ["--zero-stage", "1"], d + ["--zero-stage", "1", "--cpu-offload"], None),
+        "--offload-optimizer": (d + ["--zero-stage", "1"], d + ["--zero-stage", "1", "--offload-optimizer", "cpu"], None),
+        "--offload-param": (d + ["--zero-stage", "3"], d + ["--zero-stage", "3", "--offload-param", "cpu"], None),
+        "--offload-nvme-path": (d + ["--zero-stage", "3", "--offload-param", "cpu"], d + ["--zero-stage", "3", "--offload-param", "nvme", "--offload-nvme-path", os.path.dirname(f["ds"])], None),
         "--distributed-backend": ["gloo"], "--distributed-timeout-minutes": ["3"],
         "--deepspeed_config": [f["ds"]], "--local_rank": (d, d + ["--local_rank", "1"], launched),
         "--overlap-grad-reduce": ["--zero-stage", "1"],

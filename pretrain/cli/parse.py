@@ -42,6 +42,7 @@ from pretrain.training.deepspeed_config import (
 from pretrain.training.evaluator import EvalConfig
 from pretrain.training.logging import LoggingConfig
 from pretrain.training.loop import TrainingConfig
+from pretrain.training.offload import check_nvme_checkpoints, resolve_offload
 from pretrain.training.optimizer import OptimizerConfig
 from pretrain.training.run import Prepared, RunConfig
 from pretrain.training.spikes import SpikeConfig
@@ -155,12 +156,20 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
             f"--zero-stage {zero} with --pipeline-model-parallel-size {pp}: DeepSpeed's pipeline "
             f"engine supports ZeRO 0 and 1 only (use --zero-stage 1, or PP=1 for ZeRO-2/3)"
         )
-    parallel = ParallelConfig(
-        **section_values(ns, "parallel"), world_size=launch.world_size, zero_stage=zero
+    offload = resolve_offload(
+        cpu_offload=ns.cpu_offload,
+        optimizer=ns.parallel__offload_optimizer,
+        param=ns.parallel__offload_param,
+        nvme_path=ns.parallel__offload_nvme_path,
+        zero_stage=zero,
+        user_json=ds_json,
+        json_path=ns.deepspeed_config,
     )
-    if parallel.cpu_offload and zero == 0:
-        raise UserError("--cpu-offload needs ZeRO (add --zero-stage 1, 2 or 3)")
+    parallel = ParallelConfig(
+        **(section_values(ns, "parallel") | offload), world_size=launch.world_size, zero_stage=zero
+    )
     checkpoint = CheckpointConfig(**section_values(ns, "checkpoint"))
+    check_nvme_checkpoints(parallel, save=checkpoint.save, load=checkpoint.load)
     spikes = SpikeConfig(**section_values(ns, "spikes"))
     if problems := spikes.problems(save=checkpoint.save):
         raise UserError("; ".join(problems))

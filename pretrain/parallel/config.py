@@ -38,8 +38,13 @@ class ParallelConfig:
     """Ranks in the job; DP = world / (TP x PP)."""
     zero_stage: int = 0
     """DeepSpeed ZeRO stage (0-3), sharding over the data-parallel ranks."""
-    cpu_offload: bool = False
-    """Keep optimizer state in CPU memory (ZeRO >= 1)."""
+    offload_optimizer: str | None = None
+    """ZeRO-Offload: "cpu" or "nvme" (ZeRO-3) keeps the optimizer state and step there; None:
+    device memory (--offload-optimizer, --cpu-offload; pretrain/training/offload.py checks it)."""
+    offload_param: str | None = None
+    """ZeRO-3 parameter offload: "cpu" or "nvme" (--offload-param)."""
+    offload_nvme_path: str | None = None
+    """The folder NVMe offload swaps to (--offload-nvme-path)."""
     overlap_grad_reduce: bool = False
     """Overlap the ZeRO-1/2 gradient reduction with backward: DeepSpeed's `overlap_comm`
     (--overlap-grad-reduce)."""

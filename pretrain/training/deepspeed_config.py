@@ -23,6 +23,7 @@ from typing import Any
 
 from pretrain.errors import UserError
 from pretrain.parallel.config import ParallelConfig
+from pretrain.training.offload import zero_sections
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,9 +86,9 @@ def build_deepspeed_config(
     zero["stage"] = parallel.zero_stage
     if parallel.overlap_grad_reduce and parallel.zero_stage > 0:
         zero["overlap_comm"] = True  # ZeRO-0 reduces after backward (DeepSpeed has no overlap)
-    if parallel.cpu_offload:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
-        # our torch AdamW on CPU-resident state (DeepSpeedCPUAdam would need a JIT build)
+    zero_sections(zero, parallel)
+    if parallel.offload_optimizer:
+        # our AdamW steps the CPU-resident state (DeepSpeedCPUAdam: docs/TRAINING.md, "Offload")
         ds["zero_force_ds_cpu_optimizer"] = False
 
     if precision.bf16:

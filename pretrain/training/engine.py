@@ -56,6 +56,21 @@ class Engine:
         return "bf16" if self.ds_config.get("bf16", {}).get("enabled") else "fp32"
 
     @property
+    def offload(self) -> str | None:
+        """What DeepSpeed's ZeRO optimizer keeps off the device, read from the optimizer itself
+        (so the banner shows what runs, not what was asked): "optimizer state: cpu (AdamW),
+        parameters: nvme"; None when nothing is offloaded."""
+        zero = self.ds.optimizer
+        parts = []
+        if getattr(zero, "cpu_offload", False) or getattr(zero, "offload_optimizer", False):
+            where = "nvme" if getattr(zero, "swap_optimizer", False) else "cpu"
+            parts.append(f"optimizer state: {where} ({type(zero.optimizer).__name__})")
+        if getattr(zero, "offload_param", False):
+            where = "nvme" if getattr(zero, "params_in_nvme_and_cpu", False) else "cpu"
+            parts.append(f"parameters: {where}")
+        return ", ".join(parts) or None
+
+    @property
     def skipped_steps(self) -> int:
         """Optimizer steps skipped so far (fp16 overflow)."""
         return int(self.ds.skipped_steps)

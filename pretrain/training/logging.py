@@ -212,13 +212,16 @@ def banner(
     load: str | None,
     flops_per_iteration: float,
     threads: int,
+    offload: str | None = None,
 ) -> str:
-    """The start-up summary: ranks, layout, parameters, batch, FLOPs, checkpoint folders."""
+    """The start-up summary: ranks, layout, parameters, batch, FLOPs, checkpoint folders, and
+    what ZeRO offloads (`offload`, a line only when something is)."""
     lines = [
         "=" * 78,
         f" pretrain_gpt.py  |  {world} rank(s) via {launcher}, backend {backend}, device {device}, "
         f"{threads} thread(s)/rank",
         f" layout           |  TP={tp}  PP={pp}  DP={dp}  ZeRO-{zero}  ({precision})",
+        *([f" offload          |  {offload}"] if offload else []),
         f" parameters       |  {params_total:,} ({params_total / 1e6:.2f} M)",
         f" batch            |  global {global_batch} = micro {micro_batch} x {num_microbatches} micro-batches "
         f"x DP {dp}; {tokens_per_iteration:,} tokens/iteration",

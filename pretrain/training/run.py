@@ -295,6 +295,7 @@ def _train(
             load=cfg.checkpoint.load,
             flops_per_iteration=flops,
             threads=torch.get_num_threads(),
+            offload=engine.offload,
         )
     )
     if train_state.iteration >= t.train_iters:
