@@ -27,7 +27,7 @@ from pretrain.cli.resolve import (
 )
 from pretrain.cli.script_flags import check_position_embedding, check_script_flags
 from pretrain.data.config import DataConfig
-from pretrain.data.fingerprint import PrefixFiles, check_data, tokenizer_fingerprint
+from pretrain.data.fingerprint import check_data
 from pretrain.errors import UserError
 from pretrain.launch import detect_launch_env
 from pretrain.parallel.config import ParallelConfig, check_world_divisible
@@ -210,13 +210,7 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
     check_script_flags(ns, model.num_layers, pp)
     model.validate(tp, pp)
     data = DataConfig.from_args(ns)
-    prepared = Prepared(
-        tokenizer_config=tokenizer,
-        tokenizer=built_tokenizer,
-        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer, built_tokenizer),
-        data_config=data,
-        files=PrefixFiles(data.data_cache_path),  # read here, reused by pretrain
-    )
+    prepared = Prepared.build(tokenizer, data, built_tokenizer)  # its files: read here, reused
     check_data_files(data)
     # data fingerprints: made by this tokenizer, largest token id inside its vocabulary
     check_data(

@@ -60,17 +60,24 @@ class Prepared:
     tokenizer: Tokenizer
     """The built tokenizer (its files read, its vocabulary size known)."""
     tokenizer_fingerprint: dict
-    """`tokenizer_fingerprint(tokenizer_config, tokenizer)`: its behaviour and files hashed once per process
-    (the data check, the resume check and the checkpoints' record use it)."""
+    """`tokenizer_fingerprint(tokenizer_config, tokenizer)`: its behaviour and files hashed once
+    per process (the data check, the resume check and the checkpoints' record use it)."""
     data_config: DataConfig
     """The data config `files` was made for."""
     files: PrefixFiles
     """The data prefixes' `.idx` files, sidecars and largest token ids as already read."""
 
     @classmethod
-    def build(cls, tokenizer_config: TokenizerConfig, data_config: DataConfig) -> Prepared:
-        """A tokenizer built now, and no data files read yet."""
-        tokenizer = build_tokenizer(tokenizer_config)
+    def build(
+        cls,
+        tokenizer_config: TokenizerConfig,
+        data_config: DataConfig,
+        tokenizer: Tokenizer | None = None,
+    ) -> Prepared:
+        """`tokenizer` (built from `tokenizer_config` now when not given) fingerprinted, and no
+        data files read yet."""
+        if tokenizer is None:
+            tokenizer = build_tokenizer(tokenizer_config)
         return cls(
             tokenizer_config=tokenizer_config,
             tokenizer=tokenizer,
