@@ -17,7 +17,6 @@ code from the checkpoint runs (docs/CHECKPOINTS.md). docs/CONVERSION.md has deta
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import shutil
 import sys
@@ -119,7 +118,7 @@ def main(argv=None) -> None:
             ck.config,
             tp=ttp,
             pp=tpp,
-            tokenizer=dataclasses.asdict(tok_config.with_absolute_paths()),
+            tokenizer=tok_config.record(),
             source=os.path.abspath(ck.path),
         )
         print(f"wrote {args.save} (TP={ttp}, PP={tpp})")

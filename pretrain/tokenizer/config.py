@@ -57,20 +57,15 @@ class TokenizerConfig:
             tokenizer_engine=getattr(ns, "tokenizer_engine", None) or "auto",
         )
 
-    def with_absolute_paths(self) -> TokenizerConfig:
-        """This config with its file paths made absolute (what checkpoints record, so that a
-        tool run from another folder finds the files)."""
-        paths = {
-            key: os.path.abspath(getattr(self, key))
-            for key in ("vocab_file", "merge_file", "tokenizer_model")
-            if getattr(self, key)
-        }
-        return dataclasses.replace(self, **paths)
-
     def record(self) -> dict:
-        """The flags as a JSON object with absolute paths (a data sidecar's `tokenizer_flags`),
-        so that a tool run from another folder can rebuild the tokenizer (`from_record`)."""
-        return dataclasses.asdict(self.with_absolute_paths())
+        """The flags as a JSON object with absolute paths (a data sidecar's `tokenizer_flags`, a
+        checkpoint's `tokenizer`), so that a tool run from another folder can rebuild the
+        tokenizer (`from_record`)."""
+        out = dataclasses.asdict(self)
+        for key in ("vocab_file", "merge_file", "tokenizer_model"):
+            if out[key]:
+                out[key] = os.path.abspath(out[key])
+        return out
 
     @classmethod
     def from_record(cls, record: dict) -> TokenizerConfig:

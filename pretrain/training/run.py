@@ -351,7 +351,7 @@ def _train(
         cfg.checkpoint,
         model=cfg.model,
         parallel=par,
-        tokenizer=dataclasses.asdict(cfg.tokenizer.with_absolute_paths()),
+        tokenizer=cfg.tokenizer.record(),
         run_record=record,
         tokens_seen=_tokens_seen_counter(cfg, train_dataset),
     )
