@@ -32,10 +32,13 @@ def readme_args() -> list[str]:
 
 def makefile_train() -> list[str]:
     """`make train`'s deepspeed command with the Makefile's defaults, the launcher as on PATH."""
+    # run under `make test` (CI), the parent make's MAKEFLAGS/MAKELEVEL would make this one print
+    # "make[1]: Entering directory": a clean environment shows the command alone
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}
     shown = subprocess.run(
-        ["make", "-n", "-o", ".venv/.installed", "-o", "data/shakespeare_bpe_text_document.idx",
-         "train"],
-        cwd=ROOT, capture_output=True, text=True, check=True, timeout=60,
+        ["make", "--no-print-directory", "-n", "-o", ".venv/.installed",
+         "-o", "data/shakespeare_bpe_text_document.idx", "train"],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=True, timeout=60,
     ).stdout  # fmt: skip
     command = words(shown)
     assert command[0] == ".venv/bin/deepspeed", shown
