@@ -16,7 +16,7 @@ checkpoint's iteration: nothing to train) resume them:
 
 - `same layout`: DeepSpeed's own load (`engine.load_checkpoint`), from each kind of checkpoint;
 - `other layout`: the `full` checkpoint at TP = nproc (and at ZeRO-2) through the full state
-  (`pretrain/training/reshard.py`).
+  (`pretrain/training/backends/deepspeed/full_state.py`).
 
 Times are wall-clock seconds on rank 0 of `Checkpointer.save` and of `load_checkpoint`, each
 between two barriers (every rank done), taken by wrapping those functions in the launched
@@ -118,7 +118,7 @@ def _install_timers(timings: Path, label: list[str]) -> None:
         return out
 
     run_module.load_checkpoint = timed_load
-    import pretrain.training.reshard as reshard
+    import pretrain.training.backends.deepspeed.full_state as reshard
 
     for name in ("save_full_state", "write_shard"):  # the full state's part of a save
         setattr(reshard, name, _timed(getattr(reshard, name), name, record))

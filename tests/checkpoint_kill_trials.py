@@ -42,7 +42,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import deepspeed  # noqa: E402, F401  (imported once, before the forks)
 import torch  # noqa: E402
 
-import pretrain.training.engine  # noqa: E402, F401
+import pretrain.training.backends.deepspeed.engine  # noqa: E402, F401
 from pretrain.cli import parse_args  # noqa: E402
 from pretrain.errors import exit_on_user_error  # noqa: E402
 from pretrain.launch import free_port  # noqa: E402

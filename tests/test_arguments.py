@@ -14,7 +14,7 @@ from training_fixtures import test_env as clean_env
 from pretrain.cli import parse_args
 from pretrain.errors import UserError
 from pretrain.launch import detect_launch_env
-from pretrain.training.deepspeed_config import build_deepspeed_config
+from pretrain.training.backends.deepspeed.config import build_deepspeed_config
 from pretrain.training.flops import flops_per_iteration
 from pretrain.training.logging import IterationStats, format_iteration_line
 from pretrain.training.lr_schedule import LRScheduleConfig, SampleLRScheduler, lr_at
@@ -450,7 +450,8 @@ def test_two_spellings_that_disagree_are_refused(corpus, extra, words):
 
 
 def test_fp16_loss_scale_flags_and_deepspeed_json_must_agree():
-    from pretrain.training.deepspeed_config import PrecisionConfig, check_user_config
+    from pretrain.training.backends.deepspeed.config import check_user_config
+    from pretrain.training.precision import PrecisionConfig
 
     sizes = dict(global_batch_size=8, micro_batch_size=2, data_parallel_size=1, clip_grad=1.0)
     fp16 = PrecisionConfig(fp16=True, loss_scale_window=500)

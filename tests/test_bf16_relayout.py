@@ -232,8 +232,8 @@ def _carry_a_zero_loss_scaler(rank, world_size):
     import deepspeed
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
 
-    from pretrain.training.distributed import disable_deepspeed_shm_allreduce
-    from pretrain.training.masters import loss_scale_state, set_loss_scale_state
+    from pretrain.training.backends.deepspeed.comm import disable_deepspeed_shm_allreduce
+    from pretrain.training.backends.deepspeed.masters import loss_scale_state, set_loss_scale_state
 
     disable_deepspeed_shm_allreduce()  # (a 40-second JIT build otherwise)
     deepspeed.init_distributed("gloo", auto_mpi_discovery=False)  # overflow messages ask its rank

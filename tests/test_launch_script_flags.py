@@ -37,7 +37,7 @@ from training_fixtures import test_env as clean_env
 from pretrain.cli import build_parser, parse_args
 from pretrain.cli.refused import REFUSED_FLAGS
 from pretrain.errors import UserError
-from pretrain.training.deepspeed_config import build_deepspeed_config
+from pretrain.training.backends.deepspeed.config import build_deepspeed_config
 from pretrain.training.logging import ScalarWriter
 
 pytestmark = [pytest.mark.timeout(600)]

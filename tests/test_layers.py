@@ -91,3 +91,68 @@ def test_importing_the_converters_loads_neither_deepspeed_nor_the_cli():
     loaded = eval(out.stdout.strip().splitlines()[-1])
     assert "deepspeed" not in loaded
     assert not [m for m in loaded if m.startswith(("pretrain.cli", "pretrain.training"))], loaded
+
+
+# A backend's library is imported by that backend's package only. The exceptions read other
+# tools' checkpoint *files*: the unpickling allowlist names DeepSpeed's pickled classes, the
+# converter reads ZeRO partitions with DeepSpeed's own zero_to_fp32 and Megatron-LM's torch_dist
+# checkpoints with DCP's reader.
+BACKEND_LIBRARIES = {
+    "deepspeed": "pretrain.training.backends.deepspeed",
+    "torch.distributed.fsdp": "pretrain.training.backends.torch",
+    "torch.distributed.pipelining": "pretrain.training.backends.torch",
+    "torch.distributed.checkpoint": "pretrain.training.backends.torch",
+}
+FILE_FORMAT_READERS = {
+    ("pretrain.checkpoint.safe_load", "deepspeed"),
+    ("pretrain.convert.checkpoint_reader", "deepspeed"),
+    ("pretrain.convert.megatron_dist", "torch.distributed.checkpoint"),
+}
+
+
+def library_imports(path: Path) -> list[tuple[int, str]]:
+    """(line, module) of every import of a backend library in a file, function-level included."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        for name in names:
+            for library in BACKEND_LIBRARIES:
+                if name == library or name.startswith(library + "."):
+                    found.append((node.lineno, library))
+    return sorted(set(found))
+
+
+def test_only_a_backend_imports_its_library():
+    violations = []
+    for path in sorted((REPO / "pretrain").rglob("*.py")):
+        me = module_name(path)
+        for line, library in library_imports(path):
+            owner = BACKEND_LIBRARIES[library]
+            if me == owner or me.startswith(owner + "."):
+                continue
+            if (me, library) in FILE_FORMAT_READERS:
+                continue
+            violations.append(f"{path.relative_to(REPO)}:{line}: {me} imports {library}")
+    assert not violations, "\n".join(violations)
+
+
+def test_the_backend_checker_sees_a_library_import(tmp_path):
+    """The rule above is not vacuous: both import forms of each library are caught."""
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "import deepspeed\n"
+        "def f():\n"
+        "    from torch.distributed import fsdp\n"
+        "    from torch.distributed.pipelining import Schedule1F1B\n"
+        "    import torch.distributed.checkpoint as dcp\n"
+    )
+    assert library_imports(bad) == [
+        (1, "deepspeed"),
+        (3, "torch.distributed.fsdp"),
+        (4, "torch.distributed.pipelining"),
+        (5, "torch.distributed.checkpoint"),
+    ]

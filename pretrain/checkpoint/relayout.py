@@ -31,6 +31,7 @@ from pretrain.checkpoint.commit import commit_latest, directory_size, fsync_path
 from pretrain.checkpoint.format import FILES_KEY, META_FILE, model_config_from_meta, tag_for
 from pretrain.checkpoint.full_state import FullState, write_shard
 from pretrain.checkpoint.integrity import check_finite, manifest
+from pretrain.checkpoint.pipeline_layers import stage_of_parameter
 from pretrain.data.indexed_dataset import no_space_error
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
@@ -75,7 +76,6 @@ def _files(
 ) -> Iterator[tuple[int, int, dict]]:
     """(TP rank, stage, entries) of every target file, built one file at a time (bounded
     memory: one file's tensors plus the parameter being merged)."""
-    from pretrain.model.pipeline import stage_of_parameter  # imports deepspeed
 
     tp, pp = target.tensor_parallel_size, target.pipeline_parallel_size
     padded = config.padded_vocab_size(tp)

@@ -33,16 +33,16 @@ from pretrain.launch import detect_launch_env
 from pretrain.parallel.config import ParallelConfig, check_world_divisible
 from pretrain.tokenizer import TokenizerConfig, build_tokenizer
 from pretrain.training import scheduler_resume
-from pretrain.training.checkpointing import CheckpointConfig
-from pretrain.training.deepspeed_config import (
+from pretrain.training.backends.deepspeed.config import (
     check_user_config,
     json_batch_sizes,
     load_user_config,
 )
+from pretrain.training.backends.deepspeed.offload import check_nvme_checkpoints, resolve_offload
+from pretrain.training.checkpointing import CheckpointConfig
 from pretrain.training.evaluator import EvalConfig
 from pretrain.training.logging import LoggingConfig
 from pretrain.training.loop import TrainingConfig
-from pretrain.training.offload import check_nvme_checkpoints, resolve_offload
 from pretrain.training.optimizer import OptimizerConfig
 from pretrain.training.run import Prepared, RunConfig
 from pretrain.training.spikes import SpikeConfig

@@ -20,8 +20,8 @@ from pretrain.data.fingerprint import PrefixFiles
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
 from pretrain.training.batch_schedule import BatchSchedule, parse_step_schedule
-from pretrain.training.deepspeed_config import PrecisionConfig
 from pretrain.training.lr_schedule import LRScheduleConfig, check_wsd, spans_in_samples
+from pretrain.training.precision import PrecisionConfig
 
 # flag -> (namespace dest, smallest value, what the flag means): integers whose smaller values
 # would otherwise end mid-run in a ZeroDivisionError, a DeepSpeed assertion or an empty

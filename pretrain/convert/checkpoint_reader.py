@@ -11,7 +11,7 @@ What pretrain_gpt.py writes (pretrain/training/checkpointing.py, docs/CHECKPOINT
     resharded offline: full_state_tp<t:02>_pp<p:02>.pt                 fp32 master weights
                        (tools/reshard_checkpoint.py; pretrain.checkpoint.full_state)
 
-Pipeline layer indices map to GPTModel names through `pretrain.model.pipeline.layer_name_prefix`
+Pipeline layer indices map to GPTModel names through `pretrain.checkpoint.pipeline_layers.layer_name_prefix`
 (0 = embedding, 1..L = layers.0..L-1, L+1 = head; with tied embeddings L+2 is the last stage's
 copy of the embedding, equal to layer 0's). TP shards are merged along each parameter's
 partition dimension (`state_dict.merge_tp`: a contiguous split of the fused QKV already holds
@@ -42,6 +42,7 @@ from pretrain.checkpoint.format import (
 )
 from pretrain.checkpoint.full_state import FullState
 from pretrain.checkpoint.integrity import check_finite
+from pretrain.checkpoint.pipeline_layers import layer_name_prefix
 from pretrain.checkpoint.relayout import is_full_state_only
 from pretrain.convert.state_dict import merge_tp, parameter_partitions, trim_vocab
 from pretrain.errors import UserError
@@ -168,7 +169,6 @@ def _read_zero3(step_dir: str, tp: int, dp: int) -> list[dict]:
 
 
 def _read_pipeline(step_dir: str, tp: int, config: ModelConfig) -> list[dict]:
-    from pretrain.model.pipeline import layer_name_prefix
 
     shards: list[dict] = [{} for _ in range(tp)]
     for index in range(config.num_layers + 2):

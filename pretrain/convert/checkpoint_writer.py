@@ -35,6 +35,7 @@ from pretrain.checkpoint.format import (
     build_metadata,
     tag_for,
 )
+from pretrain.checkpoint.pipeline_layers import layer_name_prefix
 from pretrain.convert.state_dict import pad_vocab, parameter_partitions, split_tp
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
@@ -81,7 +82,6 @@ def _pipeline_layers(
     shard: dict[str, torch.Tensor], num_layers: int
 ) -> dict[int, dict[str, torch.Tensor]]:
     """One TP rank's full-model names -> {pipeline layer index: that layer's state dict}."""
-    from pretrain.model.pipeline import layer_name_prefix
 
     layers: dict[int, dict] = {}
     for index in range(num_layers + 2):

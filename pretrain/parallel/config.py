@@ -40,7 +40,7 @@ class ParallelConfig:
     """DeepSpeed ZeRO stage (0-3), sharding over the data-parallel ranks."""
     offload_optimizer: str | None = None
     """ZeRO-Offload: "cpu" or "nvme" (ZeRO-3) keeps the optimizer state and step there; None:
-    device memory (--offload-optimizer, --cpu-offload; pretrain/training/offload.py checks it)."""
+    device memory (--offload-optimizer, --cpu-offload; pretrain/training/backends/deepspeed/offload.py checks it)."""
     offload_param: str | None = None
     """ZeRO-3 parameter offload: "cpu" or "nvme" (--offload-param)."""
     offload_nvme_path: str | None = None

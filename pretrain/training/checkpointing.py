@@ -1,12 +1,12 @@
-"""Saving training: DeepSpeed's files plus what DeepSpeed leaves out, committed last.
+"""Saving training: the backend's own files plus what they leave out, committed last.
 
 The format (file names, tags, `latest`, metadata) is `pretrain.checkpoint.format`, the
 file-system steps of the commit `pretrain.checkpoint.commit`, what "complete" means and which
 step `--load` picks `pretrain.checkpoint.integrity`; this module adds the when
-(`Checkpointer.should_save`) and the how for a live DeepSpeed engine on every rank. Resuming is
+(`Checkpointer.should_save`) and the how for a live engine on every rank (any backend). Resuming is
 `pretrain.training.resume`.
 
-Save (docs/CHECKPOINTS.md, "Commit protocol"): every rank writes its DeepSpeed files and RNG
+Save (docs/CHECKPOINTS.md, "Commit protocol"): every rank writes its backend's files and RNG
 state into a hidden temporary folder, each file fsynced; the ranks agree that all writes
 succeeded; rank 0 writes the metadata with every file's size, renames the folder into place and
 replaces `latest`; a final agreement. A failure on any rank (a full disk) is one line on every
@@ -63,7 +63,7 @@ from pretrain.training.divergence import nonfinite_state
 from pretrain.training.logging import logger
 from pretrain.training.state import TrainState
 
-if TYPE_CHECKING:  # the engine module imports deepspeed, which must wait for the launch environment
+if TYPE_CHECKING:
     from pretrain.training.engine import Engine
 
 
@@ -120,7 +120,7 @@ def _bytes_needed(engine: Engine, save_dir: str) -> int:
     size = directory_size(os.path.join(save_dir, previous)) if previous else 0
     if size:
         return size
-    return sum(p.numel() * p.element_size() for p in engine.ds.module.parameters())
+    return engine.weight_bytes()
 
 
 class Checkpointer:
@@ -250,32 +250,19 @@ class Checkpointer:
     def _write_rank_files(
         self, engine: Engine, train_state: TrainState, tmp_name: str
     ) -> str | None:
-        """This rank's DeepSpeed files, RNG state and (unless --no-save-full-state) part of the
+        """This rank's backend files, RNG state and (unless --no-save-full-state) part of the
         layout-independent state, each fsynced; a failure as one line."""
         save_dir = self.config.save
-        files = RankFiles(engine.ds)
-        try:
-            engine.ds.save_checkpoint(
-                save_dir,
-                tag=tmp_name,
-                client_state=dataclasses.asdict(train_state),
-                save_latest=False,
-            )
-        except OSError as err:  # outside the file writes (DeepSpeed's copy of zero_to_fp32.py)
-            files.fail(err.filename or save_dir, err.strerror or str(err))
-            torch.distributed.barrier()  # stands in for DeepSpeed's closing barrier it skipped
-        finally:
-            files.close()
+        files = RankFiles()
+        engine.save_native(save_dir, tmp_name, dataclasses.asdict(train_state), files)
         stamp = position_stamp(train_state.iteration, train_state.consumed_train_samples)
         if not self.config.no_save_rng:
             rank = torch.distributed.get_rank()
             path = os.path.join(save_dir, tmp_name, f"rng_state_{rank}.pt")
             files.write({**rng_state(), **stamp}, path)
         if not self.config.no_save_full_state:
-            from pretrain.training.reshard import save_full_state  # imports deepspeed
-
             step_dir = os.path.join(save_dir, tmp_name)
-            save_full_state(engine, step_dir, files.write, stamp)  # a collective
+            engine.save_full_state(step_dir, files.write, stamp)  # a collective
         if files.failure is None:
             return None
         path, reason = files.failure
@@ -300,7 +287,7 @@ class Checkpointer:
             parallel=self.parallel,
             pipeline_engine=engine.pipeline,
             tokenizer=self.tokenizer,
-            deepspeed_config=engine.ds_config,
+            deepspeed_config=engine.config_record(),
             tokens_seen=(
                 None
                 if self.tokens_seen is None

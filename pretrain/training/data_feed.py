@@ -1,13 +1,11 @@
 """What a run feeds its engine: the train, validation and test datasets built from the run's
-configs, and each data-parallel rank's batches of them after the consumed samples (pipeline
-items with PP > 1). `pretrain` builds them once; a spike rewind rebuilds the train batches."""
+configs, and each data-parallel rank's loader dicts of them after the consumed samples (the
+backend turns them into what its engine takes). `pretrain` builds them once; a spike rewind rebuilds the train batches."""
 
 from __future__ import annotations
 
 import functools
 from typing import TYPE_CHECKING
-
-import torch
 
 from pretrain.data.builder import build_train_valid_test_datasets
 from pretrain.data.config import train_valid_test_num_samples
@@ -25,8 +23,6 @@ def data_iterators(
     prepared: Prepared,
     consumed_train: int,
     consumed_valid: int,
-    use_document_ids: bool,
-    device: torch.device,
 ):
     """(train batches, validation sets, test batches or None) and the train dataset of a run; no
     validation sets without a valid split or with --eval-iters 0; train and validation
@@ -47,7 +43,7 @@ def data_iterators(
     )
     # the blend plan table, once (rank 0 logs INFO)
     log_plan(cfg.data, num_samples, logger, files=prepared.files)
-    batches = functools.partial(rank_batches, cfg, use_document_ids=use_document_ids, device=device)
+    batches = functools.partial(rank_batches, cfg)
 
     if valid_ds is None or ev.eval_iters == 0:
         valid_sets = []
@@ -59,28 +55,15 @@ def data_iterators(
         ]
     else:
         sources = source_names(valid_ds)
-        valid_sets = [ValidationSet("", batches(valid_ds, consumed_valid, bool(sources)), sources)]
+        valid_sets = [ValidationSet("", batches(valid_ds, consumed_valid), sources)]
     test = None if test_ds is None or ev.eval_iters == 0 else batches(test_ds, 0)
     return batches(train_ds, consumed_train), valid_sets, test, train_ds
 
 
-def rank_batches(
-    cfg: RunConfig,
-    dataset,
-    consumed: int,
-    dataset_ids: bool = False,
-    *,
-    use_document_ids: bool,
-    device: torch.device,
-):
-    """This rank's batches of `dataset` after `consumed` samples (pipeline items with PP > 1)."""
-    from pretrain.training.step import PipelineBatches
-
+def rank_batches(cfg: RunConfig, dataset, consumed: int):
+    """This rank's loader dicts of `dataset` after `consumed` samples."""
     dp_rank, dp = state.get_data_parallel_rank(), state.get_data_parallel_world_size()
     loader = build_pretraining_data_loader(
         dataset, consumed, cfg.training.micro_batch_size, dp_rank, dp, cfg.data
     )
-    it = iter(loader)
-    if cfg.parallel.pipeline_model_parallel_size > 1:
-        return PipelineBatches(it, use_document_ids, device, dataset_ids)
-    return it
+    return iter(loader)

@@ -3,17 +3,11 @@
 `exit_with_launcher` makes every rank end when the launcher that started it dies (SIGTERM to the
 `deepspeed` command, a killed torchrun agent), instead of training on as an orphan; with
 `--exit-signal-handler` the death counts as the exit signal: the ranks save first.
-
-Two DeepSpeed habits on CPU machines are avoided here (facts in docs/TRAINING.md): the
-first `init_distributed` JIT-builds a shared-memory all-reduce op (~40 s) that training never
-uses, and under its own launcher each rank then leaves a 66 MiB `/dev/shm` buffer behind.
-`disable_deepspeed_shm_allreduce` turns that op off before DeepSpeed's backend is created.
 """
 
 from __future__ import annotations
 
 import datetime
-import importlib
 import os
 import sys
 import threading
@@ -32,18 +26,6 @@ def default_threads_per_rank(local_world_size: int) -> int:
         len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     )
     return max(1, cores // max(1, local_world_size))
-
-
-def disable_deepspeed_shm_allreduce() -> None:
-    """Stop DeepSpeed from JIT-building (and allocating /dev/shm for) its CPU shm all-reduce op.
-
-    `deepspeed.comm.torch` calls its module-level `build_shm_op()` whenever it creates its torch
-    backend; returning None there leaves DeepSpeed on plain torch.distributed collectives (gloo
-    on CPU, NCCL on GPU), which is what our own tensor-parallel code uses anyway.
-    `importlib` is needed because `import deepspeed.comm.torch as m` binds the real `torch`.
-    """
-    module = importlib.import_module("deepspeed.comm.torch")
-    module.build_shm_op = lambda: None
 
 
 LAUNCHER_POLL_SECONDS = 0.5
@@ -166,8 +148,7 @@ def _rendezvous(launch: LaunchEnv, timeout: datetime.timedelta) -> dict:
 
 
 def init_distributed(launch: LaunchEnv, backend: str, timeout_minutes: float) -> torch.device:
-    """env:// process group (gloo on CPU, nccl on GPU) + DeepSpeed's comm wrapper on top of it."""
-    disable_deepspeed_shm_allreduce()
+    """env:// process group (gloo on CPU, nccl on GPU); the backend builds its own layers on it."""
     device = torch.device("cpu")
     if backend == "nccl":
         if not torch.cuda.is_available():
@@ -185,15 +166,6 @@ def init_distributed(launch: LaunchEnv, backend: str, timeout_minutes: float) ->
             timeout=timeout,
             **_rendezvous(launch, timeout),
         )
-    import deepspeed
-
-    deepspeed.init_distributed(
-        dist_backend=backend,
-        auto_mpi_discovery=False,
-        timeout=timeout,
-        rank=launch.rank,
-        world_size=launch.world_size,
-    )
     return device
 
 

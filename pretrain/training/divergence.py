@@ -26,37 +26,14 @@ from pretrain.checkpoint.integrity import nonfinite_summary
 from pretrain.errors import EXIT_USER_ERROR
 from pretrain.training.distributed import collective_device
 
-if TYPE_CHECKING:  # imports deepspeed, which must wait for the launch environment
+if TYPE_CHECKING:
     from pretrain.training.engine import Engine
-
-
-def state_trees(engine: Engine, with_optimizer: bool) -> list[tuple[dict, str]]:
-    """(tensors by name, what they are) for this rank's weights and, `with_optimizer`, its
-    optimizer state and ZeRO-1/2 fp32 master partitions."""
-    named = dict(engine.ds.module.named_parameters())
-    trees = [({k: v.detach() for k, v in named.items()}, "weights")]
-    if not with_optimizer:
-        return trees
-    names = {id(p): n for n, p in named.items()}
-    optimizer = engine.ds.optimizer
-    base = getattr(optimizer, "optimizer", optimizer)  # ZeRO wraps the torch optimizer
-    state = {
-        names.get(id(param), f"partition{i}"): value
-        for i, (param, value) in enumerate(getattr(base, "state", {}).items())
-    }
-    trees.append((state, "optimizer state"))
-    master = getattr(optimizer, "single_partition_of_fp32_groups", None)  # ZeRO-1/2
-    if master is not None:
-        trees.append(
-            ({f"fp32_partition{i}": t for i, t in enumerate(master)}, "fp32 master weights")
-        )
-    return trees
 
 
 def nonfinite_state(engine: Engine) -> str | None:
     """This rank's first weight, optimizer-state or master tensor holding NaN/Inf, as
     `non-finite values (NaN/Inf) in <what> <name>[ (and N more)]`; None if all are finite."""
-    for tree, what in state_trees(engine, with_optimizer=True):
+    for tree, what in engine.state_trees(with_optimizer=True):
         summary = nonfinite_summary(tree, what)
         if summary is not None:
             return summary

@@ -1,270 +1,179 @@
-"""Model + optimizer + LR schedule -> a DeepSpeed engine, for PP = 1 and PP > 1.
+"""The engine: what training asks of a backend, and the choice of backend.
 
-PP = 1: `GPTModel` under `deepspeed.initialize(..., mpu=...)`; the mpu tells DeepSpeed that TP
-ranks are model-parallel peers, so ZeRO 1-3 shard over data-parallel ranks only.
-PP > 1: the same parts as a `PipelineModule` (`pretrain.model.pipeline`), DeepSpeed's pipeline
-engine and grid (rank order TP fastest, then DP, then PP, which is also ours).
+A backend owns the model's parallel form, the optimizer and its state, and how one iteration's
+micro-batches run forward and backward; the loop, the evaluator, the checkpointer, the metrics
+and the resume code only ask an `Engine` (this interface), never a backend's library. Backends:
 
-`Engine` is the one place that reads DeepSpeed's engine internals (skipped steps, loss scale,
-grad norm); the loop and the metrics ask it.
+- `deepspeed` (`pretrain.training.backends.deepspeed`, the default): DeepSpeed's engine and ZeRO
+  over the data-parallel ranks, its pipeline engine at PP > 1.
+
+Only a backend's own package imports its library (tests/test_layers.py checks it).
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable
+import abc
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import deepspeed
 import torch
-from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-from deepspeed.runtime.pipe.schedule import OptimizerStep
 
-from pretrain.model.config import ModelConfig
-from pretrain.model.gpt import GPTModel
-from pretrain.model.pipeline import build_pipeline_model
-from pretrain.parallel import state
-from pretrain.parallel.config import ParallelConfig
-from pretrain.parallel.random import seed_everything
-from pretrain.training.deepspeed_config import (
-    PrecisionConfig,
-    build_deepspeed_config,
-    we_clip_gradients,
-)
-from pretrain.training.distributed import collective_device
-from pretrain.training.lr_schedule import LRScheduleConfig, SampleLRScheduler
-from pretrain.training.optimizer import ClippedAdamW, OptimizerConfig, build_optimizer
+if TYPE_CHECKING:
+    from pretrain.training.checkpoint_writes import RankFiles
+    from pretrain.training.lr_schedule import SampleLRScheduler
+    from pretrain.training.per_source import SourceLosses
+
+Write = Callable[[dict, str], None]
+"""`write(payload, path)`: save one file of a checkpoint (fsynced; a failure is kept, not raised:
+`pretrain.training.checkpoint_writes.RankFiles.write`)."""
 
 
-@dataclass
-class Engine:
-    """DeepSpeed's engine and what the rest of training needs to know about it."""
+@dataclass(frozen=True, kw_only=True)
+class Carried:
+    """What `Engine.load_full_state` set from a full state, for the log line."""
 
-    ds: deepspeed.DeepSpeedEngine
-    pipeline: bool
+    fp32_masters: bool
+    """The saved weights are fp32 master weights (older versions saved bf16/fp16 ZeRO-0 module
+    weights in their place)."""
+    adam_state: bool
+    """Adam's moments and step count were set."""
+    loss_scale: bool
+    """fp16's loss scale and overflow counters were set."""
+    precision: str | None
+    """The saving run's precision ("fp32", "bf16", "fp16"; None: not recorded)."""
+
+
+class Engine(abc.ABC):
+    """One rank's model, optimizer and LR schedule under a backend.
+
+    Attributes every backend sets: `scheduler` (the `SampleLRScheduler` stepping the optimizer's
+    LR), `params_total` (elements of the whole model, counted once), `padded_vocab_size`,
+    `fp16` (fp16 with loss scaling) and `pipeline` (the checkpoint is in the pipeline engine's
+    per-layer layout, `pretrain.checkpoint.pipeline_layers`)."""
+
     scheduler: SampleLRScheduler
-    params_total: int  # over the whole model, counted once
+    params_total: int
     padded_vocab_size: int
-    ds_config: dict
     fp16: bool
+    pipeline: bool
+
+    # --- what the iteration asks ---------------------------------------------------------------
 
     @property
+    @abc.abstractmethod
     def precision(self) -> str:
         """The module weights' precision: "bf16", "fp16" or "fp32"."""
-        if self.fp16:
-            return "fp16"
-        return "bf16" if self.ds_config.get("bf16", {}).get("enabled") else "fp32"
 
     @property
+    @abc.abstractmethod
     def offload(self) -> str | None:
-        """What DeepSpeed's ZeRO optimizer keeps off the device, read from the optimizer itself
-        (so the banner shows what runs, not what was asked): "optimizer state: cpu (AdamW),
-        parameters: nvme"; None when nothing is offloaded."""
-        zero = self.ds.optimizer
-        parts = []
-        if getattr(zero, "cpu_offload", False) or getattr(zero, "offload_optimizer", False):
-            where = "nvme" if getattr(zero, "swap_optimizer", False) else "cpu"
-            parts.append(f"optimizer state: {where} ({type(zero.optimizer).__name__})")
-        if getattr(zero, "offload_param", False):
-            where = "nvme" if getattr(zero, "params_in_nvme_and_cpu", False) else "cpu"
-            parts.append(f"parameters: {where}")
-        return ", ".join(parts) or None
+        """What is kept off the device, as the banner says it (None: nothing)."""
 
     @property
+    @abc.abstractmethod
     def skipped_steps(self) -> int:
         """Optimizer steps skipped so far (fp16 overflow)."""
-        return int(self.ds.skipped_steps)
 
+    @abc.abstractmethod
     def set_global_batch_size(self, global_batch_size: int) -> None:
-        """Use this global batch for the next iteration: DeepSpeed's gradient-accumulation count
-        (and the pipeline's micro-batch count) and the LR scheduler's sample increment."""
-        if global_batch_size != self.ds.train_batch_size():
-            self.ds.set_train_batch_size(global_batch_size)
-        self.scheduler.increment = global_batch_size
+        """Use this global batch for the next iteration (gradient accumulation, LR increment)."""
 
+    @abc.abstractmethod
+    def train_step(
+        self,
+        batches: Iterator[dict],
+        num_microbatches: int,
+        use_document_ids: bool,
+        device: torch.device,
+        judge: Callable[[float], bool] | None = None,
+    ) -> float:
+        """Forward/backward over this rank's `num_microbatches` loader dicts of the global batch
+        and one optimizer step; returns the iteration's loss (Megatron's: each micro-batch's
+        masked mean, averaged over micro-batches and data-parallel ranks, on every rank).
+        `judge(loss)`, asked on every rank before the optimizer step, returning False withholds
+        the update: weights, optimizer state, LR schedule and step counters stay as they were."""
+
+    @abc.abstractmethod
+    def evaluation_loss(
+        self,
+        batches: Iterator[dict],
+        eval_iters: int,
+        num_microbatches: int,
+        use_document_ids: bool,
+        device: torch.device,
+        sources: SourceLosses | None = None,
+    ) -> float:
+        """Mean loss over `eval_iters` global batches, without gradients or steps; with
+        `sources`, each micro-batch's per-token losses are also added per blend source (where
+        the loss is computed; the caller reduces them)."""
+
+    @abc.abstractmethod
     def learning_rate(self) -> float:
         """The learning rate the next optimizer step uses."""
-        return self.scheduler.get_lr()[0]
 
+    @abc.abstractmethod
     def grad_norm(self) -> float | None:
-        """The global gradient norm of the last step (None where DeepSpeed did not compute one)."""
-        inner = getattr(self.ds.optimizer, "optimizer", None)  # under DeepSpeed's fp16/bf16 wrapper
-        if isinstance(inner, ClippedAdamW):  # ours clipped: its norm, not the wrapper's
-            return inner.last_grad_norm
-        norm = self.ds.get_global_grad_norm()
-        return None if norm is None else float(norm)
+        """The global gradient norm of the last step (None where none was computed)."""
 
+    @abc.abstractmethod
     def loss_scale(self) -> float:
         """The current fp16 loss scale (1.0 without fp16)."""
-        return float(getattr(self.ds.optimizer, "cur_scale", 1.0)) if self.fp16 else 1.0
 
-    def step_counters(self) -> tuple[int, int, int]:
-        """DeepSpeed's step, sample and micro-step counters (`withheld_update` puts them back)."""
-        return self.ds.global_steps, self.ds.global_samples, self.ds.micro_steps
+    # --- what checkpoints ask ------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def withheld_update(self, counters: tuple[int, int, int]):
-        """Inside: DeepSpeed's optimizer step changes no model state. Our optimizer's and LR
-        scheduler's steps do nothing while DeepSpeed runs the rest of its step (so it clears, and
-        under ZeRO frees, the gradients and copies the unchanged master weights back); after,
-        its counters are `counters` (`step_counters()` before the iteration). fp16's dynamic
-        loss scaler still counts the iteration."""
-        inner = getattr(self.ds.optimizer, "optimizer", self.ds.optimizer)  # under ZeRO/fp16
-        with _does_nothing(inner, "step"), _does_nothing(self.scheduler, "step"):
-            yield
-        self.ds.global_steps, self.ds.global_samples, self.ds.micro_steps = counters
+    @abc.abstractmethod
+    def state_trees(self, with_optimizer: bool) -> list[tuple[dict, str]]:
+        """(tensors by name, what they are) of this rank's weights and, `with_optimizer`, its
+        optimizer state and master weights (the NaN/Inf checks read them)."""
 
-    def pipeline_train_batch(self, batches, judge: Callable[[float], bool]) -> float:
-        """DeepSpeed's pipeline `train_batch`, asking `judge(loss)` on every rank at the
-        optimizer step (the schedule's last instruction, after every backward) and withholding
-        the update when it says False; returns the iteration's loss."""
-        ds, counters = self.ds, self.step_counters()
-        step = type(ds)._INSTRUCTION_MAP[OptimizerStep]
+    @abc.abstractmethod
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's module weights (a lower bound of a checkpoint's size)."""
 
-        def judged_step(engine, **kwargs):
-            if judge(self._pipeline_loss()):
-                return step(engine, **kwargs)
-            with self.withheld_update(counters):
-                return step(engine, **kwargs)
+    @abc.abstractmethod
+    def save_native(self, save_dir: str, tag: str, client_state: dict, files: RankFiles) -> None:
+        """Write this rank's files of the backend's own checkpoint format into `save_dir/tag`
+        through `files` (a failure is recorded there, not raised, after the backend's own
+        collectives); `client_state` (the `TrainState`) goes with them."""
 
-        ds._INSTRUCTION_MAP = {**type(ds)._INSTRUCTION_MAP, OptimizerStep: judged_step}
-        try:
-            return float(ds.train_batch(data_iter=batches))
-        finally:
-            del ds._INSTRUCTION_MAP
+    @abc.abstractmethod
+    def load_native(
+        self, folder: str, tag: str, *, optimizer: bool, schedule: bool, module_only: bool
+    ) -> tuple[str | None, dict | None]:
+        """Load `folder/tag` saved by `save_native` at this layout: (the path loaded and the
+        saved `client_state`; None, None when files are missing). Files are unpickled through
+        `pretrain.checkpoint.safe_load`."""
 
-    def _pipeline_loss(self) -> float:
-        """The loss `train_batch` will return, before it returns: the last stage's micro-batch
-        mean, averaged over data-parallel ranks, broadcast to the other stages (DeepSpeed's
-        arithmetic, so the same value)."""
-        ds = self.ds
-        if ds.is_last_stage():
-            loss = ds._scale_loss_by_gas(ds.total_loss).clone().detach().float()
-            if ds.is_data_parallel:
-                torch.distributed.all_reduce(loss, group=ds.mpu.get_data_parallel_group())
-                loss /= ds.dp_world_size
-        else:
-            loss = torch.zeros((), dtype=torch.float32, device=ds.device)
-        group = ds.grid.get_pipe_parallel_group()
-        torch.distributed.broadcast(loss, src=ds._loss_stage_global_rank(), group=group)
-        return float(loss)
+    @abc.abstractmethod
+    def save_full_state(self, step_dir: str, write: Write, stamp: dict) -> None:
+        """Write this rank's part of the layout-independent state (`pretrain.checkpoint.
+        full_state`: fp32 masters, Adam moments, LR schedule, loss scale) into `step_dir`
+        (a collective); `stamp` goes into its `extra`."""
+
+    @abc.abstractmethod
+    def load_full_state(
+        self, step_dir: str, *, vocab_size: int, with_optimizer: bool, with_schedule: bool
+    ) -> Carried:
+        """Set this rank's weights (and optimizer state, LR schedule position) from `step_dir`'s
+        full state, saved at any layout or backend; say what was set."""
+
+    @abc.abstractmethod
+    def set_position(self, iteration: int, consumed_samples: int) -> None:
+        """Tell the backend's own counters where a resumed run is."""
+
+    @abc.abstractmethod
+    def config_record(self) -> dict:
+        """The backend's configuration as checkpoint metadata records it."""
+
+    @abc.abstractmethod
+    def destroy(self) -> None:
+        """Release the backend's process groups and buffers."""
 
 
-@contextlib.contextmanager
-def _does_nothing(obj, method: str):
-    """`obj.method(...)` returns None inside (an instance attribute over the class's method)."""
-    saved = obj.__dict__.get(method)
-    setattr(obj, method, lambda *args, **kwargs: None)
-    try:
-        yield
-    finally:
-        if saved is None:
-            delattr(obj, method)
-        else:
-            setattr(obj, method, saved)
+def build_engine(**kwargs) -> Engine:
+    """The engine of the backend the run's `ParallelConfig` names, built from the keyword
+    arguments of `pretrain.training.backends.deepspeed.engine.build_deepspeed_engine`."""
+    from pretrain.training.backends.deepspeed.engine import build_deepspeed_engine
 
-
-PARALLEL_MARKS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared")
-
-
-def _mark_master_copies(ds_optimizer) -> None:
-    """DeepSpeed's fp16/bf16 ZeRO-0 wrapper steps our AdamW on fp32 copies of the parameters;
-    give the copies the TP/shared marks our clipping's global norm reads."""
-    low = getattr(ds_optimizer, "fp16_groups", None)
-    high = getattr(ds_optimizer, "fp32_groups", None)
-    if low is None or high is None:
-        return
-    for group16, group32 in zip(low, high, strict=True):
-        for p16, p32 in zip(group16, group32, strict=True):
-            for mark in PARALLEL_MARKS:
-                if hasattr(p16, mark):
-                    setattr(p32, mark, getattr(p16, mark))
-
-
-def _undo_warmup_step(ds_optimizer) -> None:
-    """DeepSpeed's fp16/bf16 ZeRO-0 wrapper steps our AdamW once on zero gradients when it is
-    built (to create Adam's state): Adam's step count then runs one ahead of the iterations (its
-    bias correction differs: bf16 ZeRO-0 left fp32 and every other bf16 layout by 1e-4 in the
-    loss at iteration 3), and where the LR at sample 0 is not 0 weight decay shrinks the fp32
-    copies once. Drop that state (the first real step creates it) and copy the copies back from
-    the module weights they were cloned from."""
-    if isinstance(ds_optimizer, FP16_UnfusedOptimizer):
-        ds_optimizer.optimizer.state.clear()
-        ds_optimizer.refresh_fp32_params()
-
-
-def _count_parameters(model: torch.nn.Module) -> int:
-    """Elements of the full model: TP shards summed over TP, tied copies and TP replicas once."""
-    tp_rank0 = state.get_tensor_model_parallel_rank() == 0
-    local = sum(
-        p.numel()
-        for p in model.parameters()
-        if not getattr(p, "shared", False)
-        and (tp_rank0 or getattr(p, "tensor_model_parallel", False))
-    )
-    count = torch.tensor([local], dtype=torch.int64, device=collective_device())
-    group = state.get_model_parallel_group()
-    if torch.distributed.is_initialized() and group is not None:
-        torch.distributed.all_reduce(count, group=group)
-    return int(count.item())
-
-
-def build_engine(
-    *,
-    model_config: ModelConfig,
-    parallel: ParallelConfig,
-    optimizer_config: OptimizerConfig,
-    schedule: LRScheduleConfig,
-    precision: PrecisionConfig,
-    global_batch_size: int,
-    micro_batch_size: int,
-    num_microbatches: int,
-    seed: int,
-    user_json: dict | None = None,
-) -> Engine:
-    """Process groups, the seeded model, AdamW, the LR schedule, then `deepspeed.initialize`."""
-    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    state.initialize_model_parallel(tp, pp)
-    seed_everything(seed)
-    pipeline = pp > 1
-    if pipeline:
-        model = build_pipeline_model(model_config, pp, tp, parallel.data_parallel_size)
-    else:
-        model = GPTModel(model_config)
-    optimizer = build_optimizer(
-        model.named_parameters(),
-        optimizer_config,
-        lr=schedule.lr,
-        we_clip=we_clip_gradients(parallel, precision),
-        model_parallel_group=state.get_model_parallel_group(),
-    )
-    scheduler = SampleLRScheduler(optimizer, schedule, global_batch_size=global_batch_size)
-    params_total = _count_parameters(model)
-    ds_config = build_deepspeed_config(
-        global_batch_size=global_batch_size,
-        micro_batch_size=micro_batch_size,
-        num_microbatches=num_microbatches,
-        clip_grad=optimizer_config.clip_grad,
-        parallel=parallel,
-        precision=precision,
-        user_json=user_json,
-        sequence_parallel=model_config.sequence_parallel and tp > 1,
-    )
-    ds_engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        optimizer=optimizer,
-        lr_scheduler=scheduler,
-        config=ds_config,
-        mpu=None if pipeline else state.mpu,
-    )
-    _mark_master_copies(ds_engine.optimizer)
-    _undo_warmup_step(ds_engine.optimizer)
-    return Engine(
-        ds=ds_engine,
-        pipeline=pipeline,
-        scheduler=scheduler,
-        params_total=params_total,
-        padded_vocab_size=model_config.padded_vocab_size(tp),
-        ds_config=ds_config,
-        fp16=precision.fp16,
-    )
+    return build_deepspeed_engine(**kwargs)

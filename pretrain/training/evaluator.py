@@ -22,7 +22,6 @@ import torch
 from pretrain.training.logging import MetricsLogger, logger
 from pretrain.training.per_source import SourceLosses
 from pretrain.training.state import TrainState
-from pretrain.training.step import evaluation_loss
 from pretrain.training.validation_sets import ValidationSet
 
 if TYPE_CHECKING:  # imports deepspeed, which must wait for the launch environment
@@ -87,8 +86,7 @@ class Evaluator:
         )
 
     def _loss(self, engine: Engine, batches, sources: SourceLosses | None = None) -> float:
-        return evaluation_loss(
-            engine,
+        return engine.evaluation_loss(
             batches,
             self.config.eval_iters,
             self.num_microbatches,

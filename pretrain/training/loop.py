@@ -23,9 +23,8 @@ from pretrain.training.logging import MetricsLogger, logger
 from pretrain.training.skip import flatten_iterations, skip_iteration
 from pretrain.training.spikes import Rewinder, SpikeConfig, SpikePolicy
 from pretrain.training.state import TrainState
-from pretrain.training.step import train_step
 
-if TYPE_CHECKING:  # imports deepspeed, which must wait for the launch environment
+if TYPE_CHECKING:
     from pretrain.training.engine import Engine
 
 
@@ -130,8 +129,8 @@ def train(
             continue
         step_start = time.perf_counter()
         spikes.before_step()
-        loss = train_step(
-            engine, train_batches, num_microbatches, use_document_ids, device, spikes.judge
+        loss = engine.train_step(
+            train_batches, num_microbatches, use_document_ids, device, spikes.judge
         )
         if not spikes.applied:  # a spike under skip/rewind: no update was made
             train_batches = spikes.withhold(global_batch, train_batches)

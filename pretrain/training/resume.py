@@ -5,7 +5,7 @@ Before the process group exists, `check_before_launch` picks the step
 model; another layout without a layout-independent state). After the engine is built,
 `load_checkpoint` loads it: at the saved layout through DeepSpeed's own load, at any other (or
 from a `tools/reshard_checkpoint.py` output) through the full state
-(`pretrain/training/reshard.py`). Damaged files and NaN/Inf tensors are one line on every rank.
+(`Engine.load_full_state`). Damaged files and NaN/Inf tensors are one line on every rank.
 docs/CHECKPOINTS.md, "Loading", has the rules.
 """
 
@@ -32,11 +32,10 @@ from pretrain.parallel.random import get_tensor_parallel_rng
 from pretrain.training import scheduler_resume
 from pretrain.training.checkpoint_writes import agree
 from pretrain.training.checkpointing import CheckpointConfig
-from pretrain.training.divergence import state_trees
 from pretrain.training.logging import logger
 from pretrain.training.state import TrainState
 
-if TYPE_CHECKING:  # the engine module imports deepspeed, which must wait for the launch environment
+if TYPE_CHECKING:
     from pretrain.training.engine import Engine
 
 RELAYOUT_HINT = (
@@ -124,7 +123,7 @@ def relayout_possible(
 ) -> bool:
     """True when the checkpoint in `step_dir` was saved at another layout or (given this run's
     `precision`; None: not compared) in another precision and resumes here through its
-    layout-independent state (pretrain/training/reshard.py), or holds only that state
+    layout-independent state (`Engine.load_full_state`), or holds only that state
     (tools/reshard_checkpoint.py)."""
     if is_full_state_only(meta):
         return True
@@ -252,7 +251,7 @@ def _same_tag_everywhere(config: CheckpointConfig, choice: Choice) -> None:
 def _nonfinite_problem(engine: Engine, where: str, with_optimizer: bool) -> str | None:
     """One line naming the first NaN/Inf weight or optimizer-state tensor on this rank, or None."""
     try:
-        for tree, what in state_trees(engine, with_optimizer):
+        for tree, what in engine.state_trees(with_optimizer):
             check_finite(tree, where, what)
     except UserError as err:
         return str(err)
@@ -316,14 +315,11 @@ def _load_relayout(
     config: CheckpointConfig, engine: Engine, step_dir: str, meta: dict
 ) -> tuple[TrainState, None]:
     """Resume a checkpoint saved at another layout from its layout-independent state."""
-    from pretrain.training.reshard import load_full_state  # imports deepspeed
-
     problem = agree(_full_state_problem(step_dir, meta))
     if problem is not None:
         raise UserError(problem)
     loads_optimizer = not (config.finetune or config.no_load_optim)
-    carried = load_full_state(
-        engine,
+    carried = engine.load_full_state(
         step_dir,
         vocab_size=meta["model"]["vocab_size"],
         with_optimizer=loads_optimizer,
@@ -345,8 +341,7 @@ def _load_relayout(
         return TrainState(), None
     scheduler_resume.resolve(engine.scheduler, config)
     train_state = TrainState.from_checkpoint(meta)
-    engine.ds.global_steps = train_state.iteration
-    engine.ds.global_samples = train_state.consumed_train_samples
+    engine.set_position(train_state.iteration, train_state.consumed_train_samples)
     logger.info(
         f"loaded checkpoint {step_dir} at iteration {train_state.iteration} "
         f"({train_state.consumed_train_samples} samples consumed), saved at {layout}: "
@@ -389,18 +384,15 @@ def load_checkpoint(
     loads_optimizer = not (config.finetune or config.no_load_optim)
     problem, client_state = None, None
     try:
-        with safe_load.checked_torch_loads():  # DeepSpeed's unpickling reads, allowlisted
-            load_path, client_state = engine.ds.load_checkpoint(
-                folder,
-                tag=choice.tag,
-                load_optimizer_states=loads_optimizer,
-                load_lr_scheduler_states=not config.finetune,
-                load_module_only=config.finetune,
-            )
+        load_path, client_state = engine.load_native(
+            folder,
+            choice.tag,
+            optimizer=loads_optimizer,
+            schedule=not config.finetune,
+            module_only=config.finetune,
+        )
         if load_path is None:
-            problem = (
-                f"{step_dir}: DeepSpeed could not load it (files missing; see the warnings above)"
-            )
+            problem = f"{step_dir}: could not be loaded (files missing; see the warnings above)"
     except UserError as err:  # a refused global or a damaged file, named by safe_load
         problem = str(err)
     except Exception as err:  # noqa: BLE001 - a damaged file must be one line, not a traceback

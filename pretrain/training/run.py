@@ -31,7 +31,6 @@ from pretrain.parallel.config import ParallelConfig
 from pretrain.tokenizer import Tokenizer, TokenizerConfig, build_tokenizer
 from pretrain.training.checkpointing import CheckpointConfig, Checkpointer
 from pretrain.training.data_feed import data_iterators, rank_batches
-from pretrain.training.deepspeed_config import PrecisionConfig
 from pretrain.training.distributed import (
     choose_backend,
     exit_with_launcher,
@@ -44,6 +43,7 @@ from pretrain.training.logging import LoggingConfig, banner, logger, setup_loggi
 from pretrain.training.loop import TrainingConfig
 from pretrain.training.lr_schedule import LRScheduleConfig
 from pretrain.training.optimizer import OptimizerConfig
+from pretrain.training.precision import PrecisionConfig
 from pretrain.training.resume import check_before_launch, load_checkpoint, restore_rng_state
 from pretrain.training.resume_changes import check_tokenizer, data_changes
 from pretrain.training.save_lock import hold_save_lock
@@ -258,6 +258,8 @@ def _train(
         micro_batch_size=t.micro_batch_size,
         num_microbatches=t.num_microbatches,
         seed=t.seed,
+        backend=backend,
+        timeout_minutes=par.distributed_timeout_minutes,
         user_json=cfg.deepspeed_json,
     )
     train_state, rng = (
@@ -273,8 +275,6 @@ def _train(
         prepared,
         train_state.consumed_train_samples,
         train_state.consumed_valid_samples,
-        use_document_ids,
-        device,
     )
     if rng is not None:  # last: creating the loaders above draws from the torch generator
         restore_rng_state(rng)
@@ -373,13 +373,7 @@ def _train(
                     cfg.model,
                     cfg.parallel,
                     engine,
-                    functools.partial(
-                        rank_batches,
-                        cfg,
-                        train_dataset,
-                        use_document_ids=use_document_ids,
-                        device=device,
-                    ),
+                    functools.partial(rank_batches, cfg, train_dataset),
                 ),
             )
         if completed:
@@ -387,7 +381,7 @@ def _train(
     finally:
         writer.close()
     torch.distributed.barrier()
-    engine.ds.destroy()
+    engine.destroy()
     state.destroy_model_parallel()
     if owns_process_group:  # a caller that brought its own group may run again in this process
         torch.distributed.destroy_process_group()

@@ -2,7 +2,7 @@
 
 `save_full_state` runs on every rank after DeepSpeed's own save: each parameter's fp32 master
 weight and Adam moments are gathered over data parallelism, wherever the engine's optimizer keeps
-them (`pretrain.training.masters`: ZeRO 1-3 and BF16_Optimizer partitions, the fp32 copies of
+them (`masters.py`: ZeRO 1-3 and BF16_Optimizer partitions, the fp32 copies of
 DeepSpeed's bf16/fp16 ZeRO-0 wrapper, or the fp32 module itself), and written, TP-local, by one
 data-parallel rank of each TP rank (the DP ranks take turns); fp16's loss scale goes with them.
 `load_full_state` does the reverse at another layout or precision, after the engine is built:
@@ -17,15 +17,24 @@ own load.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+import deepspeed
 import torch
 
 from pretrain.checkpoint.full_state import FullState, write_shard
+from pretrain.checkpoint.pipeline_layers import TIED_KEY, layer_name_prefix
 from pretrain.errors import UserError
 from pretrain.parallel import state
-from pretrain.training.engine import Engine
-from pretrain.training.masters import loss_scale_state, masters, set_loss_scale_state
+from pretrain.training.backends.deepspeed.masters import (
+    loss_scale_state,
+    masters,
+    set_loss_scale_state,
+)
+from pretrain.training.engine import Carried
+
+if TYPE_CHECKING:
+    from pretrain.training.backends.deepspeed.engine import DeepSpeedEngine as Engine
 
 
 def _partition(param: torch.Tensor) -> tuple[int, int] | None:
@@ -42,8 +51,6 @@ def _named_parameters(engine: Engine, owned: bool = False) -> dict[str, torch.nn
     named = dict(engine.ds.module.named_parameters())
     if not engine.pipeline:
         return named
-    from pretrain.model.pipeline import TIED_KEY, layer_name_prefix
-
     tied = f"tied_modules.{TIED_KEY}."
     num_layers = engine.ds.module._num_layers - (3 if any(n.startswith(tied) for n in named) else 2)
     out = {}
@@ -106,29 +113,12 @@ def _set_module_weight(engine: Engine, param: torch.nn.Parameter, value: torch.T
     """Put `value` into the module's (low-precision) parameter; ZeRO-3 holds only a partition of
     it, so it is gathered, set on every rank alike, and partitioned again."""
     if hasattr(param, "ds_id"):
-        import deepspeed
-
         with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
             with torch.no_grad():
                 param.copy_(value.to(param.dtype))
         return
     with torch.no_grad():
         param.copy_(value.to(param.dtype))
-
-
-@dataclass(frozen=True, kw_only=True)
-class Carried:
-    """What `load_full_state` set from a full state, for the log line."""
-
-    fp32_masters: bool
-    """The saved weights are fp32 master weights (older versions saved bf16/fp16 ZeRO-0 module
-    weights in their place)."""
-    adam_state: bool
-    """Adam's moments and step count were set."""
-    loss_scale: bool
-    """fp16's loss scale and overflow counters were set."""
-    precision: str | None
-    """The saving run's precision ("fp32", "bf16", "fp16"; None: not recorded)."""
 
 
 def load_full_state(

@@ -22,6 +22,8 @@ in `loss_scaler` (ZeRO) or `loss_scale_config` (ZeRO-0); `loss_scale_state` and
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
 from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
@@ -32,7 +34,9 @@ from deepspeed.utils import (
     safe_set_full_optimizer_state,
 )
 
-from pretrain.training.engine import Engine
+if TYPE_CHECKING:
+    from pretrain.training.backends.deepspeed.engine import DeepSpeedEngine as Engine
+
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 LOSS_SCALE_KEYS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")

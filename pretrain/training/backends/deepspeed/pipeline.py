@@ -1,6 +1,7 @@
 """The GPT of `pretrain.model.gpt` as a DeepSpeed `PipelineModule` (pipeline parallelism).
 
-The same three parts, in the same order, become pipeline layers:
+The same three parts, in the same order, become pipeline layers
+(`pretrain.checkpoint.pipeline_layers` names them):
 
     index 0          EmbeddingPipe       (GPTModel's `embedding.*`)
     index 1 .. L     TransformerLayerPipe (GPTModel's `layers.<i>.*`, i = index - 1)
@@ -21,7 +22,7 @@ Activations between stages are tuples (hidden [b,s,h], position_ids [b,s] int64 
 an [s,s] mask. Under sequence parallelism hidden is this TP rank's [b, s/tp, h] chunk (the ids
 stay whole), so each TP rank sends a different tensor: DeepSpeed's "pipe_partitioned" /
 "grad_partitioned" (each TP rank sends 1/tp of a tensor it assumes all TP ranks share) must be off
-(`pretrain.training.deepspeed_config`). DeepSpeed learns the shapes from the first micro-batch.
+(`config.py`). DeepSpeed learns the shapes from the first micro-batch.
 The loss is the masked mean over the micro-batch's tokens, as at PP = 1 (`PipelineLoss`).
 
 Full recompute (`recompute_granularity="full"`) chunks each stage's transformer layers as
@@ -35,6 +36,7 @@ import torch
 from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
+from pretrain.checkpoint.pipeline_layers import TIED_KEY, TIED_WEIGHT
 from pretrain.model.config import ModelConfig
 from pretrain.model.gpt import (
     Embedding,
@@ -47,9 +49,6 @@ from pretrain.model.gpt import (
 from pretrain.model.loss import masked_mean_loss
 from pretrain.parallel.cross_entropy import vocab_parallel_cross_entropy
 from pretrain.parallel.random import checkpoint
-
-TIED_KEY = "embed"
-TIED_WEIGHT = "word_embeddings.weight"
 
 
 def _split(inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -146,28 +145,6 @@ class PipelineLoss:
         if self.observer is not None:
             self.observer(per_token, loss_mask, *extra)
         return masked_mean_loss(per_token, loss_mask)
-
-
-def layer_name_prefix(index: int, num_layers: int) -> str | None:
-    """GPTModel state-dict prefix of pipeline layer `index` (None for the tied copy)."""
-    if index == 0:
-        return "embedding."
-    if index <= num_layers:
-        return f"layers.{index - 1}."
-    if index == num_layers + 1:
-        return "head."
-    return None
-
-
-def stage_of_parameter(name: str, num_layers: int, pp: int) -> int:
-    """The pipeline stage that owns GPTModel parameter `name` at `pp` stages: the embedding the
-    first, `layers.<i>` stage i // (L / pp) (`validate` requires pp to divide L, so DeepSpeed's
-    balanced split is even), the head the last."""
-    if name.startswith("embedding."):
-        return 0
-    if name.startswith("head."):
-        return pp - 1
-    return int(name.split(".", 2)[1]) // (num_layers // pp)
 
 
 def build_pipeline_model(config: ModelConfig, pp: int, tp: int, dp: int) -> PipelineModule:

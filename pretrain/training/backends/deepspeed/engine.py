@@ -1,0 +1,335 @@
+"""Model + optimizer + LR schedule -> a DeepSpeed engine, for PP = 1 and PP > 1.
+
+PP = 1: `GPTModel` under `deepspeed.initialize(..., mpu=...)`; the mpu tells DeepSpeed that TP
+ranks are model-parallel peers, so ZeRO 1-3 shard over data-parallel ranks only.
+PP > 1: the same parts as a `PipelineModule` (`pipeline.py`), DeepSpeed's pipeline engine and
+grid (rank order TP fastest, then DP, then PP, which is also ours).
+
+`DeepSpeedEngine` is the `Engine` of this backend and, with the other modules of this package, the
+one place that reads DeepSpeed's engine internals (skipped steps, loss scale, grad norm, its
+checkpoint files); the loop and the metrics ask it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import deepspeed
+import torch
+from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+from pretrain.model.config import ModelConfig
+from pretrain.model.gpt import GPTModel
+from pretrain.parallel import state
+from pretrain.parallel.config import ParallelConfig
+from pretrain.parallel.random import seed_everything
+from pretrain.training.backends.deepspeed import files as checkpoint_files
+from pretrain.training.backends.deepspeed import full_state, steps
+from pretrain.training.backends.deepspeed.comm import init_deepspeed_comm
+from pretrain.training.backends.deepspeed.config import build_deepspeed_config, we_clip_gradients
+from pretrain.training.backends.deepspeed.pipeline import build_pipeline_model
+from pretrain.training.checkpoint_writes import RankFiles
+from pretrain.training.distributed import collective_device
+from pretrain.training.engine import Carried, Engine, Write
+from pretrain.training.lr_schedule import LRScheduleConfig, SampleLRScheduler
+from pretrain.training.optimizer import ClippedAdamW, OptimizerConfig, build_optimizer
+from pretrain.training.per_source import SourceLosses
+from pretrain.training.precision import PrecisionConfig
+
+
+@dataclass(eq=False)
+class DeepSpeedEngine(Engine):
+    """DeepSpeed's engine and what the rest of training needs to know about it."""
+
+    ds: deepspeed.DeepSpeedEngine
+    pipeline: bool
+    scheduler: SampleLRScheduler
+    params_total: int  # over the whole model, counted once
+    padded_vocab_size: int
+    ds_config: dict
+    fp16: bool
+
+    @property
+    def precision(self) -> str:
+        """The module weights' precision: "bf16", "fp16" or "fp32"."""
+        if self.fp16:
+            return "fp16"
+        return "bf16" if self.ds_config.get("bf16", {}).get("enabled") else "fp32"
+
+    @property
+    def offload(self) -> str | None:
+        """What DeepSpeed's ZeRO optimizer keeps off the device, read from the optimizer itself
+        (so the banner shows what runs, not what was asked): "optimizer state: cpu (AdamW),
+        parameters: nvme"; None when nothing is offloaded."""
+        zero = self.ds.optimizer
+        parts = []
+        if getattr(zero, "cpu_offload", False) or getattr(zero, "offload_optimizer", False):
+            where = "nvme" if getattr(zero, "swap_optimizer", False) else "cpu"
+            parts.append(f"optimizer state: {where} ({type(zero.optimizer).__name__})")
+        if getattr(zero, "offload_param", False):
+            where = "nvme" if getattr(zero, "params_in_nvme_and_cpu", False) else "cpu"
+            parts.append(f"parameters: {where}")
+        return ", ".join(parts) or None
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped so far (fp16 overflow)."""
+        return int(self.ds.skipped_steps)
+
+    def set_global_batch_size(self, global_batch_size: int) -> None:
+        """Use this global batch for the next iteration: DeepSpeed's gradient-accumulation count
+        (and the pipeline's micro-batch count) and the LR scheduler's sample increment."""
+        if global_batch_size != self.ds.train_batch_size():
+            self.ds.set_train_batch_size(global_batch_size)
+        self.scheduler.increment = global_batch_size
+
+    def learning_rate(self) -> float:
+        """The learning rate the next optimizer step uses."""
+        return self.scheduler.get_lr()[0]
+
+    def grad_norm(self) -> float | None:
+        """The global gradient norm of the last step (None where DeepSpeed did not compute one)."""
+        inner = getattr(self.ds.optimizer, "optimizer", None)  # under DeepSpeed's fp16/bf16 wrapper
+        if isinstance(inner, ClippedAdamW):  # ours clipped: its norm, not the wrapper's
+            return inner.last_grad_norm
+        norm = self.ds.get_global_grad_norm()
+        return None if norm is None else float(norm)
+
+    def loss_scale(self) -> float:
+        """The current fp16 loss scale (1.0 without fp16)."""
+        return float(getattr(self.ds.optimizer, "cur_scale", 1.0)) if self.fp16 else 1.0
+
+    def step_counters(self) -> tuple[int, int, int]:
+        """DeepSpeed's step, sample and micro-step counters (`withheld_update` puts them back)."""
+        return self.ds.global_steps, self.ds.global_samples, self.ds.micro_steps
+
+    @contextlib.contextmanager
+    def withheld_update(self, counters: tuple[int, int, int]):
+        """Inside: DeepSpeed's optimizer step changes no model state. Our optimizer's and LR
+        scheduler's steps do nothing while DeepSpeed runs the rest of its step (so it clears, and
+        under ZeRO frees, the gradients and copies the unchanged master weights back); after,
+        its counters are `counters` (`step_counters()` before the iteration). fp16's dynamic
+        loss scaler still counts the iteration."""
+        inner = getattr(self.ds.optimizer, "optimizer", self.ds.optimizer)  # under ZeRO/fp16
+        with _does_nothing(inner, "step"), _does_nothing(self.scheduler, "step"):
+            yield
+        self.ds.global_steps, self.ds.global_samples, self.ds.micro_steps = counters
+
+    def train_step(
+        self,
+        batches: Iterator[dict],
+        num_microbatches: int,
+        use_document_ids: bool,
+        device: torch.device,
+        judge: Callable[[float], bool] | None = None,
+    ) -> float:
+        """`Engine.train_step` (`steps.train_step`)."""
+        return steps.train_step(self, batches, num_microbatches, use_document_ids, device, judge)
+
+    def evaluation_loss(
+        self,
+        batches: Iterator[dict],
+        eval_iters: int,
+        num_microbatches: int,
+        use_document_ids: bool,
+        device: torch.device,
+        sources: SourceLosses | None = None,
+    ) -> float:
+        """`Engine.evaluation_loss` (`steps.evaluation_loss`)."""
+        return steps.evaluation_loss(
+            self, batches, eval_iters, num_microbatches, use_document_ids, device, sources
+        )
+
+    def state_trees(self, with_optimizer: bool) -> list[tuple[dict, str]]:
+        """`Engine.state_trees`: the module's weights; the wrapped torch optimizer's state and
+        ZeRO-1/2's fp32 master partitions."""
+        named = dict(self.ds.module.named_parameters())
+        trees = [({k: v.detach() for k, v in named.items()}, "weights")]
+        if not with_optimizer:
+            return trees
+        names = {id(p): n for n, p in named.items()}
+        optimizer = self.ds.optimizer
+        base = getattr(optimizer, "optimizer", optimizer)  # ZeRO wraps the torch optimizer
+        opt_state = {
+            names.get(id(param), f"partition{i}"): value
+            for i, (param, value) in enumerate(getattr(base, "state", {}).items())
+        }
+        trees.append((opt_state, "optimizer state"))
+        master = getattr(optimizer, "single_partition_of_fp32_groups", None)  # ZeRO-1/2
+        if master is not None:
+            trees.append(
+                ({f"fp32_partition{i}": t for i, t in enumerate(master)}, "fp32 master weights")
+            )
+        return trees
+
+    def weight_bytes(self) -> int:
+        """`Engine.weight_bytes`."""
+        return sum(p.numel() * p.element_size() for p in self.ds.module.parameters())
+
+    def save_native(self, save_dir: str, tag: str, client_state: dict, files: RankFiles) -> None:
+        """`Engine.save_native`: DeepSpeed's `save_checkpoint` (`files.save`)."""
+        checkpoint_files.save(self.ds, save_dir, tag, client_state, files)
+
+    def load_native(
+        self, folder: str, tag: str, *, optimizer: bool, schedule: bool, module_only: bool
+    ) -> tuple[str | None, dict | None]:
+        """`Engine.load_native`: DeepSpeed's `load_checkpoint` (`files.load`)."""
+        return checkpoint_files.load(
+            self.ds, folder, tag, optimizer=optimizer, schedule=schedule, module_only=module_only
+        )
+
+    def save_full_state(self, step_dir: str, write: Write, stamp: dict) -> None:
+        """`Engine.save_full_state` (`full_state.save_full_state`)."""
+        full_state.save_full_state(self, step_dir, write, stamp)
+
+    def load_full_state(
+        self, step_dir: str, *, vocab_size: int, with_optimizer: bool, with_schedule: bool
+    ) -> Carried:
+        """`Engine.load_full_state` (`full_state.load_full_state`)."""
+        return full_state.load_full_state(
+            self,
+            step_dir,
+            vocab_size=vocab_size,
+            with_optimizer=with_optimizer,
+            with_schedule=with_schedule,
+        )
+
+    def set_position(self, iteration: int, consumed_samples: int) -> None:
+        """`Engine.set_position`: DeepSpeed's step and sample counters."""
+        self.ds.global_steps = iteration
+        self.ds.global_samples = consumed_samples
+
+    def config_record(self) -> dict:
+        """`Engine.config_record`: the DeepSpeed config the engine was built with."""
+        return self.ds_config
+
+    def destroy(self) -> None:
+        """`Engine.destroy`."""
+        self.ds.destroy()
+
+
+@contextlib.contextmanager
+def _does_nothing(obj, method: str):
+    """`obj.method(...)` returns None inside (an instance attribute over the class's method)."""
+    saved = obj.__dict__.get(method)
+    setattr(obj, method, lambda *args, **kwargs: None)
+    try:
+        yield
+    finally:
+        if saved is None:
+            delattr(obj, method)
+        else:
+            setattr(obj, method, saved)
+
+
+PARALLEL_MARKS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared")
+
+
+def _mark_master_copies(ds_optimizer) -> None:
+    """DeepSpeed's fp16/bf16 ZeRO-0 wrapper steps our AdamW on fp32 copies of the parameters;
+    give the copies the TP/shared marks our clipping's global norm reads."""
+    low = getattr(ds_optimizer, "fp16_groups", None)
+    high = getattr(ds_optimizer, "fp32_groups", None)
+    if low is None or high is None:
+        return
+    for group16, group32 in zip(low, high, strict=True):
+        for p16, p32 in zip(group16, group32, strict=True):
+            for mark in PARALLEL_MARKS:
+                if hasattr(p16, mark):
+                    setattr(p32, mark, getattr(p16, mark))
+
+
+def _undo_warmup_step(ds_optimizer) -> None:
+    """DeepSpeed's fp16/bf16 ZeRO-0 wrapper steps our AdamW once on zero gradients when it is
+    built (to create Adam's state): Adam's step count then runs one ahead of the iterations (its
+    bias correction differs: bf16 ZeRO-0 left fp32 and every other bf16 layout by 1e-4 in the
+    loss at iteration 3), and where the LR at sample 0 is not 0 weight decay shrinks the fp32
+    copies once. Drop that state (the first real step creates it) and copy the copies back from
+    the module weights they were cloned from."""
+    if isinstance(ds_optimizer, FP16_UnfusedOptimizer):
+        ds_optimizer.optimizer.state.clear()
+        ds_optimizer.refresh_fp32_params()
+
+
+def _count_parameters(model: torch.nn.Module) -> int:
+    """Elements of the full model: TP shards summed over TP, tied copies and TP replicas once."""
+    tp_rank0 = state.get_tensor_model_parallel_rank() == 0
+    local = sum(
+        p.numel()
+        for p in model.parameters()
+        if not getattr(p, "shared", False)
+        and (tp_rank0 or getattr(p, "tensor_model_parallel", False))
+    )
+    count = torch.tensor([local], dtype=torch.int64, device=collective_device())
+    group = state.get_model_parallel_group()
+    if torch.distributed.is_initialized() and group is not None:
+        torch.distributed.all_reduce(count, group=group)
+    return int(count.item())
+
+
+def build_deepspeed_engine(
+    *,
+    model_config: ModelConfig,
+    parallel: ParallelConfig,
+    optimizer_config: OptimizerConfig,
+    schedule: LRScheduleConfig,
+    precision: PrecisionConfig,
+    global_batch_size: int,
+    micro_batch_size: int,
+    num_microbatches: int,
+    seed: int,
+    backend: str,
+    timeout_minutes: float,
+    user_json: dict | None = None,
+) -> DeepSpeedEngine:
+    """DeepSpeed's communication layer over the torch process group (`backend`), process
+    groups, the seeded model, AdamW, the LR schedule, then `deepspeed.initialize`."""
+    init_deepspeed_comm(backend, datetime.timedelta(minutes=timeout_minutes))
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    state.initialize_model_parallel(tp, pp)
+    seed_everything(seed)
+    pipeline = pp > 1
+    if pipeline:
+        model = build_pipeline_model(model_config, pp, tp, parallel.data_parallel_size)
+    else:
+        model = GPTModel(model_config)
+    optimizer = build_optimizer(
+        model.named_parameters(),
+        optimizer_config,
+        lr=schedule.lr,
+        we_clip=we_clip_gradients(parallel, precision),
+        model_parallel_group=state.get_model_parallel_group(),
+    )
+    scheduler = SampleLRScheduler(optimizer, schedule, global_batch_size=global_batch_size)
+    params_total = _count_parameters(model)
+    ds_config = build_deepspeed_config(
+        global_batch_size=global_batch_size,
+        micro_batch_size=micro_batch_size,
+        num_microbatches=num_microbatches,
+        clip_grad=optimizer_config.clip_grad,
+        parallel=parallel,
+        precision=precision,
+        user_json=user_json,
+        sequence_parallel=model_config.sequence_parallel and tp > 1,
+    )
+    ds_engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=ds_config,
+        mpu=None if pipeline else state.mpu,
+    )
+    _mark_master_copies(ds_engine.optimizer)
+    _undo_warmup_step(ds_engine.optimizer)
+    return DeepSpeedEngine(
+        ds=ds_engine,
+        pipeline=pipeline,
+        scheduler=scheduler,
+        params_total=params_total,
+        padded_vocab_size=model_config.padded_vocab_size(tp),
+        ds_config=ds_config,
+        fp16=precision.fp16,
+    )
