@@ -228,3 +228,15 @@ def test_the_log_shows_per_source_tokens_for_blends_of_up_to_32_sources():
     few = {f"p{i}": i for i in range(MAX_SOURCES_SHOWN)}
     assert shown_sources(few) == few
     assert shown_sources({**few, "one more": 1}) == {} and shown_sources(None) == {}
+
+
+def test_a_prefix_listed_twice_stays_megatrons_but_cannot_change(tmp_path, corpora):
+    a = corpora["a"]
+    cfg = _cfg(tmp_path, ([a, a], [1, 1]))
+    plan = _plan(cfg, 40)
+    built = build_train_valid_test_datasets(cfg, TOKENIZER, [40, 0, 0], mixture=plan)[0]
+    record = MixtureCounter(built, plan, cfg).record(8)
+    assert [s["prefix"] for s in record["sources"]] == [a, a]
+    assert _plan(cfg, 40, record=record, iteration=2, consumed=8).megatron
+    with pytest.raises(UserError, match=f"lists {a} twice"):
+        _plan(_cfg(tmp_path, ([a, a], [1, 3])), 40, record=record, iteration=2, consumed=8)

@@ -295,6 +295,7 @@ def resolve_mixture(
     at = (iteration, consumed) if history.phases else (0, 0)
     placed = _placed(configured_phases(cfg, tokens), *at, global_batch_size, num_samples)
     phases = _merged(history.phases + placed)
+    _refuse_listed_twice(phases)
     names = list(history.sources) + [p for ph in phases for p, _ in ph.weights]
     plan = MixturePlan(
         phases=phases,
@@ -312,11 +313,11 @@ def resolve_mixture(
     for s, n, target in zip(plan.sources, read, targets, strict=True):
         entry = history.sources.get(s.prefix)
         if entry is not None:
-            _check_counter(entry, int(n))
+            if not plan.megatron:  # (Megatron's one phase may list a prefix twice)
+                _check_counter(entry, int(n))
             s = replace(s, tokens=int(entry["tokens"]), segments=tuple(entry["segments"]))
         sources.append(replace(s, size=math.ceil(target * surplus), consumed=int(n)))
     plan = replace(plan, sources=tuple(sources))
-    _refuse_listed_twice(plan)
     lines = history.lines + _change_lines(plan, len(history.phases))
     return replace(plan, lines=tuple(lines))
 
@@ -331,9 +332,10 @@ def _targets(plan: MixturePlan) -> list[int]:
     return out
 
 
-def _refuse_listed_twice(plan: MixturePlan) -> None:
-    """A changing mixture tells sources apart by prefix: each must be listed once."""
-    for phase in plan.phases if not plan.megatron else ():
+def _refuse_listed_twice(phases: tuple[Phase, ...]) -> None:
+    """A changing mixture tells sources apart by prefix: each must be listed once (Megatron's
+    one phase may list a prefix twice: each listing is a blend part of its own)."""
+    for phase in phases if len(phases) > 1 else ():
         names = [p for p, _ in phase.weights]
         twice = [p for p in names if names.count(p) > 1]
         if twice:
@@ -395,7 +397,8 @@ def format_phases(plan: MixturePlan, counts: np.ndarray) -> str:
     width = max(len("prefix"), *(len(s.prefix) for s in plan.sources))
     S = plan.seq_length
     lines = [
-        f"data mixture of the train split: {len(plan.phases)} phase(s), seq length {S}",
+        f"data mixture of the train split: {len(plan.phases)} phase(s), seq length {S} (the train "
+        f"split is drawn by these phases, not by the blend's one set of weights)",
         f"{'phase':>5s}  {'iteration':>9s}  {'sample':>10s}  {'prefix':{width}s}  {'weight':>7s}  "
         f"{'samples':>10s}  {'tokens':>13s}  {'epochs':>7s}  {'by end':>7s}",
     ]

@@ -75,7 +75,8 @@ class MixtureDataset(torch.utils.data.Dataset):
         self.dataset_index, self.dataset_sample_index = dataset_index, dataset_sample_index
         self.plan = plan
         self.split = "train"
-        self._first = next(d for d in datasets if not isinstance(d, UnbuiltSource))
+        # the source that makes the batches' tensors (None: nothing is left to draw)
+        self._first = next((d for d in datasets if not isinstance(d, UnbuiltSource)), None)
 
     def __len__(self) -> int:
         return self.dataset_index.shape[0]
