@@ -134,7 +134,8 @@ def run_plan(ns: argparse.Namespace, cfg: DataConfig) -> list[PlanRow]:
     changing = mixture is not None and not mixture.megatron
     if changing:  # the train split is the phases' (below), not the flags' one blend
         rows = [r for r in rows if r.split != "train"]
-    print(format_plan(rows, cfg.seq_length))
+    if rows:
+        print(format_plan(rows, cfg.seq_length))
     for line in plan_warnings(rows, ns.max_epochs, ns.min_epochs):
         print(line)
     if changing:
