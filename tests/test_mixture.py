@@ -240,3 +240,31 @@ def test_a_prefix_listed_twice_stays_megatrons_but_cannot_change(tmp_path, corpo
     assert _plan(cfg, 40, record=record, iteration=2, consumed=8).megatron
     with pytest.raises(UserError, match=f"lists {a} twice"):
         _plan(_cfg(tmp_path, ([a, a], [1, 3])), 40, record=record, iteration=2, consumed=8)
+
+
+def test_per_split_paths_change_the_train_blend_only(tmp_path, corpora):
+    """--train-data-path re-weighted on resume: the train split is the phases', the validation
+    split stays the one --valid-data-path builds (Megatron's GPTDataset, its own samples)."""
+    a, b, c = corpora["a"], corpora["b"], corpora["c"]
+
+    def cfg(weights):
+        return DataConfig(
+            seq_length=S, seed=SEED, blend_per_split=[([a, b], weights), ([c], None), None],
+            data_cache_path=str(tmp_path / "cache"),
+        )  # fmt: skip
+
+    first = cfg([0.5, 0.5])
+    plan = _plan(first, 100)
+    train, valid, _ = build_train_valid_test_datasets(first, TOKENIZER, [100, 20, 0], mixture=plan)
+    record = MixtureCounter(train, plan, first).record(40)
+    assert record["order"]["train_range"] == [0.0, 1.0]
+    second = cfg([0.2, 0.8])
+    plan2 = _plan(second, 100, record=record, iteration=10, consumed=40)
+    train2, valid2, _ = build_train_valid_test_datasets(
+        second, TOKENIZER, [100, 20, 0], mixture=plan2
+    )
+    assert isinstance(train2, MixtureDataset) and type(valid2) is type(valid)
+    np.testing.assert_array_equal(train2.dataset_index[:40], train.dataset_index[:40])
+    np.testing.assert_array_equal(valid2.shuffle_index, valid.shuffle_index)
+    b_next = int(np.nonzero(train2.dataset_index[40:] == 1)[0][0]) + 40
+    assert train2.dataset_sample_index[b_next] == record["sources"][1]["consumed"]

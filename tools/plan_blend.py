@@ -35,7 +35,8 @@ from pretrain.data.config import (  # noqa: E402
     DataConfig,
     train_valid_test_num_samples,
 )
-from pretrain.data.mixture import format_phases, phase_counts, phase_warnings  # noqa: E402
+from pretrain.data.mixture import phase_counts  # noqa: E402
+from pretrain.data.mixture_report import format_phases, phase_warnings  # noqa: E402
 from pretrain.data.plan import (  # noqa: E402
     DEFAULT_MAX_EPOCHS,
     DEFAULT_MIN_EPOCHS,

@@ -11,8 +11,9 @@ import torch
 
 from pretrain.data.builder import build_train_valid_test_datasets
 from pretrain.data.config import train_valid_test_num_samples
-from pretrain.data.mixture import MixturePlan, format_phases, phase_counts, resolve_mixture
+from pretrain.data.mixture import MixturePlan, phase_counts, resolve_mixture
 from pretrain.data.mixture_dataset import MixtureCounter
+from pretrain.data.mixture_report import format_phases
 from pretrain.data.plan import log_plan
 from pretrain.data.samplers import build_pretraining_data_loader
 from pretrain.parallel import state
