@@ -87,7 +87,8 @@ class MixturePlan:
     phases: tuple[Phase, ...]
     """History, then the configured phases, consecutive equal ones merged."""
     sources: tuple[Source, ...]
-    """Recorded sources (in their recorded order), then those this run starts."""
+    """Recorded sources (in their recorded order), then those this run starts (for Megatron's
+    one phase only their names: its built datasets make the record)."""
     num_samples: int
     """Train samples the run asks for (--train-iters x global batch, or --train-samples)."""
     start: int
@@ -128,15 +129,22 @@ def phase_draws(weights: tuple[tuple[str, float], ...], length: int):
     return helpers.build_blending_indices(w, length)
 
 
-def phase_counts(plan: MixturePlan, end: int | None = None) -> np.ndarray:
+def phase_counts(
+    plan: MixturePlan, end: int | None = None, dataset_index: np.ndarray | None = None
+) -> np.ndarray:
     """[phase, source] samples each phase draws from each source in the first `end` samples of
-    the train order (default: the samples the run trains on)."""
+    the train order (default: the samples the run trains on), from the greedy kernel, or
+    counted in `dataset_index` (a built MixtureDataset's) when given."""
     end = plan.num_samples if end is None else end
     out = np.zeros((len(plan.phases), len(plan.sources)), dtype=np.int64)
     for p, (phase, length) in enumerate(zip(plan.phases, plan.lengths(), strict=True)):
         n = min(length, end - phase.sample)
         if n <= 0:
             break
+        if dataset_index is not None:
+            part = dataset_index[phase.sample : phase.sample + n]
+            out[p] = np.bincount(part, minlength=len(plan.sources))
+            continue
         which, _ = phase_draws(phase.weights, n)
         drawn = np.bincount(which, minlength=len(phase.weights))
         for (prefix, _), k in zip(phase.weights, drawn, strict=True):
@@ -307,14 +315,15 @@ def resolve_mixture(
         start=consumed,
         seq_length=cfg.seq_length,
     )
+    if plan.megatron:  # the builder builds Megatron's blend; its datasets make the record
+        return replace(plan, lines=tuple(history.lines))
     targets, read = _targets(plan), phase_counts(plan, consumed).sum(axis=0)
     surplus = 1 + cfg.mid_level_dataset_surplus
     sources = []
     for s, n, target in zip(plan.sources, read, targets, strict=True):
         entry = history.sources.get(s.prefix)
         if entry is not None:
-            if not plan.megatron:  # (Megatron's one phase may list a prefix twice)
-                _check_counter(entry, int(n))
+            _check_counter(entry, int(n))
             s = replace(s, tokens=int(entry["tokens"]), segments=tuple(entry["segments"]))
         sources.append(replace(s, size=math.ceil(target * surplus), consumed=int(n)))
     plan = replace(plan, sources=tuple(sources))

@@ -78,7 +78,8 @@ def data_iterators(
     counter = None
     if mixture is not None:
         if not mixture.megatron:
-            logger.info(format_phases(mixture, phase_counts(mixture)))
+            counts = phase_counts(mixture, dataset_index=train_ds.dataset_index)
+            logger.info(format_phases(mixture, counts))
         counter = MixtureCounter(train_ds, mixture, cfg.data)
         train_state.data_mixture = counter.record(consumed_train)
     batches = functools.partial(rank_batches, cfg, use_document_ids=use_document_ids, device=device)
