@@ -66,6 +66,7 @@ def files(tmp_path_factory) -> dict[str, str]:
     (tmp / "args.txt").write_text(other)
     (tmp / "splits.json").write_text(json.dumps({"train": other, "valid": other, "test": other}))
     (tmp / "ds.json").write_text(json.dumps({"train_batch_size": 8}))
+    (tmp / "schedule.json").write_text(json.dumps([{"iteration": 0, "weights": {corpus: 1}}]))
     return {
         "corpus": corpus,
         "other": other,
@@ -76,6 +77,7 @@ def files(tmp_path_factory) -> dict[str, str]:
         "args": str(tmp / "args.txt"),
         "splits": str(tmp / "splits.json"),
         "ds": str(tmp / "ds.json"),
+        "schedule": str(tmp / "schedule.json"),
         "dir": str(tmp / "out"),
     }
 
@@ -197,6 +199,7 @@ def changes(f) -> dict:
         "--validation-set-names": (sets + ["--multiple-validation-sets"], sets + ["--multiple-validation-sets", "--validation-set-names", "a", "b"], None),
         "--split": ["80,10,10"], "--data-cache-path": [f["dir"]],
         "--blend-weights-unit": ["tokens"], "--allow-tokenizer-mismatch": [],
+        "--data-schedule": [f["schedule"]],
         "--mid-level-dataset-surplus": ["0.01"], "--num-dataset-builder-threads": ["2"],
         "--eod-mask-loss": [], "--reset-position-ids": [], "--reset-attention-mask": [],
         "--no-create-attention-mask-in-dataloader": [], "--allow-ambiguous-pad-tokens": [],

@@ -139,3 +139,37 @@ def test_log_without_iteration_lines_is_one_line_error(tmp_path):
     )  # fmt: skip
     assert r.returncode == 2 and "no Megatron-format iteration lines" in r.stderr
     assert not (tmp_path / "x.png").exists()
+
+
+def test_tokens_per_source_are_parsed_and_drawn(tmp_path):
+    """A blend's `consumed tokens <prefix>` fields parse back per source, and the figure gets a
+    third row for them (taller than a run without them)."""
+    import dataclasses
+    import importlib.util
+
+    plain = write_log(tmp_path / "plain.log", range(10, 51, 10))
+    lines = []
+    for it in range(10, 51, 10):
+        read = {"/data/web": 64 * it, "/data/code": 64 * min(it, 20)}  # code dropped at 20
+        lines.append(
+            format_iteration_line(dataclasses.replace(stats(it, 3.0, 1e-3), source_tokens=read))
+        )
+    mixed = tmp_path / "mixed.log"
+    mixed.write_text(plain.read_text() + "\n".join(lines) + "\n")
+    run = read_run_log(mixed)
+    assert run.sources() == {
+        "/data/web": ([10, 20, 30, 40, 50], [640.0, 1280.0, 1920.0, 2560.0, 3200.0]),
+        "/data/code": ([10, 20, 30, 40, 50], [640.0, 1280.0, 1280.0, 1280.0, 1280.0]),
+    }
+    assert read_run_log(plain).sources() == {}
+    spec = importlib.util.spec_from_file_location(
+        "plot_run", os.path.join(ROOT, "tools", "plot_run.py")
+    )
+    plot_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plot_run)
+    heights = []
+    for log in (plain, mixed):
+        out = tmp_path / f"{log.stem}.png"
+        plot_run.plot_runs([read_run_log(log)], ["run"], str(out))
+        heights.append(np.asarray(Image.open(out)).shape[0])
+    assert heights[1] >= heights[0] * 1.4

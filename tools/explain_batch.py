@@ -20,6 +20,7 @@ covers), then the decoded start of each document. --json prints one JSON object 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 from pretrain.cli import data_tool_parser, parse_data_tool_args  # noqa: E402
-from pretrain.convert.checkpoint_reader import find_checkpoint  # noqa: E402
+from pretrain.cli.data_tools import load_meta, run_mixture  # noqa: E402
 from pretrain.data.builder import build_train_valid_test_datasets  # noqa: E402
 from pretrain.data.config import (  # noqa: E402
     DataConfig,
@@ -69,7 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--load",
         default=None,
-        help="mark the skipped sample ranges recorded in this checkpoint directory's latest",
+        help="the run's checkpoint directory (its latest step): mark the skipped sample ranges "
+        "it records, and explain a re-weighted or scheduled run's iterations with the data "
+        "phases it records (with this run's flags from the checkpoint's iteration on)",
     )
     g.add_argument(
         "--grep",
@@ -100,7 +103,7 @@ class _Texts:
 
     def __init__(self, dataset, tokenizer):
         gpts = getattr(dataset, "datasets", [dataset])
-        self.indexed = {g.dataset_path: g.indexed for g in gpts}
+        self.indexed = {g.dataset_path: g.indexed for g in gpts if hasattr(g, "indexed")}
         self.tokenizer = tokenizer
         self._full: dict[tuple[str, int], str] = {}
 
@@ -118,13 +121,10 @@ class _Texts:
         return self._full[key]
 
 
-def skipped_ranges(ns) -> list[tuple[int, int]]:
-    """Sample ranges [start, end) not trained on: from --load's checkpoint, and from
+def skipped_ranges(ns, meta: dict) -> list[tuple[int, int]]:
+    """Sample ranges [start, end) not trained on: from --load's checkpoint (`meta`), and from
     --iterations-to-skip at this --global-batch-size."""
-    ranges = []
-    if ns.load is not None:
-        _, meta = find_checkpoint(ns.load)
-        ranges += [(int(a), int(b)) for a, b in meta.get("skipped_train_samples", [])]
+    ranges = [(int(a), int(b)) for a, b in meta.get("skipped_train_samples", [])]
     for it in flatten_iterations(ns.iterations_to_skip):
         ranges.append(((it - 1) * ns.global_batch_size, it * ns.global_batch_size))
     return ranges
@@ -199,11 +199,15 @@ def main(argv=None) -> int:
     counts = train_valid_test_num_samples(
         ns.train_iters, ns.train_samples, ns.eval_interval, ns.eval_iters, ns.global_batch_size
     )
-    train = build_train_valid_test_datasets(cfg, tokenizer, counts)[0]
+    meta = load_meta(ns.load)
+    mixture = run_mixture(cfg, counts[0], ns.global_batch_size, meta)
+    if mixture is not None:  # build every source: any iteration may be asked about
+        mixture = dataclasses.replace(mixture, start=0)
+    train = build_train_valid_test_datasets(cfg, tokenizer, counts, mixture=mixture)[0]
     if train is None:
         raise UserError("the train split is empty (check --split and the data prefixes)")
     texts = _Texts(train, tokenizer)
-    skipped = skipped_ranges(ns)
+    skipped = skipped_ranges(ns, meta)
     known = ns.load is not None or ns.iterations_to_skip is not None
     if ns.grep is not None:
         return 0 if grep(ns, train, cfg, texts, first, ranks) else 1

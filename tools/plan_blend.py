@@ -12,6 +12,11 @@ For every split and prefix it prints: tokens, documents, the requested weight (n
 samples the blend will draw, the resulting epochs and the prefix's actual share of the split's
 tokens; then a warning for every prefix read more than --max-epochs times or less than
 --min-epochs of it (train split). `tools/build_data_cache.py --plan` prints the same table.
+
+With --data-schedule (or --load CKPT of a run whose blend changes on resume) the train split is
+planned per phase instead: for every phase and source drawn, its weight, samples, tokens and
+epochs of the source's own order in the phase and by the phase's end, and a warning for every
+source read more than --max-epochs times (docs/DATA.md).
 Like training, it first refuses a train split that is empty or a blend part that gives it no data.
 """
 
@@ -24,11 +29,14 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pretrain.cli import data_tool_parser, parse_data_tool_args  # noqa: E402
+from pretrain.cli.data_tools import load_meta, run_mixture  # noqa: E402
 from pretrain.data.builder import check_splits_before_launch  # noqa: E402
 from pretrain.data.config import (  # noqa: E402
     DataConfig,
     train_valid_test_num_samples,
 )
+from pretrain.data.mixture import phase_counts  # noqa: E402
+from pretrain.data.mixture_report import format_phases, phase_warnings  # noqa: E402
 from pretrain.data.plan import (  # noqa: E402
     DEFAULT_MAX_EPOCHS,
     DEFAULT_MIN_EPOCHS,
@@ -65,8 +73,15 @@ def add_plan_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The data, sample-count and plan flags; other training flags are ignored."""
-    return add_plan_args(data_tool_parser(__doc__, tokenizer=False))
+    """The data, sample-count and plan flags, and --load; other training flags are ignored."""
+    parser = add_plan_args(data_tool_parser(__doc__, tokenizer=False))
+    parser.add_argument(
+        "--load",
+        default=None,
+        help="plan the resume of this checkpoint directory (its latest step): its recorded "
+        "data phases up to its iteration, these flags' from there on",
+    )
+    return parser
 
 
 def plot_plan(rows: list[PlanRow], path: str, max_epochs: float) -> None:
@@ -115,9 +130,20 @@ def run_plan(ns: argparse.Namespace, cfg: DataConfig) -> list[PlanRow]:
         cfg, counts, ns.eval_iters, lambda msg: print(f"warning: {msg}", file=sys.stderr)
     )
     rows = plan_blend(cfg, counts)
-    print(format_plan(rows, cfg.seq_length))
+    meta = load_meta(getattr(ns, "load", None))
+    mixture = run_mixture(cfg, counts[0], ns.global_batch_size, meta)
+    changing = mixture is not None and not mixture.megatron
+    if changing:  # the train split is the phases' (below), not the flags' one blend
+        rows = [r for r in rows if r.split != "train"]
+    if rows:
+        print(format_plan(rows, cfg.seq_length))
     for line in plan_warnings(rows, ns.max_epochs, ns.min_epochs):
         print(line)
+    if changing:
+        drawn = phase_counts(mixture)
+        print(format_phases(mixture, drawn))
+        for line in [*mixture.lines, *phase_warnings(mixture, drawn, ns.max_epochs)]:
+            print(line)
     if ns.plot:
         plot_plan(rows, ns.plot, ns.max_epochs)
         print(f"wrote {ns.plot}")

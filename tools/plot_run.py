@@ -5,8 +5,9 @@
 
 Panels: training loss (solid) with validation loss (dots; with --multiple-validation-sets one
 marker shape per set), learning rate, grad norm and tokens/s,
-against iterations (top row) and tokens (bottom row; tokens = consumed samples x sequence length,
-read from the start-up banner or --seq-length). Reads any log with Megatron's iteration lines
+against iterations (top row) and tokens (second row; tokens = consumed samples x sequence length,
+read from the start-up banner or --seq-length); for a blend, a third row draws the training
+tokens read per data source (the lines' `consumed tokens <prefix>` fields) against iterations. Reads any log with Megatron's iteration lines
 (`iteration N/ M | ... | lm loss: ... |`), ours or Megatron-LM's.
 """
 
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 MARKERS = ("o", "s", "^", "D", "v", "P")  # one per validation set (--multiple-validation-sets)
+RUN_STYLES = ("-", "--", ":", "-.")  # one per run on the per-source panel
 
 
 def _draw_row(axes, runs: list[RunLog], labels: list[str], by_tokens: bool) -> None:
@@ -82,8 +84,29 @@ def _draw_row(axes, runs: list[RunLog], labels: list[str], by_tokens: bool) -> N
         ax.grid(alpha=0.3)
 
 
+def _draw_sources(ax, runs: list[RunLog], labels: list[str]) -> None:
+    """Training tokens read per data source against iterations: a colour per source, a line
+    style per run (a re-weighted run's slopes change where its weights do)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import EngFormatter
+
+    colours = plt.get_cmap("tab10").colors
+    names = list(dict.fromkeys(n for run in runs for n in run.sources()))
+    for i, (run, label) in enumerate(zip(runs, labels, strict=True)):
+        for name, (its, tokens) in run.sources().items():
+            k = names.index(name)
+            style = RUN_STYLES[i % len(RUN_STYLES)]
+            ax.plot(its, tokens, style, color=colours[k % 10], lw=1.5, label=f"{label}: {name}")
+    ax.set_title("tokens read per data source")
+    ax.set_xlabel("iteration")
+    ax.yaxis.set_major_formatter(EngFormatter())
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small", loc="upper left")
+
+
 def plot_runs(runs: list[RunLog], labels: list[str], out: str) -> None:
-    """Write the 2 x 4 panel figure of `runs` to the PNG `out` (atomically)."""
+    """Write the 2 x 4 panel figure of `runs` to the PNG `out` (atomically), with a third row
+    for the tokens read per data source when a log has them."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -91,10 +114,15 @@ def plot_runs(runs: list[RunLog], labels: list[str], out: str) -> None:
 
     from pretrain.atomic import atomic_write
 
-    fig, axes = plt.subplots(2, len(PANELS), figsize=(18, 8))
+    rows = 3 if any(run.sources() for run in runs) else 2
+    fig = plt.figure(figsize=(18, 4 * rows))
+    grid = fig.add_gridspec(rows, len(PANELS))
+    axes = [[fig.add_subplot(grid[r, c]) for c in range(len(PANELS))] for r in range(2)]
     _draw_row(axes[0], runs, labels, by_tokens=False)
     _draw_row(axes[1], runs, labels, by_tokens=True)
     axes[0][0].legend(fontsize="small")
+    if rows == 3:
+        _draw_sources(fig.add_subplot(grid[2, :]), runs, labels)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     atomic_write(out, lambda f: fig.savefig(f, format="png", dpi=80))

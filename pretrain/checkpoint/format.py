@@ -216,6 +216,7 @@ _META_TYPES = {
     "skipped_train_samples": (list,),
     "data": (dict, None),
     "tokens_seen": (dict, None),
+    "data_mixture": (dict, None),
     "data_fingerprints": (dict, None),
     "argv": (list, None),
 }

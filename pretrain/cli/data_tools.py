@@ -6,7 +6,10 @@ from __future__ import annotations
 import argparse
 
 from pretrain.cli.flags import build_parser
-from pretrain.data.config import add_data_args, add_sample_count_args
+from pretrain.convert.checkpoint_reader import find_checkpoint
+from pretrain.data.config import DataConfig, add_data_args, add_sample_count_args
+from pretrain.data.fingerprint import PrefixFiles
+from pretrain.data.mixture import MixturePlan, resolve_mixture
 from pretrain.errors import UserError
 from pretrain.flag_help import RawDescriptionHelpFormatter, add_megatron_groups
 from pretrain.tokenizer import add_tokenizer_args
@@ -38,3 +41,25 @@ def parse_data_tool_args(parser: argparse.ArgumentParser, argv) -> argparse.Name
             "pretrain_gpt.py flag; see --help)"
         )
     return ns
+
+
+def load_meta(load: str | None) -> dict:
+    """The metadata of the checkpoint `--load` names (its latest step); {} without --load."""
+    return {} if load is None else find_checkpoint(load)[1]
+
+
+def run_mixture(
+    cfg: DataConfig, num_train: int, global_batch_size: int, meta: dict
+) -> MixturePlan | None:
+    """The train split's phases of the run the flags describe, resumed from the checkpoint
+    metadata `meta` ({}: a fresh run) as training resumes: its recorded phases up to its
+    position, the flags' from there on."""
+    return resolve_mixture(
+        cfg,
+        num_train,
+        PrefixFiles(cfg.data_cache_path),
+        global_batch_size=global_batch_size,
+        record=meta.get("data_mixture"),
+        iteration=int(meta.get("iteration", 0)),
+        consumed=int(meta.get("consumed_train_samples", 0)),
+    )

@@ -210,6 +210,12 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
     check_script_flags(ns, model.num_layers, pp)
     model.validate(tp, pp)
     data = DataConfig.from_args(ns)
+    if data.data_schedule is not None and batches.varies:
+        raise UserError(
+            "--data-schedule starts its phases at iterations, which a varying batch size "
+            "(--rampup-batch-size / --step-batch-size-schedule) moves: use a constant "
+            "--global-batch-size with it"
+        )
     prepared = Prepared.build(tokenizer, data, built_tokenizer)  # its files: read here, reused
     check_data_files(data)
     # data fingerprints: made by this tokenizer, largest token id inside its vocabulary

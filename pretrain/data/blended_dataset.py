@@ -28,6 +28,18 @@ def normalize(weights: Sequence[float]) -> list[float]:
     return (w / np.sum(w)).tolist()
 
 
+def blend_items(blend, first, indices: list[int]) -> dict[str, torch.Tensor]:
+    """Samples `indices` of a blend (`datasets`, `dataset_index`, `dataset_sample_index`) as one
+    batch with their `dataset_id`s; `first`, any of its datasets, makes the tensors (all share
+    one config and tokenizer)."""
+    ids = blend.dataset_index[indices].tolist()
+    samples = blend.dataset_sample_index[indices].tolist()
+    text = np.empty((len(indices), first.cfg.seq_length + first.extra_token), dtype=np.int64)
+    for row, (d, k) in enumerate(zip(ids, samples, strict=False)):
+        blend.datasets[d].sample_tokens(k, out=text[row])
+    return {"dataset_id": torch.tensor(ids, dtype=torch.int64), **first.tensors(text)}
+
+
 class BlendedDataset(torch.utils.data.Dataset):
     def __init__(
         self,
@@ -120,13 +132,7 @@ class BlendedDataset(torch.utils.data.Dataset):
 
     def __getitems__(self, indices: list[int]) -> dict[str, torch.Tensor]:
         """A whole micro-batch; all blended datasets share one config and tokenizer."""
-        first = self.datasets[0]
-        ids = self.dataset_index[indices].tolist()
-        samples = self.dataset_sample_index[indices].tolist()
-        text = np.empty((len(indices), first.cfg.seq_length + first.extra_token), dtype=np.int64)
-        for row, (d, k) in enumerate(zip(ids, samples, strict=False)):
-            self.datasets[d].sample_tokens(k, out=text[row])
-        return {"dataset_id": torch.tensor(ids, dtype=torch.int64), **first.tensors(text)}
+        return blend_items(self, self.datasets[0], indices)
 
     def __getitem__(self, idx: int) -> dict:
         return {k: v[0] for k, v in self.__getitems__([idx]).items()}

@@ -18,6 +18,7 @@ from pretrain.data.config import Blend, DataConfig, Split
 from pretrain.data.fingerprint import PrefixFiles
 from pretrain.data.gpt_dataset import GPTDataset, split_ranges
 from pretrain.data.indexed_dataset import IndexedDataset
+from pretrain.data.mixture import MixturePlan
 from pretrain.data.mock import build_mock_datasets
 from pretrain.errors import UserError
 
@@ -162,8 +163,13 @@ def build_train_valid_test_datasets(
     *,
     multiple_validation_sets: bool = False,
     files: PrefixFiles | None = None,
+    mixture: MixturePlan | None = None,
+    without_train: bool = False,
 ) -> list:
     """[train, valid, test] datasets (GPTDataset, BlendedDataset or None) for `num_samples` per split.
+
+    `mixture`: the train split's phases (pretrain/data/mixture.py); unless it is Megatron's one
+    phase, the train split is its `MixtureDataset`. `without_train`: build no train split.
 
     `multiple_validation_sets` (Megatron's --multiple-validation-sets, per-split data paths only):
     valid is a list of one GPTDataset per valid prefix, in order, each of the valid split's
@@ -178,14 +184,30 @@ def build_train_valid_test_datasets(
     if cfg.mock:
         return build_mock_datasets(cfg, tokenizer, sizes, progress)
     b = _Builder(cfg, tokenizer, progress, files)
+    if mixture is not None and not mixture.megatron:
+        from pretrain.data.mixture_dataset import build_mixture
+
+        rest = build_train_valid_test_datasets(
+            cfg,
+            tokenizer,
+            sizes,
+            progress,
+            multiple_validation_sets=multiple_validation_sets,
+            files=b.files,
+            without_train=True,
+        )
+        return [build_mixture(mixture, cfg, tokenizer, b.files), *rest[1:]]
+    matrix = cfg.split_matrix
+    if without_train and matrix is not None:
+        matrix[Split.train] = None
     if cfg.blend is not None:
         prefixes, weights = cfg.blend
         if len(prefixes) == 1 and weights is None:
-            return b.gpt_splits(prefixes[0], cfg.split_matrix, sizes)
-        return b.blend_splits(cfg.blend, cfg.split_matrix, sizes)
+            return b.gpt_splits(prefixes[0], matrix, sizes)
+        return b.blend_splits(cfg.blend, matrix, sizes)
     out = []
     for i, blend in enumerate(cfg.blend_per_split):
-        if blend is None:
+        if blend is None or (without_train and i == Split.train):
             out.append(None)
             continue
         matrix = [None] * 3

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pretrain.data.schedule import SchedulePhase, check_schedule_prefixes, read_schedule
 from pretrain.errors import UserError
 from pretrain.flag_help import argument_group
 
@@ -87,6 +88,14 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="directory for the index caches; node-local directories are fine, each node builds "
         "its own [default: PREFIX/cache/GPTDataset_indices for each prefix, as Megatron]",
+    )
+    g.add_argument(
+        "--data-schedule",
+        default=None,
+        metavar="PATH",
+        help='JSON list of phases [{"iteration": N, "weights": {PREFIX: W, ...}}, ...]: '
+        "the train blend's weights from iteration N on; each prefix continues its own sample "
+        "order across phases (docs/DATA.md)",
     )
     g.add_argument(
         "--blend-weights-unit",
@@ -321,6 +330,8 @@ class DataConfig:
     """Accept data whose fingerprint names another tokenizer (--allow-tokenizer-mismatch)."""
     mock: bool = False
     """Megatron's synthetic sequences instead of files, split 1,1,1 (--mock-data)."""
+    data_schedule: tuple[SchedulePhase, ...] | None = None
+    """The train blend's weights per phase (--data-schedule FILE); None: the blend's own."""
 
     def __post_init__(self):
         if self.seq_length is None or self.seq_length <= 0:
@@ -359,6 +370,35 @@ class DataConfig:
             raise UserError("--mid-level-dataset-surplus must be >= 0")
         if self.num_workers < 0:
             raise UserError("--num-workers must be >= 0")
+        if self.data_schedule is not None:
+            self._check_schedule()
+
+    def _check_schedule(self) -> None:
+        """A --data-schedule needs a train blend of the same prefixes and the sequential sampler."""
+        if self.mock or self.train_blend is None:
+            raise UserError(
+                "--data-schedule weighs the prefixes of the train blend: give them with "
+                "--data-path or --train-data-path"
+            )
+        if self.dataloader_type != "single":
+            raise UserError(
+                f"--data-schedule needs --dataloader-type single (with {self.dataloader_type} "
+                f"the blend is read in a random order, so no source continues its own order)"
+            )
+        flag = "--data-path" if self.blend is not None else "--train-data-path"
+        check_schedule_prefixes(self.data_schedule, self.train_blend[0], flag)
+
+    @property
+    def train_blend(self) -> Blend | None:
+        """The blend the train split is drawn from (--data-path or --train-data-path)."""
+        if self.blend is not None:
+            return self.blend
+        return self.blend_per_split[0] if self.blend_per_split else None
+
+    @property
+    def train_range(self) -> tuple[float, float]:
+        """Bounds of each train prefix's train split (all of it with per-split data paths)."""
+        return tuple(self.split_matrix[0]) if self.blend is not None else (0.0, 1.0)
 
     def _use_mock_split(self) -> None:
         """Mock data has no files and megatron-core always splits it 1,1,1."""
@@ -402,6 +442,11 @@ class DataConfig:
             blend_weights_unit=getattr(ns, "blend_weights_unit", "samples"),
             allow_tokenizer_mismatch=getattr(ns, "allow_tokenizer_mismatch", False),
             mock=getattr(ns, "mock_data", False),
+            data_schedule=(
+                None
+                if getattr(ns, "data_schedule", None) is None
+                else read_schedule(ns.data_schedule)
+            ),
         )
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pretrain.data.blended_dataset import BlendedDataset
 from pretrain.data.config import DataConfig
 from pretrain.data.gpt_dataset import GPTDataset
+from pretrain.data.mixture_dataset import MixtureDataset, SourceOrder
 from pretrain.data.samplers import PretrainingRandomSampler, PretrainingSampler
 from pretrain.errors import UserError
 
@@ -34,7 +35,8 @@ class SampleOrigin:
     dataset: str
     """The data prefix, as given on the command line."""
     dataset_sample: int
-    """Index of the sample in that prefix's GPTDataset."""
+    """Index of the sample in that prefix's own order (its GPTDataset, then the further
+    segments a changing mixture adds: pretrain/data/mixture.py)."""
     documents: list[list[int]]
     """[document_id, first_token, end_token] for each document the sample's window covers."""
 
@@ -59,13 +61,16 @@ def window_documents(gpt: GPTDataset, dataset_sample: int) -> list[list[int]]:
     return out
 
 
-def locate(dataset, sample: int) -> tuple[str, int, GPTDataset]:
-    """(prefix, index in its GPTDataset, that GPTDataset) of sample `sample` of `dataset`."""
-    if isinstance(dataset, BlendedDataset):
-        d = int(dataset.dataset_index[sample])
-        gpt = dataset.datasets[d]
-        return gpt.dataset_path, int(dataset.dataset_sample_index[sample]), gpt
-    return dataset.dataset_path, sample, dataset
+def locate(dataset, sample: int) -> tuple[str, int, GPTDataset, int]:
+    """(prefix, index in the prefix's own order, the GPTDataset holding it, index there) of
+    sample `sample` of `dataset` (a GPTDataset, BlendedDataset or MixtureDataset, whose sources'
+    orders may continue over several GPTDatasets)."""
+    if isinstance(dataset, BlendedDataset | MixtureDataset):
+        order = dataset.datasets[int(dataset.dataset_index[sample])]
+        k = int(dataset.dataset_sample_index[sample])
+        gpt, local = order.locate(k) if isinstance(order, SourceOrder) else (order, k)
+        return order.dataset_path, k, gpt, local
+    return dataset.dataset_path, sample, dataset, sample
 
 
 def iteration_samples(
@@ -117,7 +122,7 @@ def explain_iteration(
         )
         for micro_batch, samples in batches:
             for k in samples:
-                prefix, dataset_sample, gpt = locate(dataset, k)
+                prefix, dataset_sample, gpt, local = locate(dataset, k)
                 out.append(
                     SampleOrigin(
                         iteration=iteration,
@@ -126,7 +131,7 @@ def explain_iteration(
                         sample=k,
                         dataset=prefix,
                         dataset_sample=dataset_sample,
-                        documents=window_documents(gpt, dataset_sample),
+                        documents=window_documents(gpt, local),
                     )
                 )
     return out

@@ -283,6 +283,7 @@ class Checkpointer:
             skipped_train_samples=train_state.skipped_train_samples,
             spike_loss_window=train_state.spike_loss_window,
             spike_pending_skips=train_state.spike_pending_skips,
+            data_mixture=train_state.data_mixture,
             model=self.model,
             parallel=self.parallel,
             pipeline_engine=engine.pipeline,

@@ -11,6 +11,8 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pretrain.training.logging import SOURCE_FIELD
+
 ITERATION_LINE = re.compile(r"^\s*iteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
 FIELD = re.compile(r"\s*([^|:]+?):\s*([^|]+?)\s*\|")
 # periodic evaluations, and the one after the last iteration (" on validation set"); not the test set
@@ -55,6 +57,12 @@ class RunLog:
         """(iterations, values) of the iteration-line field `name`, where present."""
         points = [(int(r["iteration"]), float(r[name])) for r in self.rows if name in r]
         return [p[0] for p in points], [p[1] for p in points]
+
+    def sources(self) -> dict[str, tuple[list[int], list[float]]]:
+        """{data source: (iterations, training tokens read from it)} from the iteration lines'
+        `consumed tokens <prefix>` fields (blends of up to 32 sources log them)."""
+        names = dict.fromkeys(k for r in self.rows for k in r if k.startswith(SOURCE_FIELD))
+        return {name[len(SOURCE_FIELD) :]: self.series(name) for name in names}
 
     def tokens_at(self, iterations: list[int]) -> list[float] | None:
         """Tokens consumed after each iteration (None without a sequence length)."""

@@ -91,6 +91,7 @@ class IterationStats:
     tokens_per_second: float
     tflops_per_device: float
     mfu: float | None  # fraction of peak, None when the peak is unknown
+    source_tokens: dict[str, int] | None = None  # training tokens read per data source
 
 
 def format_iteration_line(s: IterationStats) -> str:
@@ -110,7 +111,21 @@ def format_iteration_line(s: IterationStats) -> str:
     line += f" tokens per second: {s.tokens_per_second:.1f} |"
     if s.mfu is not None:
         line += f" MFU: {100 * s.mfu:.2f}% |"
+    for prefix, tokens in shown_sources(s.source_tokens).items():
+        line += f" {SOURCE_FIELD}{prefix}: {tokens} |"
     return line
+
+
+SOURCE_FIELD = "consumed tokens "  # iteration-line field of one data source: "consumed tokens P"
+MAX_SOURCES_SHOWN = 32  # more sources: their counts are in the checkpoints' data_mixture only
+
+
+def shown_sources(source_tokens: dict[str, int] | None) -> dict[str, int]:
+    """The per-source token counts the log line and dashboards show: all of them for blends of
+    up to MAX_SOURCES_SHOWN sources, none for larger ones (a line per iteration of thousands)."""
+    if not source_tokens or len(source_tokens) > MAX_SOURCES_SHOWN:
+        return {}
+    return source_tokens
 
 
 def format_eval_line(iteration: int, loss: float, where: str = "", suffix: str = "") -> str:
@@ -274,11 +289,14 @@ class MetricsLogger:
         loss_scale: float,
         skipped_steps: int,
         global_batch_size: int | None = None,
+        source_tokens: dict[str, int] | None = None,
     ) -> None:
         """Account one finished iteration; print the interval's line when it is due.
 
         `global_batch_size` is the iteration's batch when a batch-size schedule varies it
-        (default: the run's global batch); throughput scales with it."""
+        (default: the run's global batch); throughput scales with it. `source_tokens`: the
+        training tokens read so far per data source (`consumed-tokens/<prefix>` scalars and
+        `consumed tokens <prefix>` fields, up to MAX_SOURCES_SHOWN sources)."""
         batch = self.global_batch_size if global_batch_size is None else global_batch_size
         scale = batch / self.global_batch_size
         self._batch_scale += scale
@@ -299,6 +317,8 @@ class MetricsLogger:
             "consumed-samples": consumed_samples,
             "global-batch-size": batch,
         }
+        for prefix, tokens in shown_sources(source_tokens).items():
+            scalars[f"consumed-tokens/{prefix}"] = tokens
         dashboards = iteration % self.config.tensorboard_log_interval == 0
         self.writer.write(iteration, scalars, dashboards=dashboards)
         if iteration % self.config.log_interval != 0:
@@ -321,6 +341,7 @@ class MetricsLogger:
             tokens_per_second=self.throughput.tokens_per_iteration / per_full_batch,
             tflops_per_device=self.throughput.tflops_per_device(per_full_batch),
             mfu=self.throughput.mfu(per_full_batch),
+            source_tokens=source_tokens,
         )
         logger.info(format_iteration_line(stats))
         self._skipped_before = skipped_steps

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pretrain.data.mixture_dataset import MixtureCounter, consumed_tokens
 from pretrain.training.batch_schedule import BatchSchedule
 from pretrain.training.checkpointing import Checkpointer
 from pretrain.training.distributed import any_rank
@@ -106,9 +107,11 @@ def train(
     device: torch.device,
     exit_signal: ExitSignal | None = None,
     rewinder: Rewinder | None = None,
+    mixture: MixtureCounter | None = None,
 ) -> bool:
     """Train from `train_state` to --train-iters (or an early exit); save at the end if any
-    iteration ran (a finished run launched again saves nothing).
+    iteration ran (a finished run launched again saves nothing). `mixture` counts each
+    source's samples into `train_state.data_mixture` after every iteration.
 
     Returns True when --train-iters was reached, False after an early exit (Megatron runs its
     final evaluation only in the first case)."""
@@ -138,6 +141,7 @@ def train(
         seconds = time.perf_counter() - step_start
         train_state.iteration += 1
         train_state.consumed_train_samples += global_batch
+        source_tokens = _count_sources(train_state, mixture, config.seq_length)
         metrics.record_iteration(
             iteration=train_state.iteration,
             consumed_samples=train_state.consumed_train_samples,
@@ -148,6 +152,7 @@ def train(
             grad_norm=engine.grad_norm(),
             loss_scale=engine.loss_scale(),
             skipped_steps=engine.skipped_steps,
+            source_tokens=source_tokens,
         )
         divergence.after_step(train_state.iteration, loss, checkpointer.newest_checkpoint)
         if evaluator.should_evaluate(train_state.iteration):
@@ -169,5 +174,18 @@ def train(
             )
             return False
     if train_state.iteration > first_iteration:
+        _count_sources(train_state, mixture, config.seq_length)  # after skipped iterations
         checkpointer.save_if_unsaved(engine, train_state)
     return True
+
+
+def _count_sources(
+    train_state: TrainState, mixture: MixtureCounter | None, seq_length: int
+) -> dict[str, int] | None:
+    """Set `train_state.data_mixture` at its consumed samples; return the training tokens read
+    per source when the train data has several (None otherwise)."""
+    if mixture is None:
+        return None
+    train_state.data_mixture = mixture.record(train_state.consumed_train_samples)
+    tokens = consumed_tokens(train_state.data_mixture, seq_length)
+    return tokens if len(tokens) > 1 else None

@@ -27,9 +27,13 @@ _TOKENIZER_FLAGS = (
     ("tokenizer_model", "--tokenizer-model"),
     ("vocab_size", "--vocab-size"),
 )
-_ORDER_FIELDS = (
+_BLEND_FIELDS = (
     ("blend", "data (--data-path)"),
     ("blend_per_split", "per-split data"),
+    ("data_schedule", "--data-schedule"),
+)
+_ORDER_FIELDS = (
+    *_BLEND_FIELDS,
     ("split", "--split"),
     ("seq_length", "--seq-length"),
     ("seed", "--seed"),
@@ -93,15 +97,24 @@ def data_changes(
     if not isinstance(saved, dict):
         return None
     current = json_safe(dataclasses.asdict(data))
-    changes = [
-        f"{what}: {saved.get(key)} -> {current[key]}"
+    changed = [
+        (key, what)
         for key, what in _ORDER_FIELDS
         if key in saved and json_safe(saved[key]) != current[key]
     ]
-    changes += _content_changes(meta.get("data_fingerprints") or {}, fingerprints)
+    changes = [f"{what}: {saved.get(key)} -> {current[key]}" for key, what in changed]
+    content = _content_changes(meta.get("data_fingerprints") or {}, fingerprints)
+    changes += content
     if not changes:
         return None
     consumed = meta.get("consumed_train_samples", 0)
+    blend_only = not content and all(field in _BLEND_FIELDS for field in changed)
+    if blend_only and meta.get("data_mixture") and data.dataloader_type == "single":
+        return (
+            f"--load {path}: this run's blend differs from the checkpoint's "
+            f"({'; '.join(changes)}); each source continues its own sample order where the "
+            f"checkpoint stopped it (the 'data mixture' lines say where)"
+        )
     return (
         f"--load {path}: this run's data differs from the checkpoint's ({'; '.join(changes)}); "
         f"the sample order is this run's, built from its data alone, and training continues at "

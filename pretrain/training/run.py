@@ -270,11 +270,8 @@ def _train(
     # Causal attention needs no input; document ids (O(S) per sample) only when documents are
     # kept apart (--reset-attention-mask).
     use_document_ids = cfg.data.reset_attention_mask
-    train_batches, valid_sets, test_batches, train_dataset = data_iterators(
-        cfg,
-        prepared,
-        train_state.consumed_train_samples,
-        train_state.consumed_valid_samples,
+    train_batches, valid_sets, test_batches, train_dataset, mixture = data_iterators(
+        cfg, prepared, train_state
     )
     if rng is not None:  # last: creating the loaders above draws from the torch generator
         restore_rng_state(rng)
@@ -368,6 +365,7 @@ def _train(
                 use_document_ids=use_document_ids,
                 device=device,
                 exit_signal=exit_signal,
+                mixture=mixture,
                 rewinder=checkpoint_rewinder(
                     cfg.checkpoint,
                     cfg.model,

@@ -22,6 +22,9 @@ class TrainState:
     """The trailing losses --check-for-spiky-loss compares each new loss with."""
     spike_pending_skips: list[tuple[int, int]] = field(default_factory=list)
     """Training sample ranges [start, end) a spike rewind will skip when it reaches them."""
+    data_mixture: dict = field(default_factory=dict)
+    """The train split's phases and, per source (prefix), the samples of its own order read
+    (`pretrain.data.mixture`: the record); empty with --dataloader-type cyclic or mock data."""
 
     @classmethod
     def from_checkpoint(cls, client_state: dict) -> TrainState:
@@ -32,6 +35,7 @@ class TrainState:
             skipped_train_samples=_ranges(client_state, "skipped_train_samples"),
             spike_loss_window=[float(x) for x in client_state.get("spike_loss_window", [])],
             spike_pending_skips=_ranges(client_state, "spike_pending_skips"),
+            data_mixture=dict(client_state.get("data_mixture") or {}),
         )
 
 
