@@ -10,7 +10,7 @@ What the mixture-of-experts dispatchers are built from; each op's backward is it
 
 Row counts may differ per rank (`sizes`, the rows each group rank contributes or receives). All
 three run on `torch.distributed.all_to_all_single`, which takes uneven splits on every backend
-(gloo included: tests/test_moe_layer.py checks it), so there is one code path for even and uneven
+(gloo included: tests/test_moe_parallel.py checks it), so there is one code path for even and uneven
 sizes. With a group of one rank every op is the identity.
 """
 

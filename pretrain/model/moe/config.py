@@ -25,7 +25,7 @@ def parse_layer_freq(text: str) -> int | tuple[int, ...]:
     `+` and `*` (Megatron evaluates the same strings with Python's eval)."""
     try:
         value = _list_expression(ast.parse(text.strip(), mode="eval").body)
-    except (SyntaxError, ValueError) as error:
+    except (SyntaxError, TypeError, ValueError) as error:
         raise ValueError(
             f"--moe-layer-freq {text!r}: expected an int or a list of 0/1 such as "
             f"'([1]*3+[0])*2' ({error})"
