@@ -210,7 +210,7 @@ def test_expert_bias_picks_experts_ignores_padding_and_updates():
     _forward_backward(layer, x, upstream, padding)
     counts = layer.router.local_tokens_per_expert.clone()
     assert counts.sum() == (BATCH * SEQ - 5) * config.moe_router_topk  # padding not counted
-    metrics.finish_iteration(layer, config)
+    metrics.finish_iteration(layer)
     expected = 0.01 * torch.sign(counts.mean() - counts)
     torch.testing.assert_close(layer.router.expert_bias, expected)
     assert layer.router.expert_bias.abs().sum() > 0
@@ -327,3 +327,24 @@ def test_gpt_model_places_moe_layers_and_names_their_weights():
     )
     assert 0 < min(collected.min_share) <= 0.25 <= max(collected.max_share) < 1
     assert collected.dropped_fraction == 0
+
+
+def test_expert_bias_and_counts_stay_fp32_in_a_bf16_model():
+    config = _config(
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        add_bias_linear=False,
+        params_dtype=torch.bfloat16,
+    )
+    layer = _layer(config)
+    state = {name: t.clone() for name, t in layer.state_dict().items()}
+    state["router.expert_bias"] = torch.full((4,), 1e-3) + torch.arange(4.0)  # not bf16-exact
+    layer.bfloat16()  # what DeepSpeed's bf16 engine does to the module
+    layer.load_state_dict(state)
+    assert layer.router.expert_bias.dtype == torch.float32
+    assert torch.equal(layer.router.expert_bias, state["router.expert_bias"])
+    x = torch.randn(32, SEQ, HIDDEN, dtype=torch.bfloat16)
+    for _ in range(2):  # 2 x 768 routed tokens: counts past bf16's exact integers (256)
+        layer(x)
+    assert layer.router.local_tokens_per_expert.dtype == torch.float32
+    assert layer.router.local_tokens_per_expert.sum() == 2 * 32 * SEQ * 2

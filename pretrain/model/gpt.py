@@ -25,6 +25,8 @@ shapes are TP=1's, TP shards split the dimension noted by `partition_dim`):
     layers.<i>.post_attention_norm.{weight,bias}
     layers.<i>.mlp.fc1.{weight,bias}        [2f or f, h]
     layers.<i>.mlp.fc2.{weight,bias}        [h, f]
+    layers.<i>.mlp.{router,experts,shared_experts}.*   an MoE layer's, where config.moe_layers
+                                            says (pretrain/model/moe/layer.py lists them)
     head.final_norm.{weight,bias}
     head.output_layer.weight                [V, h]                    untied only
 

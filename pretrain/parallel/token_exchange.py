@@ -30,6 +30,13 @@ def group_rank(group) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+def all_reduce(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum `x` over `group` in place (nothing with one rank); returns `x`. Not autograd."""
+    if group_size(group) > 1:
+        dist.all_reduce(x, group=group)
+    return x
+
+
 def _exchange(x: torch.Tensor, group, output_splits: list[int], input_splits: list[int]):
     out = x.new_empty((sum(output_splits), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), output_splits, input_splits, group=group)

@@ -224,7 +224,7 @@ def build_engine(
 ) -> Engine:
     """Process groups, the seeded model, AdamW, the LR schedule, then `deepspeed.initialize`."""
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    state.initialize_model_parallel(tp, pp)
+    state.initialize_model_parallel(tp, pp, parallel.expert_model_parallel_size, parallel.expert_tp)
     seed_everything(seed)
     pipeline = pp > 1
     if pipeline:

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from pretrain.model.loss import masked_mean_loss
+from pretrain.model.moe import losses as moe_losses
+from pretrain.model.moe import metrics as moe_metrics
 from pretrain.parallel import state
 from pretrain.training.per_source import SourceLosses
 
@@ -89,7 +91,15 @@ def train_step(
     """Forward/backward over the global batch and one optimizer step; returns the iteration's loss.
 
     `judge(loss)` (called on every rank before the optimizer step) returning False withholds the
-    update (`Engine.withheld_update`)."""
+    update (`Engine.withheld_update`). MoE: the routers' auxiliary losses get the gradient scale
+    DeepSpeed gives the loss, and the expert biases are updated after the iteration."""
+    moe_losses.set_backward_scale(engine.loss_scale() / num_microbatches)
+    loss = _train_step(engine, batches, num_microbatches, use_document_ids, device, judge)
+    moe_metrics.finish_iteration(engine.ds.module)
+    return loss
+
+
+def _train_step(engine, batches, num_microbatches, use_document_ids, device, judge) -> float:
     if engine.pipeline:
         if judge is None:
             return float(engine.ds.train_batch(data_iter=batches))

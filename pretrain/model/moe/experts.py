@@ -17,7 +17,12 @@ Layout attributes, for the optimizer and checkpoint code: every parameter has
 `expert_parallel = True` and `expert_partition_dim = 0` (the experts, split over EP: rank r holds
 experts [r E/ep, (r+1) E/ep)); the matrices split over expert TP also have
 `expert_tensor_partition_dim` (1 for fc1, 2 for fc2) and `partition_stride` (2 for SwiGLU's fc1:
-each rank holds [gate_r; up_r]). Initialisation draws each expert's full matrix from
+each rank holds [gate_r; up_r]). When the expert-TP group is the TP group (expert TP = TP > 1)
+the matrices are also ordinary TP shards (`tensor_model_parallel`, `partition_dim` = the same
+dimension): clipping, ZeRO and the full-state checkpoint treat them as such. With expert TP 1 and
+EP 1 under TP, every TP rank holds whole experts fed by its own sequence chunk: their gradients
+are summed over TP in backward and they are marked `sequence_parallel = True` (replicated over
+TP, like the norms). Initialisation draws each expert's full matrix from
 (seed, "<name>[<expert>]") and keeps this rank's shard, so any EP/ETP layout starts from the same
 model.
 """
@@ -31,8 +36,9 @@ from torch import nn
 from pretrain.model.config import ModelConfig
 from pretrain.model.mlp import activation
 from pretrain.parallel import state
+from pretrain.parallel.layers import sum_grad_over_tensor_parallel
 from pretrain.parallel.random import draw_full_normal
-from pretrain.parallel.sharding import shard_tensor
+from pretrain.parallel.sharding import mark_tensor_parallel, shard_tensor
 
 
 def mark_expert_parallel(param: nn.Parameter, etp_dim: int | None, stride: int = 1):
@@ -42,7 +48,33 @@ def mark_expert_parallel(param: nn.Parameter, etp_dim: int | None, stride: int =
     if etp_dim is not None:
         param.expert_tensor_partition_dim = etp_dim
         param.partition_stride = stride
+        if _etp_is_tp():  # the expert-TP group is then the TP group: a TP shard like any other
+            mark_tensor_parallel(param, etp_dim, stride)
+    param.sequence_parallel = _summed_over_tp()
     return param
+
+
+def _etp_is_tp() -> bool:
+    tp = state.get_tensor_model_parallel_world_size()
+    return tp > 1 and state.get_expert_tensor_parallel_world_size() == tp
+
+
+def _summed_over_tp() -> bool:
+    """With expert TP 1 and EP 1 under TP (sequence parallelism), every TP rank holds every
+    expert whole and runs it on its own sequence chunk: like a norm weight, the gradient is the
+    sum over TP (`sum_grad_over_tensor_parallel`)."""
+    return (
+        state.get_tensor_model_parallel_world_size() > 1
+        and state.get_expert_tensor_parallel_world_size() == 1
+        and state.get_expert_model_parallel_world_size() == 1
+    )
+
+
+def _tp_summed(param: nn.Parameter | None) -> torch.Tensor | None:
+    """`param`, its gradient summed over TP when it is marked so (`_summed_over_tp`)."""
+    if param is None or not param.sequence_parallel:
+        return param
+    return sum_grad_over_tensor_parallel(param)
 
 
 class _ExpertLinear(nn.Module):
@@ -129,12 +161,15 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
         """Rows [N, h] sorted by local expert (`counts` each), weights [N] -> outputs [N, h]."""
+        fc1_weight, fc1_bias, fc2_weight, fc2_bias = map(
+            _tp_summed, (self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias)
+        )
         weights = probs.unsqueeze(-1)
-        hidden = self._matmul(x, self.fc1.weight, counts)
-        if self.fc1.bias is not None:
-            hidden = hidden + _bias_rows(self.fc1.bias, counts)
+        hidden = self._matmul(x, fc1_weight, counts)
+        if fc1_bias is not None:
+            hidden = hidden + _bias_rows(fc1_bias, counts)
         hidden = (activation(hidden, self.config) * weights).to(x.dtype)
-        out = self._matmul(hidden, self.fc2.weight, counts)
-        if self.fc2.bias is not None:
-            out = out + (_bias_rows(self.fc2.bias, counts) * weights).to(x.dtype)
+        out = self._matmul(hidden, fc2_weight, counts)
+        if fc2_bias is not None:
+            out = out + (_bias_rows(fc2_bias, counts) * weights).to(x.dtype)
         return out

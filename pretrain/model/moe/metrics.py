@@ -5,12 +5,13 @@ auxiliary losses divided by their coefficients (Megatron's logged values: `load_
 `seq_load_balancing_loss`, `global_load_balancing_loss`, `z_loss`), the tokens routed to each
 expert and the (token, expert) assignments dropped over capacity, padding excluded.
 
-`collect(model)` turns them into one `MoEMetrics` for the iteration on every rank and starts the
-next iteration's; it is collective (all ranks call it together, like the log line's own
-reductions). `finish_iteration(model)` updates the expert biases from the iteration's token
-counts summed over the pipeline stage's TP x DP ranks (so the update is the global batch's, at
-any DP size) and resets the global-aux-loss counts; the training step calls it after backward,
-before the next iteration (where Megatron's finalize_model_grads does).
+`collect(model, config)` turns them into one `MoEMetrics` on every rank (averaged over the
+micro-batches since the last call: call it at every log line) and starts over; it is collective
+(all ranks call it together, like the log line's own reductions). `finish_iteration(model)`
+updates the expert biases from the iteration's token counts summed over the pipeline stage's
+TP x DP ranks (so the update is the global batch's, at any DP size) and resets the
+global-aux-loss counts; the training step calls it once per iteration, after the last backward
+(Megatron does it in finalize_model_grads).
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from pretrain.parallel import state
+from pretrain.parallel.token_exchange import all_reduce
 
 
 class RouterStats:
-    """One router's accumulators for the current iteration."""
+    """One router's accumulators since the last `collect`, on the router's device (no host
+    synchronisation per micro-batch)."""
 
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
@@ -33,18 +35,18 @@ class RouterStats:
     def reset(self) -> None:
         self.losses: dict[str, torch.Tensor] = {}
         self.micro_batches: dict[str, int] = {}
-        self.tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.float64)
-        self.dropped = torch.zeros((), dtype=torch.float64)
+        self.tokens_per_expert: torch.Tensor | float = 0.0
+        self.dropped: torch.Tensor | float = 0.0
 
     def add_loss(self, name: str, value: torch.Tensor) -> None:
         """One micro-batch's loss (divided by its coefficient)."""
-        self.losses[name] = self.losses.get(name, 0.0) + value.double().cpu()
+        self.losses[name] = self.losses.get(name, 0.0) + value.detach().double()
         self.micro_batches[name] = self.micro_batches.get(name, 0) + 1
 
     def add_routing(self, tokens_per_expert: torch.Tensor, dropped: torch.Tensor) -> None:
         """One micro-batch's routed tokens per expert and dropped assignments."""
-        self.tokens_per_expert += tokens_per_expert.double().cpu()
-        self.dropped += dropped.double().cpu()
+        self.tokens_per_expert = self.tokens_per_expert + tokens_per_expert.double()
+        self.dropped = self.dropped + dropped.double()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,36 +73,32 @@ def routers(model: torch.nn.Module) -> list:
     return [m for m in model.modules() if isinstance(getattr(m, "stats", None), RouterStats)]
 
 
+LOSS_NAMES = {
+    "aux_loss": "load_balancing_loss",
+    "seq_aux_loss": "seq_load_balancing_loss",
+    "global_aux_loss": "global_load_balancing_loss",
+}
+"""--moe-router-load-balancing-type -> the name its loss is logged under (Megatron's)."""
+
+
 def loss_names(config) -> list[str]:
     """The losses a model's routers report (the same on every pipeline stage)."""
     names = []
-    if config.moe_aux_loss_coeff > 0 and config.moe_router_load_balancing_type in _SCOPES:
-        names.append(_SCOPES[config.moe_router_load_balancing_type][0])
+    if config.moe_aux_loss_coeff > 0 and config.moe_router_load_balancing_type in LOSS_NAMES:
+        names.append(LOSS_NAMES[config.moe_router_load_balancing_type])
     if config.moe_z_loss_coeff:
         names.append("z_loss")
     return names
 
 
-# load-balancing type -> (logged name, the stage's ranks a sequence's tokens are split over)
-_SCOPES = {
-    "aux_loss": ("load_balancing_loss", "tp"),
-    "seq_aux_loss": ("seq_load_balancing_loss", "tp"),
-    "global_aux_loss": ("global_load_balancing_loss", "stage"),
-}
-
-
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(x, group=group)
-    return x
-
-
 def _divisor(name: str) -> int:
     """After summing `name` over the stage's TP x DP ranks: what to divide by to get Megatron's
-    value (partial losses add up over the ranks that share their scope; the rest is averaged)."""
+    value (partial losses add up over the ranks that share their scope, the rest is averaged):
+    the micro-batch and sequence losses are split over TP, the global one over the stage."""
     tp, dp = state.get_tensor_model_parallel_world_size(), state.get_data_parallel_world_size()
-    scope = {logged: ranks for logged, ranks in _SCOPES.values()}.get(name)
-    return {"tp": dp, "stage": 1}.get(scope, tp * dp)
+    if name == LOSS_NAMES["global_aux_loss"]:
+        return 1
+    return dp if name in LOSS_NAMES.values() else tp * dp
 
 
 def collect(model: torch.nn.Module, config) -> MoEMetrics:
@@ -119,15 +117,15 @@ def collect(model: torch.nn.Module, config) -> MoEMetrics:
         layer, stats = moe_index[router.layer_number], router.stats
         for i, name in enumerate(names):
             if name in stats.losses:
-                losses[i, layer] = stats.losses[name] / stats.micro_batches[name]
-        tokens[layer] = stats.tokens_per_expert
-        dropped += stats.dropped
+                losses[i, layer] = stats.losses[name].item() / stats.micro_batches[name]
+        tokens[layer] = torch.as_tensor(stats.tokens_per_expert).cpu()
+        dropped += torch.as_tensor(stats.dropped).cpu()
         stats.reset()
-    flat = _all_reduce(
+    flat = all_reduce(
         torch.cat([losses.flatten(), tokens.flatten(), dropped]),
         state.get_tensor_and_data_parallel_group(),
     )
-    flat = _all_reduce(flat, state.get_pipeline_model_parallel_group())
+    flat = all_reduce(flat, state.get_pipeline_model_parallel_group())
     losses = flat[: losses.numel()].view_as(losses)
     tokens = flat[losses.numel() : -1].view_as(tokens)
     for i, name in enumerate(names):
@@ -143,7 +141,7 @@ def collect(model: torch.nn.Module, config) -> MoEMetrics:
 
 
 @torch.no_grad()
-def finish_iteration(model: torch.nn.Module, config) -> None:
+def finish_iteration(model: torch.nn.Module) -> None:
     """After an iteration's backward: update every expert bias from the iteration's kept tokens
     per expert summed over the stage's TP x DP ranks (bias += rate x sign(mean count - count),
     DeepSeek-V3's rule, Megatron's), zero the counts, reset the global-aux-loss counts."""
@@ -151,9 +149,9 @@ def finish_iteration(model: torch.nn.Module, config) -> None:
     biased = [r for r in local if r.expert_bias is not None]
     if biased:
         counts = torch.stack([r.local_tokens_per_expert for r in biased])
-        counts = _all_reduce(counts, state.get_tensor_and_data_parallel_group())
+        counts = all_reduce(counts, state.get_tensor_and_data_parallel_group())
         offset = counts.mean(dim=-1, keepdim=True) - counts
-        steps = torch.sign(offset) * config.moe_router_bias_update_rate
+        steps = torch.sign(offset) * biased[0].config.moe_router_bias_update_rate
         for router, step in zip(biased, steps, strict=True):
             router.expert_bias += step
             router.local_tokens_per_expert.zero_()

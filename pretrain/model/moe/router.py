@@ -21,14 +21,13 @@ added to the scores only to pick the experts; the weights never see it.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from pretrain.model.config import ModelConfig
 from pretrain.model.mlp import uses_sequence_parallel
 from pretrain.model.moe import losses
-from pretrain.model.moe.metrics import RouterStats
+from pretrain.model.moe.metrics import LOSS_NAMES, RouterStats
 from pretrain.model.moe.routing import (
     aux_loss_scores,
     drop_over_capacity,
@@ -38,23 +37,10 @@ from pretrain.model.moe.routing import (
 from pretrain.parallel import state
 from pretrain.parallel.layers import sum_grad_over_tensor_parallel
 from pretrain.parallel.random import init_normal_, is_recomputing
+from pretrain.parallel.token_exchange import all_reduce, group_size
 
 ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
-LOSS_NAMES = {
-    "aux_loss": "load_balancing_loss",
-    "seq_aux_loss": "seq_load_balancing_loss",
-    "global_aux_loss": "global_load_balancing_loss",
-}
-
-
-def _all_reduce(x: torch.Tensor, group) -> torch.Tensor:
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(x, group=group)
-    return x
-
-
-def _group_size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+FP32_BUFFERS = ("expert_bias", "local_tokens_per_expert", "global_tokens_per_expert")
 
 
 class TopKRouter(nn.Module):
@@ -90,6 +76,18 @@ class TopKRouter(nn.Module):
         if self.bias is not None:
             init_normal_(self.bias, f"{prefix}.bias", self.config.seed, std)
 
+    def _keep_fp32(self) -> None:
+        """The expert bias and token counts stay fp32 when the module is cast to bf16/fp16 (a
+        1e-3 bias step or a count above 256 would vanish in bf16), as megatron-core keeps them."""
+        for name in FP32_BUFFERS:
+            buffer = getattr(self, name)
+            if buffer is not None and buffer.dtype != torch.float32:
+                setattr(self, name, buffer.float())
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._keep_fp32()  # load the saved fp32 bias into an fp32 buffer
+        return super()._load_from_state_dict(*args, **kwargs)
+
     def _coeff(self, kind: str) -> float:
         config = self.config
         return config.moe_aux_loss_coeff if config.moe_router_load_balancing_type == kind else 0.0
@@ -115,6 +113,7 @@ class TopKRouter(nn.Module):
         (`seq_length` rows of the local sequence chunk per sample); `padding_mask` [T] marks
         padding tokens."""
         config = self.config
+        self._keep_fp32()
         training = self.training and torch.is_grad_enabled()
         recording = training and not is_recomputing()
         logits = self.logits(tokens)
@@ -184,11 +183,11 @@ class TopKRouter(nn.Module):
         group = state.get_tensor_model_parallel_group()
         if kind == "global_aux_loss":
             group = state.get_tensor_and_data_parallel_group()
-        counts = _all_reduce(routing_map.sum(0).to(scores.dtype), group)
+        counts = all_reduce(routing_map.sum(0).to(scores.dtype), group)
         if padding_mask is not None:
             total = counts.sum() / (topk * (routing_map.shape[1] // experts))
         else:
-            total = routing_map.shape[0] * _group_size(group)
+            total = routing_map.shape[0] * group_size(group)
         if kind == "global_aux_loss":
             counts = self._global_average(counts)
         loss = losses.switch_load_balancing_loss(scores, counts, total, topk, experts, coeff)
