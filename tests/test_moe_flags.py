@@ -3,6 +3,8 @@ ParallelConfig's); `model_flags` writes them back; bad values are one line."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from pretrain.cli import build_parser
@@ -94,3 +96,10 @@ def test_a_bad_layer_freq_is_one_line():
     with pytest.raises(UserError, match=r"--moe-layer-freq '\[1\]\*x'") as error:
         build_parser().parse_args(DENSE + ["--moe-layer-freq", "[1]*x"])
     assert "\n" not in str(error.value)
+
+
+def test_a_layer_pattern_read_back_from_json_is_the_same_config():
+    from pretrain.checkpoint.format import json_safe, model_config_from_meta
+
+    config = _config(DEEPSEEK)[1]
+    assert model_config_from_meta(json_safe(dataclasses.asdict(config))) == config

@@ -193,6 +193,11 @@ class ModelConfig:
     )
     """Parameter dtype (float32; bfloat16 with --bf16, float16 with --fp16)."""
 
+    def __post_init__(self) -> None:
+        # a layer pattern read back from JSON (checkpoint metadata) is a list
+        if isinstance(self.moe_layer_freq, list):
+            object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
+
     @property
     def ffn_size(self) -> int:
         if self.ffn_hidden_size is not None:
