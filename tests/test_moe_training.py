@@ -42,7 +42,7 @@ MODELS = {
 # (TP, PP, ZeRO, expert TP) at 4 ranks
 LAYOUTS = [(1, 1, 1, 1), (2, 1, 2, 2), (2, 2, 0, 1)]
 
-pytestmark = [pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def _argv(model: str, corpus: str, layout, metrics) -> list[str]:
