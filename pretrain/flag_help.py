@@ -27,6 +27,7 @@ MEGATRON_GROUPS = (
     "validation",
     "data and dataloader",
     "tokenizer",
+    "moe",
     "logging",
 )
 

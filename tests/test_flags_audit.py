@@ -120,6 +120,12 @@ def changes(f) -> dict:
     samples = ["--train-samples", "32"] + d[2:]
     sets = ITERS + ["--train-data-path", f["corpus"], "--valid-data-path", f["corpus"], f["other"]]
     launched = {**TWO_RANKS, "LOCAL_WORLD_SIZE": "2"}
+    moe = d + ["--num-experts", "4"]
+    sigmoid = moe + ["--moe-router-score-function", "sigmoid"]
+    capacity = moe + ["--moe-expert-capacity-factor", "1.5"]
+    groups = moe + ["--moe-router-num-groups", "2"]
+    no_bias = moe + ["--disable-bias-linear"]
+    moe_tp2 = no_bias + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     return {
         # model
         "--num-layers": ["4"], "--hidden-size": ["64"], "--ffn-hidden-size": ["64"],
@@ -151,6 +157,29 @@ def changes(f) -> dict:
         "--distributed-backend": ["gloo"], "--distributed-timeout-minutes": ["3"],
         "--deepspeed_config": [f["ds"]], "--local_rank": (d, d + ["--local_rank", "1"], launched),
         "--overlap-grad-reduce": ["--zero-stage", "1"],
+        # mixture of experts
+        "--num-experts": ["4"],
+        "--expert-tensor-parallel-size": (moe_tp2, moe_tp2 + ["--expert-tensor-parallel-size", "1"], TWO_RANKS),
+        "--moe-layer-freq": (moe, moe + ["--moe-layer-freq", "2"], None),
+        "--moe-ffn-hidden-size": (moe, moe + ["--moe-ffn-hidden-size", "16"], None),
+        "--moe-shared-expert-intermediate-size": (no_bias, no_bias + ["--moe-shared-expert-intermediate-size", "16"], None),
+        "--moe-router-topk": (moe, moe + ["--moe-router-topk", "3"], None),
+        "--moe-router-score-function": (moe, sigmoid, None),
+        "--moe-router-pre-softmax": (moe, moe + ["--moe-router-pre-softmax"], None),
+        "--moe-router-topk-scaling-factor": (moe, moe + ["--moe-router-topk-scaling-factor", "2"], None),
+        "--moe-router-num-groups": (moe, groups, None),
+        "--moe-router-group-topk": (groups, groups + ["--moe-router-group-topk", "1"], None),
+        "--moe-router-load-balancing-type": (moe, moe + ["--moe-router-load-balancing-type", "seq_aux_loss"], None),
+        "--moe-aux-loss-coeff": (moe, moe + ["--moe-aux-loss-coeff", "0.01"], None),
+        "--moe-z-loss-coeff": (moe, moe + ["--moe-z-loss-coeff", "0.001"], None),
+        "--moe-router-enable-expert-bias": (sigmoid, sigmoid + ["--moe-router-enable-expert-bias"], None),
+        "--moe-router-bias-update-rate": (moe, moe + ["--moe-router-bias-update-rate", "0.01"], None),
+        "--moe-router-dtype": (moe, moe + ["--moe-router-dtype", "fp64"], None),
+        "--moe-expert-capacity-factor": (moe, capacity, None),
+        "--moe-token-drop-policy": (capacity, capacity + ["--moe-token-drop-policy", "position"], None),
+        "--moe-pad-expert-input-to-capacity": (capacity, capacity + ["--moe-pad-expert-input-to-capacity"], None),
+        "--moe-token-dispatcher-type": (moe, moe + ["--moe-token-dispatcher-type", "alltoall"], None),
+        "--moe-grouped-gemm": (moe, moe + ["--moe-grouped-gemm"], None),
         # optimizer and schedule
         "--lr": ["2e-3"], "--min-lr": ["1e-5"], "--lr-decay-style": ["cosine"],
         "--lr-decay-iters": ["2"], "--lr-decay-samples": (samples, samples + ["--lr-decay-samples", "16"], None),
@@ -227,7 +256,6 @@ NOOP_VALUES = {
     "--context-parallel-size": ["1"],
     "--ds-sequence-parallel-size": ["1"],
     "--expert-model-parallel-size": ["1"],
-    "--expert-tensor-parallel-size": ["1"],
     "--num-layers-per-virtual-pipeline-stage": ["2"],  # 2 layers / PP 1: one chunk per stage
     "--num-virtual-stages-per-pipeline-rank": ["1"],
     "--DDP-impl": ["local"],

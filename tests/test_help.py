@@ -32,6 +32,7 @@ MEGATRON_TITLES = [
     "validation",
     "data and dataloader",
     "tokenizer",
+    "moe",
     "logging",
 ]
 # flags and the group Megatron-LM core_v0.15 lists them in, where a Megatron user looks for them
@@ -57,6 +58,8 @@ GROUP_OF = {
     "--mock-data": "data and dataloader",
     "--num-workers": "data and dataloader",
     "--vocab-file": "tokenizer",
+    "--num-experts": "moe",
+    "--expert-model-parallel-size": "moe",
     "--wandb-project": "logging",
     "--num-layers": "network size",
     "--make-vocab-size-divisible-by": "network size",

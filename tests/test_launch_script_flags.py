@@ -124,13 +124,14 @@ def test_every_refused_flag_is_one_line_naming_it(corpus):
 
 
 def test_a_refused_flag_exits_2_with_one_line(corpus):
-    cmd = [PYTHON, str(REPO / "pretrain_gpt.py"), *tiny(corpus, "--num-experts", "8")]
+    cmd = [PYTHON, str(REPO / "pretrain_gpt.py"), *tiny(corpus, "--moe-loss-coeff", "0.01")]
     proc = subprocess.run(
         cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=300
     )
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and errors == [
-        "error: --num-experts: MoE is not supported yet (train a dense model: drop the MoE flags)"
+        "error: --moe-loss-coeff: Megatron-DeepSpeed's MoE flags are not implemented "
+        "(Megatron-LM's are); use --moe-aux-loss-coeff"
     ], proc.stderr
     assert "Traceback" not in proc.stderr  # fmt: skip
 
@@ -138,8 +139,6 @@ def test_a_refused_flag_exits_2_with_one_line(corpus):
 SIZE_ONE = [
     ("--context-parallel-size", "there is no context parallelism"),
     ("--ds-sequence-parallel-size", "there is no DeepSpeed-Ulysses sequence parallelism"),
-    ("--expert-model-parallel-size", "MoE is not supported yet"),
-    ("--expert-tensor-parallel-size", "MoE is not supported yet"),
     ("--num-virtual-stages-per-pipeline-rank", "runs one model chunk per stage"),
 ]
 

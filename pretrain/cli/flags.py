@@ -20,6 +20,7 @@ from pretrain.data.config import add_data_args, add_sample_count_args
 from pretrain.errors import UserError
 from pretrain.flag_help import HelpFormatter, add_megatron_groups, argument_group
 from pretrain.model.config import ModelConfig
+from pretrain.model.moe.config import parse_layer_freq
 from pretrain.tokenizer import add_tokenizer_args
 from pretrain.training.exit_signal import SIGNALS
 from pretrain.training.lr_schedule import DECAY_STYLES, WSD_DECAY_STYLES
@@ -53,6 +54,13 @@ _MODEL_FLAGS = {f.name: f.metadata["flag"] for f in fields(ModelConfig)}
 def _model(field_name: str, *aliases: str, **options: Any) -> Flag:
     """A row filling ModelConfig.`field_name`, spelled as the field's metadata says."""
     return Flag((_MODEL_FLAGS[field_name], *aliases), f"model.{field_name}", options)
+
+
+def _layer_freq(value: str) -> int | tuple[int, ...]:
+    try:
+        return parse_layer_freq(value)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _normalization(value: str) -> str:
@@ -124,8 +132,6 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _flag("--local_rank", "--local-rank", type=int, help="set by the deepspeed launcher"),
         _flag("--context-parallel-size", type=int, default=1, metavar="N", help="accepted with 1 only: there is no context parallelism (TP, PP and DP exist; >1 is refused)"),
         _flag("--ds-sequence-parallel-size", type=int, default=1, metavar="N", help="accepted with 1 only: there is no DeepSpeed-Ulysses sequence parallelism (use --sequence-parallel with TP; >1 is refused)"),
-        _flag("--expert-model-parallel-size", type=int, default=1, metavar="N", help="accepted with 1 only: MoE is not supported yet (>1 is refused)"),
-        _flag("--expert-tensor-parallel-size", type=int, metavar="N", help="accepted with 1 only: MoE is not supported yet (>1 is refused)"),
         _flag("--num-layers-per-virtual-pipeline-stage", type=int, metavar="N", help="accepted only when it gives one model chunk per stage (N = layers / PP): DeepSpeed's pipeline engine runs one chunk per stage; interleaved schedules are refused"),
         _flag("--num-virtual-stages-per-pipeline-rank", type=int, metavar="N", help="accepted with 1 only: DeepSpeed's pipeline engine runs one model chunk per stage (>1 is refused)"),
         _flag("--overlap-grad-reduce", field="parallel.overlap_grad_reduce", action="store_true", help="overlap the gradient reduce-scatter with the backward pass: DeepSpeed's zero_optimization.overlap_comm (ZeRO 1-2; ZeRO-3 overlaps by default; ZeRO-0 has no overlap)"),
@@ -202,6 +208,32 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _flag("--ckpt-format", metavar="FORMAT", help="accepted with torch only (per-rank torch.save files: what is written here, DeepSpeed's layout plus pretrain_meta.json); torch_dist/zarr/torch_dcp/fsdp_dtensor are refused"),
         _flag("--auto-detect-ckpt-format", action="store_true", help="accepted: --load always detects the format (a Megatron-LM checkpoint is refused with the converter to use)"),
         _flag("--dist-ckpt-strictness", metavar="MODE", help="accepted: applies to torch_dist checkpoints, which are not read here"),
+    )),
+    ("moe", (
+        _flag("--expert-model-parallel-size", field="parallel.expert_model_parallel_size", type=int, default=1, metavar="N", help="accepted with 1 only for now: training at expert-parallel size > 1 is not implemented yet (the MoE layer itself runs at any EP; >1 is refused)"),
+        _flag("--expert-tensor-parallel-size", field="parallel.expert_tensor_parallel_size", type=int, metavar="N", help="expert TP: ranks that split each expert's weights [default: --tensor-model-parallel-size]"),
+        _model("num_moe_experts", type=int, metavar="N", help="experts per MoE layer [default: none, a dense model]"),
+        _model("moe_layer_freq", type=_layer_freq, default=1, metavar="N|LIST", help="MoE layers: every N-th layer from layer 0, or a list of 0/1 per layer such as '([1]*3+[0])*2'"),
+        _model("moe_ffn_hidden_size", type=int, help="each expert's MLP width [default: --ffn-hidden-size]"),
+        _model("moe_shared_expert_intermediate_size", type=int, help="width of the shared expert(s) every token also goes through [default: none]"),
+        _model("moe_router_topk", type=int, default=2, help="experts each token is routed to"),
+        _model("moe_router_score_function", default="softmax", metavar="{softmax,sigmoid}", help="router scores"),
+        _model("moe_router_pre_softmax", action="store_true", help="softmax over all experts before the top-k (needed for top-1 with softmax)"),
+        _model("moe_router_topk_scaling_factor", type=float, help="multiply the routing weights by this (DeepSeek's routed scaling factor)"),
+        _model("moe_router_num_groups", type=int, help="expert groups for group-limited routing"),
+        _model("moe_router_group_topk", type=int, help="groups each token may use (group-limited routing)"),
+        _model("moe_router_load_balancing_type", default="aux_loss", metavar="{aux_loss,seq_aux_loss,global_aux_loss,none}", help="scope of the load-balancing loss: micro-batch, sequence, or every micro-batch of the iteration over all data-parallel ranks"),
+        _model("moe_aux_loss_coeff", type=float, default=0.0, help="weight of the load-balancing loss"),
+        _model("moe_z_loss_coeff", type=float, help="weight of the router z-loss [default: none]"),
+        _model("moe_router_enable_expert_bias", action="store_true", help="DeepSeek-V3 aux-loss-free balancing: a per-expert bias that only picks experts, updated once per iteration (needs sigmoid scores)"),
+        _model("moe_router_bias_update_rate", type=float, default=1e-3, help="step of the expert-bias update"),
+        _model("moe_router_dtype", metavar="{fp32,fp64}", help="router logits and weights in this precision [default: the activations']"),
+        _model("moe_expert_capacity_factor", type=float, help="expert capacity = this x tokens x topk / experts, per rank; tokens over it are dropped [default: dropless]"),
+        _model("moe_token_drop_policy", default="probs", metavar="{probs,position}", help="over capacity, keep the highest-weight tokens or the first ones"),
+        _model("moe_pad_expert_input_to_capacity", action="store_true", help="every expert takes exactly its capacity (weight-0 padding; needs --moe-expert-capacity-factor)"),
+        _model("moe_token_dispatcher_type", default="allgather", metavar="{allgather,alltoall}", help="how tokens reach the experts of other EP ranks"),
+        _model("moe_grouped_gemm", action="store_true", help="each rank's experts as one grouped GEMM (torch._grouped_mm) instead of a loop; same math"),
+        _flag("--moe-permute-fusion", action="store_true", help="accepted: no fused permutation kernel (same math)"),
     )),
     ("logging", (
         _flag("--log-interval", field="logging.log_interval", type=int, default=100, help="iterations between training log lines"),

@@ -21,6 +21,7 @@ from pretrain.cli.resolve import (
     check_data_files,
     check_data_splits,
     check_lower_bounds,
+    check_moe_training,
     lr_schedule,
     model_config,
     precision_config,
@@ -208,7 +209,8 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
         model = force_from_checkpoint(model, saved, say)
     check_position_embedding(ns, model.position_embedding_type)
     check_script_flags(ns, model.num_layers, pp)
-    model.validate(tp, pp)
+    model.validate(tp, pp, parallel.expert_model_parallel_size, parallel.expert_tp)
+    check_moe_training(model, parallel)
     data = DataConfig.from_args(ns)
     if data.data_schedule is not None and batches.varies:
         raise UserError(

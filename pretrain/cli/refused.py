@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from pretrain.errors import UserError
 
-_MOE = "MoE is not supported yet (train a dense model: drop the MoE flags)"
+_MOE_DS = "Megatron-DeepSpeed's MoE flags are not implemented (Megatron-LM's are)"
 _FSDP = "FSDP is not supported yet (use ZeRO: --zero-stage 3 shards parameters, gradients and optimizer state)"
 _FP8 = "FP8 training is not implemented (use --bf16)"
 _KD = "knowledge distillation is not implemented (train the student without a teacher)"
@@ -27,43 +27,34 @@ _NOT_A_MODEL_FLAG = (
 )
 
 REFUSED_FLAGS: dict[str, str] = {
-    # mixture of experts (Megatron-LM and Megatron-DeepSpeed)
+    # mixture of experts: what Megatron-LM's MoE flags (pretrain/cli/flags.py, docs/MOE.md) lack
+    "--moe-flex-dispatcher-backend": (
+        "the flex dispatcher (DeepEP/HybridEP) is not implemented (use "
+        "--moe-token-dispatcher-type alltoall)"
+    ),
+    "--moe-per-layer-logging": (
+        "not implemented: the log line has each MoE loss averaged over the MoE layers (drop the "
+        "flag)"
+    ),
+    "--moe-router-force-load-balancing": (
+        "not implemented: routing always follows the router (drop the flag)"
+    ),
+    # Megatron-DeepSpeed's MoE flags: the Megatron-LM flag that does it, or what is missing
+    "--moe-expert-parallel-size": _MOE_DS + "; use --expert-model-parallel-size",
+    "--moe-train-capacity-factor": _MOE_DS + "; use --moe-expert-capacity-factor",
+    "--moe-loss-coeff": _MOE_DS + "; use --moe-aux-loss-coeff",
+    "--disable-moe-token-dropping": (
+        _MOE_DS + "; routing is dropless unless --moe-expert-capacity-factor is given"
+    ),
+    "--create-moe-param-group": _MOE_DS + " (drop the flag)",
     **dict.fromkeys(
-        (
-            "--num-experts",
-            "--moe-ffn-hidden-size",
-            "--moe-router-topk",
-            "--moe-aux-loss-coeff",
-            "--moe-z-loss-coeff",
-            "--moe-grouped-gemm",
-            "--moe-token-dispatcher-type",
-            "--moe-router-load-balancing-type",
-            "--moe-router-dtype",
-            "--moe-permute-fusion",
-            "--moe-layer-freq",
-            "--moe-flex-dispatcher-backend",
-            "--moe-per-layer-logging",
-            "--moe-router-bias-update-rate",
-            "--moe-router-enable-expert-bias",
-            "--moe-router-force-load-balancing",
-            "--moe-router-group-topk",
-            "--moe-router-num-groups",
-            "--moe-router-pre-softmax",
-            "--moe-router-score-function",
-            "--moe-router-topk-scaling-factor",
-            "--moe-shared-expert-intermediate-size",
-            "--moe-expert-parallel-size",
-            "--moe-train-capacity-factor",
-            "--moe-eval-capacity-factor",
-            "--moe-min-capacity",
-            "--moe-loss-coeff",
-            "--create-moe-param-group",
-            "--disable-moe-token-dropping",
-            "--mlp-type",
-            "--mos",
-            "--num-experts-teacher",
-        ),  # fmt: skip
-        _MOE,
+        ("--moe-eval-capacity-factor", "--moe-min-capacity"),
+        _MOE_DS + "; the capacity is --moe-expert-capacity-factor's, in training and evaluation",
+    ),
+    **dict.fromkeys(
+        ("--mlp-type", "--mos", "--num-experts-teacher"),
+        "Megatron-DeepSpeed's residual MoE, mixture of students and MoE distillation are not "
+        "implemented",
     ),
     # FSDP and other data-parallel schemes
     **dict.fromkeys(

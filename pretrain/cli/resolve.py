@@ -19,6 +19,7 @@ from pretrain.data.config import DataConfig, train_valid_test_num_samples
 from pretrain.data.fingerprint import PrefixFiles
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
+from pretrain.parallel.config import ParallelConfig
 from pretrain.training.batch_schedule import BatchSchedule, parse_step_schedule
 from pretrain.training.lr_schedule import LRScheduleConfig, check_wsd, spans_in_samples
 from pretrain.training.precision import PrecisionConfig
@@ -155,6 +156,28 @@ def model_config(ns: argparse.Namespace, vocab_size: int) -> ModelConfig:
         seed=ns.seed,
         params_dtype=dtype or torch.float32,
     )
+
+
+def check_moe_training(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """The expert layouts pretrain_gpt.py trains at (the MoE layer itself runs at any)."""
+    if not model.is_moe:
+        if parallel.expert_model_parallel_size > 1:
+            raise UserError(
+                f"--expert-model-parallel-size {parallel.expert_model_parallel_size} needs an MoE "
+                f"model (--num-experts)"
+            )
+        return
+    ep, etp, tp = (
+        parallel.expert_model_parallel_size,
+        parallel.expert_tp,
+        parallel.tensor_model_parallel_size,
+    )
+    if ep > 1 or etp not in (1, tp):
+        raise UserError(
+            f"--expert-model-parallel-size {ep} --expert-tensor-parallel-size {etp}: training "
+            f"runs at expert-parallel size 1 and expert TP 1 or --tensor-model-parallel-size "
+            f"({tp}) for now (the MoE layer itself runs at any: docs/MOE.md)"
+        )
 
 
 def lr_schedule(ns: argparse.Namespace, gbs: int, train_samples: int) -> LRScheduleConfig:

@@ -22,8 +22,6 @@ _SIZE_ONE = {
         "there is no DeepSpeed-Ulysses sequence parallelism; use --tensor-model-parallel-size "
         "with --sequence-parallel",
     ),
-    "--expert-model-parallel-size": ("expert_model_parallel_size", "MoE is not supported yet"),
-    "--expert-tensor-parallel-size": ("expert_tensor_parallel_size", "MoE is not supported yet"),
     "--num-virtual-stages-per-pipeline-rank": (
         "num_virtual_stages_per_pipeline_rank",
         "DeepSpeed's pipeline engine runs one model chunk per stage (no interleaved schedule); "

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from pretrain.errors import UserError
+from pretrain.model.moe.config import moe_layer_pattern, moe_problems
 
 
 def _flag(
@@ -27,6 +28,11 @@ def _flag(
     `named` says what does), flags that must come before it (`after`), and the switch without
     which the field has no effect (`only_with`: `model_flags` then leaves it out)."""
     return {"flag": flag, "named": named or flag, "after": after, "only_with": only_with}
+
+
+def _moe(flag: str) -> dict:
+    """Metadata of a mixture-of-experts field: it has effect only with --num-experts."""
+    return _flag(flag, only_with="is_moe")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,12 +122,81 @@ class ModelConfig:
     """With "full": "uniform" (chunks of recompute_num_layers) or "block" (the first N per stage)."""
     recompute_num_layers: int | None = field(default=None, metadata=_flag("--recompute-num-layers"))
     """With "full": layers per recomputed chunk (uniform) or recomputed layers per stage (block)."""
+    num_moe_experts: int | None = field(default=None, metadata=_flag("--num-experts"))
+    """Experts per MoE layer; None = a dense model (no MoE layer)."""
+    moe_router_topk: int = field(default=2, metadata=_moe("--moe-router-topk"))
+    """Experts each token is routed to."""
+    moe_ffn_hidden_size: int | None = field(default=None, metadata=_moe("--moe-ffn-hidden-size"))
+    """Each expert's MLP width; None = the dense MLP width (ffn_size)."""
+    moe_layer_freq: int | tuple[int, ...] = field(default=1, metadata=_moe("--moe-layer-freq"))
+    """Which layers are MoE: int N = layers 0, N, 2N, ...; or one 0/1 per layer."""
+    moe_shared_expert_intermediate_size: int | None = field(
+        default=None, metadata=_moe("--moe-shared-expert-intermediate-size")
+    )
+    """Width of the shared expert(s) every token also goes through (all of them together)."""
+    moe_router_score_function: str = field(
+        default="softmax", metadata=_moe("--moe-router-score-function")
+    )
+    """"softmax" or "sigmoid" router scores."""
+    moe_router_pre_softmax: bool = field(default=False, metadata=_moe("--moe-router-pre-softmax"))
+    """Softmax over all experts before top-k (else softmax over the k selected logits)."""
+    moe_router_topk_scaling_factor: float | None = field(
+        default=None, metadata=_moe("--moe-router-topk-scaling-factor")
+    )
+    """Multiplies the selected experts' weights (DeepSeek's routed_scaling_factor)."""
+    moe_router_num_groups: int | None = field(
+        default=None, metadata=_moe("--moe-router-num-groups")
+    )
+    """Expert groups for group-limited routing."""
+    moe_router_group_topk: int | None = field(
+        default=None, metadata=_moe("--moe-router-group-topk")
+    )
+    """Groups each token may route into (group-limited routing; None = off)."""
+    moe_router_load_balancing_type: str = field(
+        default="aux_loss", metadata=_moe("--moe-router-load-balancing-type")
+    )
+    """Load-balancing loss scope: aux_loss (micro-batch), seq_aux_loss, global_aux_loss, none."""
+    moe_aux_loss_coeff: float = field(default=0.0, metadata=_moe("--moe-aux-loss-coeff"))
+    """Weight of the load-balancing loss (0 = none)."""
+    moe_z_loss_coeff: float | None = field(default=None, metadata=_moe("--moe-z-loss-coeff"))
+    """Weight of the router z-loss (None = none)."""
+    moe_router_enable_expert_bias: bool = field(
+        default=False, metadata=_moe("--moe-router-enable-expert-bias")
+    )
+    """DeepSeek-V3 aux-loss-free balancing: a per-expert bias that only picks experts."""
+    moe_router_bias_update_rate: float = field(
+        default=1e-3, metadata=_moe("--moe-router-bias-update-rate")
+    )
+    """Step of the expert-bias update, once per iteration."""
+    moe_expert_capacity_factor: float | None = field(
+        default=None, metadata=_moe("--moe-expert-capacity-factor")
+    )
+    """Expert capacity = ceil(tokens x topk / experts x factor) per rank; None = dropless."""
+    moe_token_drop_policy: str = field(default="probs", metadata=_moe("--moe-token-drop-policy"))
+    """Over capacity, keep the highest-probability tokens ("probs") or the first ("position")."""
+    moe_pad_expert_input_to_capacity: bool = field(
+        default=False, metadata=_moe("--moe-pad-expert-input-to-capacity")
+    )
+    """Pad every expert's input to exactly its capacity (padding tokens have weight 0)."""
+    moe_grouped_gemm: bool = field(default=False, metadata=_moe("--moe-grouped-gemm"))
+    """The local experts as one grouped GEMM (torch._grouped_mm) instead of a loop."""
+    moe_token_dispatcher_type: str = field(
+        default="allgather", metadata=_moe("--moe-token-dispatcher-type")
+    )
+    """How tokens reach the experts over the expert-parallel ranks: allgather or alltoall."""
+    moe_router_dtype: str | None = field(default=None, metadata=_moe("--moe-router-dtype"))
+    """Router logits and probabilities in "fp32" or "fp64"; None = the activations' dtype."""
     seed: int = field(default=1234, metadata=_flag(None, named="--seed"))
     """Seed of the layout-independent weight init."""
     params_dtype: torch.dtype = field(
         default=torch.float32, metadata=_flag(None, named="--bf16/--fp16")
     )
     """Parameter dtype (float32; bfloat16 with --bf16, float16 with --fp16)."""
+
+    def __post_init__(self) -> None:
+        # a layer pattern read back from JSON (checkpoint metadata) is a list
+        if isinstance(self.moe_layer_freq, list):
+            object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
 
     @property
     def ffn_size(self) -> int:
@@ -149,6 +224,23 @@ class ModelConfig:
         return self.position_embedding_type == "rope"
 
     @property
+    def is_moe(self) -> bool:
+        """The model has mixture-of-experts layers (--num-experts)."""
+        return self.num_moe_experts is not None
+
+    @property
+    def moe_ffn_size(self) -> int:
+        """Each expert's MLP width (Megatron: --moe-ffn-hidden-size, else --ffn-hidden-size)."""
+        return self.ffn_size if self.moe_ffn_hidden_size is None else self.moe_ffn_hidden_size
+
+    @property
+    def moe_layers(self) -> tuple[bool, ...]:
+        """Per layer: is it an MoE layer (all False for a dense model)."""
+        if not self.is_moe:
+            return (False,) * self.num_layers
+        return moe_layer_pattern(self.moe_layer_freq, self.num_layers)
+
+    @property
     def max_positions(self) -> int:
         return (
             self.max_position_embeddings
@@ -161,8 +253,9 @@ class ModelConfig:
         multiple = self.make_vocab_size_divisible_by * tp
         return math.ceil(self.vocab_size / multiple) * multiple
 
-    def validate(self, tp: int = 1, pp: int = 1) -> None:
-        """Raise one UserError listing every shape problem for this TP/PP layout, with the fix."""
+    def validate(self, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None) -> None:
+        """Raise one UserError listing every shape problem for this TP/PP layout (and, with MoE,
+        expert-parallel size `ep` and expert TP `etp`, None = `tp`), with the fix."""
         problems = []
         h, heads, groups = self.hidden_size, self.num_attention_heads, self.query_groups
         for name, value in (
@@ -252,6 +345,8 @@ class ModelConfig:
                 f"length that is a multiple of {tp})"
             )
         problems += self._recompute_problems(pp)
+        if self.is_moe:
+            problems += moe_problems(self, tp, ep, tp if etp is None else etp)
         if problems:
             raise UserError("invalid model configuration: " + "; ".join(problems))
 
@@ -306,6 +401,11 @@ SHAPE_ATTRIBUTES = (
     ("untie_embeddings_and_output_weights", "untie_embeddings_and_output_weights"),
     ("vocab_size", "vocab_size"),
     ("max_positions", "max_position_embeddings"),  # the learned position table only
+    ("num_moe_experts", "num_moe_experts"),
+    ("moe_ffn_size", "moe_ffn_hidden_size"),
+    ("moe_layers", "moe_layer_freq"),
+    ("moe_shared_expert_intermediate_size", "moe_shared_expert_intermediate_size"),
+    ("moe_router_enable_expert_bias", "moe_router_enable_expert_bias"),
 )
 
 
@@ -339,5 +439,6 @@ def model_flags(config: ModelConfig) -> list[str]:
         if isinstance(value, bool):
             flags += [flag] if value != f.default else []
         else:
-            flags += [*f.metadata["after"], flag, str(value)]
+            shown = str(list(value)) if isinstance(value, tuple) else str(value)
+            flags += [*f.metadata["after"], flag, shown]
     return flags

@@ -25,6 +25,8 @@ shapes are TP=1's, TP shards split the dimension noted by `partition_dim`):
     layers.<i>.post_attention_norm.{weight,bias}
     layers.<i>.mlp.fc1.{weight,bias}        [2f or f, h]
     layers.<i>.mlp.fc2.{weight,bias}        [h, f]
+    layers.<i>.mlp.{router,experts,shared_experts}.*   an MoE layer's, where config.moe_layers
+                                            says (pretrain/model/moe/layer.py lists them)
     head.final_norm.{weight,bias}
     head.output_layer.weight                [V, h]                    untied only
 
@@ -71,6 +73,8 @@ from torch import nn
 
 from pretrain.model.config import ModelConfig
 from pretrain.model.document_attention import document_causal_attention
+from pretrain.model.mlp import MLP, uses_sequence_parallel
+from pretrain.model.moe.layer import MoELayer
 from pretrain.parallel import state
 from pretrain.parallel.cross_entropy import vocab_parallel_cross_entropy
 from pretrain.parallel.layers import (
@@ -88,10 +92,13 @@ from pretrain.parallel.mappings import (
 from pretrain.parallel.random import checkpoint, init_normal_, tensor_parallel_rng
 
 
-def uses_sequence_parallel(config: ModelConfig) -> bool:
-    """Sequence parallelism is on: asked for, and more than one TP rank (Megatron turns it off at
-    TP 1, where it would only change which generator dropout draws from)."""
-    return config.sequence_parallel and state.get_tensor_model_parallel_world_size() > 1
+def validate_for_layout(config: ModelConfig) -> None:
+    """`config.validate` for this process's TP, EP and expert-TP sizes."""
+    config.validate(
+        tp=state.get_tensor_model_parallel_world_size(),
+        ep=state.get_expert_model_parallel_world_size(),
+        etp=state.get_expert_tensor_parallel_world_size(),
+    )
 
 
 class _SequenceParallelLayerNorm(nn.LayerNorm):
@@ -269,41 +276,6 @@ class Attention(nn.Module):
             return document_causal_attention(q, k, v, document_ids, p, gqa)
 
 
-class MLP(nn.Module):
-    """fc1 (column-parallel; [gate; up] with SwiGLU) -> GELU or SiLU-gate -> fc2 (row-parallel)."""
-
-    def __init__(self, config: ModelConfig):
-        super().__init__()
-        self.swiglu = config.swiglu
-        self.gelu_approximate = "tanh" if config.openai_gelu else "none"
-        fc1_out = 2 * config.ffn_size if config.swiglu else config.ffn_size
-        sequence_parallel = uses_sequence_parallel(config)
-        self.fc1 = ColumnParallelLinear(
-            config.hidden_size,
-            fc1_out,
-            bias=config.add_bias_linear,
-            stride=2 if config.swiglu else 1,
-            dtype=config.params_dtype,
-            sequence_parallel=sequence_parallel,
-        )
-        self.fc2 = RowParallelLinear(
-            config.ffn_size,
-            config.hidden_size,
-            bias=config.add_bias_linear,
-            dtype=config.params_dtype,
-            sequence_parallel=sequence_parallel,
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.fc1(x)
-        if self.swiglu:
-            gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
-        else:
-            y = F.gelu(y, approximate=self.gelu_approximate)
-        return self.fc2(y)
-
-
 class Embedding(nn.Module):
     """Word embedding (vocab-parallel) + learned positions (GPT-2 flavour) + embedding dropout;
     under sequence parallelism the output is this TP rank's [b, s/tp, h] chunk."""
@@ -363,7 +335,7 @@ class TransformerLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_number: int):
         super().__init__()
         # built alone as a pipeline stage, too
-        config.validate(tp=state.get_tensor_model_parallel_world_size())
+        validate_for_layout(config)
         self.layer_number = layer_number
         self.dropout = config.hidden_dropout
         self.sequence_parallel = uses_sequence_parallel(config)
@@ -371,15 +343,16 @@ class TransformerLayer(nn.Module):
         self.input_norm = build_norm(config)
         self.attention = Attention(config)
         self.post_attention_norm = build_norm(config)
-        self.mlp = MLP(config)
+        self.mlp = (
+            MoELayer(config, layer_number) if config.moe_layers[layer_number] else MLP(config)
+        )
         self.rotary = RotaryEmbedding(config) if config.position_embedding_type == "rope" else None
         prefix, std = f"layers.{layer_number}", config.init_method_std
         # Megatron's scaled init for output projections
         output_std = std / math.sqrt(2.0 * config.num_layers)
         self.attention.qkv.initialize(f"{prefix}.attention.qkv", config.seed, std)
         self.attention.proj.initialize(f"{prefix}.attention.proj", config.seed, output_std)
-        self.mlp.fc1.initialize(f"{prefix}.mlp.fc1", config.seed, std)
-        self.mlp.fc2.initialize(f"{prefix}.mlp.fc2", config.seed, output_std)
+        self.mlp.initialize(f"{prefix}.mlp", std, output_std)
 
     def forward(
         self,
@@ -469,7 +442,7 @@ class GPTModel(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        config.validate(tp=state.get_tensor_model_parallel_world_size())
+        validate_for_layout(config)
         self.config = config
         self.embedding = Embedding(config)
         self.layers = nn.ModuleList(TransformerLayer(config, i) for i in range(config.num_layers))

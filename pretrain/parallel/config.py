@@ -1,7 +1,8 @@
 """`ParallelConfig`: how the ranks of a job split into tensor, pipeline and data parallelism.
 
-The one place that checks that a world size splits into TP x PP x DP; the argument parser,
-`initialize_model_parallel` and the tests all go through `check_world_divisible`.
+The one place that checks that a world size splits into TP x PP x DP, and a pipeline stage's
+ranks into the expert layers' ETP x EP x EDP; the argument parser, `initialize_model_parallel` and
+the tests all go through `check_world_divisible` and `check_expert_divisible`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,22 @@ def check_world_divisible(world_size: int, tp: int, pp: int) -> None:
         )
 
 
+def check_expert_divisible(tp: int, dp: int, ep: int, etp: int) -> None:
+    """Raise a UserError unless a pipeline stage's tp x dp ranks split into etp x ep x edp (the
+    expert layers' layout, Megatron's: EP and expert TP re-cut the same ranks)."""
+    if ep < 1 or etp < 1:
+        raise UserError(
+            f"--expert-model-parallel-size ({ep}) and --expert-tensor-parallel-size ({etp}) must "
+            f"be >= 1"
+        )
+    if (tp * dp) % (ep * etp) != 0:
+        raise UserError(
+            f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} = {ep * etp} "
+            f"does not divide the {tp * dp} ranks of a pipeline stage (--tensor-model-parallel-size "
+            f"{tp} x data-parallel size {dp}); choose sizes whose product divides {tp * dp}"
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     """The parallel layout of one run; checked on construction."""
@@ -36,6 +53,11 @@ class ParallelConfig:
     """PP: ranks that each hold a contiguous block of layers."""
     world_size: int = 1
     """Ranks in the job; DP = world / (TP x PP)."""
+    expert_model_parallel_size: int = 1
+    """EP: ranks of a pipeline stage that split the experts of every MoE layer."""
+    expert_tensor_parallel_size: int | None = None
+    """Expert TP: ranks that split each expert's weights; None = the tensor-parallel size
+    (Megatron's default)."""
     zero_stage: int = 0
     """DeepSpeed ZeRO stage (0-3), sharding over the data-parallel ranks."""
     offload_optimizer: str | None = None
@@ -57,6 +79,19 @@ class ParallelConfig:
         check_world_divisible(
             self.world_size, self.tensor_model_parallel_size, self.pipeline_model_parallel_size
         )
+        check_expert_divisible(
+            self.tensor_model_parallel_size,
+            self.data_parallel_size,
+            self.expert_model_parallel_size,
+            self.expert_tp,
+        )
+
+    @property
+    def expert_tp(self) -> int:
+        """The expert tensor-parallel size, resolved (None means the tensor-parallel size)."""
+        if self.expert_tensor_parallel_size is None:
+            return self.tensor_model_parallel_size
+        return self.expert_tensor_parallel_size
 
     @property
     def data_parallel_size(self) -> int:

@@ -14,6 +14,7 @@ Megatron does. `checkpoint` replays both generators when activations are recompu
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 import random
 
@@ -107,12 +108,32 @@ def seed_everything(seed: int) -> int:
     return stage_seed
 
 
+_RECOMPUTING = contextvars.ContextVar("recomputing", default=False)
+
+
+def is_recomputing() -> bool:
+    """True while `checkpoint` recomputes a forward pass in backward: code with side effects that
+    must happen once per forward (counting routed tokens) skips them then."""
+    return _RECOMPUTING.get()
+
+
+@contextlib.contextmanager
+def _recomputation(saved: torch.Tensor | None):
+    token = _RECOMPUTING.set(True)
+    try:
+        with _TP_RNG.replay(saved):
+            yield
+    finally:
+        _RECOMPUTING.reset(token)
+
+
 def checkpoint(function, *args):
-    """Activation checkpointing whose recomputation sees the same dropout masks (both generators)."""
+    """Activation checkpointing whose recomputation sees the same dropout masks (both generators)
+    and knows it is one (`is_recomputing`)."""
     saved = _TP_RNG.get_state()
 
     def contexts():
-        return contextlib.nullcontext(), _TP_RNG.replay(saved)
+        return contextlib.nullcontext(), _recomputation(saved)
 
     return torch.utils.checkpoint.checkpoint(
         function, *args, use_reentrant=False, context_fn=contexts

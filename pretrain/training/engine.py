@@ -167,6 +167,11 @@ class Engine(abc.ABC):
         """The backend's configuration as checkpoint metadata records it."""
 
     @abc.abstractmethod
+    def model_parts(self) -> list[torch.nn.Module]:
+        """This rank's model (its pipeline chunks), for model-level bookkeeping between
+        iterations (`step.model_iteration`: MoE expert biases)."""
+
+    @abc.abstractmethod
     def destroy(self) -> None:
         """Release the backend's process groups and buffers."""
 

@@ -24,6 +24,7 @@ from pretrain.training.logging import MetricsLogger, logger
 from pretrain.training.skip import flatten_iterations, skip_iteration
 from pretrain.training.spikes import Rewinder, SpikeConfig, SpikePolicy
 from pretrain.training.state import TrainState
+from pretrain.training.step import model_iteration
 
 if TYPE_CHECKING:
     from pretrain.training.engine import Engine
@@ -132,9 +133,10 @@ def train(
             continue
         step_start = time.perf_counter()
         spikes.before_step()
-        loss = engine.train_step(
-            train_batches, num_microbatches, use_document_ids, device, spikes.judge
-        )
+        with model_iteration(engine, num_microbatches):
+            loss = engine.train_step(
+                train_batches, num_microbatches, use_document_ids, device, spikes.judge
+            )
         if not spikes.applied:  # a spike under skip/rewind: no update was made
             train_batches = spikes.withhold(global_batch, train_batches)
             continue

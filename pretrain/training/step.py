@@ -9,13 +9,31 @@ depend on TP/PP/DP/ZeRO or on the backend. The backends run the micro-batches
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from pretrain.model.loss import masked_mean_loss
+from pretrain.model.moe import losses as moe_losses
+from pretrain.model.moe import metrics as moe_metrics
 from pretrain.parallel import state
 from pretrain.training.per_source import SourceLosses
+
+if TYPE_CHECKING:
+    from pretrain.training.engine import Engine
+
+
+@contextlib.contextmanager
+def model_iteration(engine: Engine, num_microbatches: int):
+    """Around one training iteration (`Engine.train_step`): the MoE routers' auxiliary losses get
+    the gradient scale every backend gives the loss (the fp16 loss scale over the micro-batches);
+    after it, the expert biases are updated from the iteration's token counts."""
+    moe_losses.set_backward_scale(engine.loss_scale() / num_microbatches)
+    yield
+    for part in engine.model_parts():
+        moe_metrics.finish_iteration(part)
 
 
 def micro_batch_loss(

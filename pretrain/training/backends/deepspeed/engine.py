@@ -206,6 +206,10 @@ class DeepSpeedEngine(Engine):
         """`Engine.config_record`: the DeepSpeed config the engine was built with."""
         return self.ds_config
 
+    def model_parts(self) -> list[torch.nn.Module]:
+        """`Engine.model_parts`: the module DeepSpeed wraps (this stage's under the pipeline)."""
+        return [self.ds.module]
+
     def destroy(self) -> None:
         """`Engine.destroy`."""
         self.ds.destroy()
@@ -289,7 +293,7 @@ def build_deepspeed_engine(
     groups, the seeded model, AdamW, the LR schedule, then `deepspeed.initialize`."""
     init_deepspeed_comm(backend, datetime.timedelta(minutes=timeout_minutes))
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    state.initialize_model_parallel(tp, pp)
+    state.initialize_model_parallel(tp, pp, parallel.expert_model_parallel_size, parallel.expert_tp)
     seed_everything(seed)
     pipeline = pp > 1
     if pipeline:
