@@ -1,7 +1,12 @@
 """The torch backend's engine on two real gloo ranks (DP 2, FSDP2-sharded): a withheld update
 (the spike judge saying no) leaves weights, Adam state, the LR schedule and gradients as they
 were; the same batches then train; an evaluation pass adds every micro-batch's per-token losses
-per blend source (per-source validation) and agrees with the evaluation loss."""
+per blend source (per-source validation) and agrees with the evaluation loss. Its DCP
+checkpoint loads back what was saved; one whose `.metadata` names a foreign global (same size,
+so the step still looks complete) is refused in one line, nothing unpickled."""
+
+import os
+import pickle
 
 import pytest
 import torch
@@ -24,7 +29,7 @@ def _batch(generator: torch.Generator) -> dict:
     }
 
 
-def _engine_checks(rank: int, world: int, argv: list[str]) -> dict:
+def _engine_checks(rank: int, world: int, argv: list[str], folder: str) -> dict:
     from pretrain.cli import parse_args
     from pretrain.training.engine import build_engine
     from pretrain.training.per_source import SourceLosses
@@ -74,14 +79,60 @@ def _engine_checks(rank: int, world: int, argv: list[str]) -> dict:
     local = (sources.sums.sum() / sources.tokens.sum()).to(torch.float32)
     torch.distributed.all_reduce(local)
     out["sources_agree"] = float(local / world) == pytest.approx(evaluated, rel=1e-6)
+    out.update(_dcp_round_trip(engine, folder))
     engine.destroy()
     return out
 
 
-def test_withheld_update_and_per_source_evaluation(tmp_path):
+def _dcp_round_trip(engine, folder: str) -> dict:
+    from pretrain.errors import UserError
+    from pretrain.training.checkpoint_writes import RankFiles
+
+    files = RankFiles()
+    engine.save_native(folder, "step", {"iteration": 1}, files)
+    params = dict(engine.model.named_parameters())
+    saved = {n: p.to_local().clone() for n, p in params.items()}
+    adam = {n: engine.optimizer.state[p]["exp_avg"].to_local().clone() for n, p in params.items()}
+    with torch.no_grad():
+        for p in engine.model.parameters():
+            p.to_local().zero_()
+    engine.scheduler.step()
+    path, client_state = engine.load_native(
+        folder, "step", optimizer=True, schedule=True, module_only=False
+    )
+    out = {
+        "saved": files.failure is None and path == f"{folder}/step",
+        "client_state": client_state == {"iteration": 1},
+        "weights_back": all(torch.equal(saved[n], p.to_local()) for n, p in params.items()),
+        "adam_back": all(
+            torch.equal(adam[n], engine.optimizer.state[p]["exp_avg"].to_local())
+            for n, p in params.items()
+        ),
+        "schedule_back": engine.scheduler.num_samples == GBS,
+    }
+    torch.distributed.barrier()
+    metadata = os.path.join(folder, "step", ".metadata")
+    if torch.distributed.get_rank() == 0:  # the same size: the step still looks complete
+        doctored = pickle.dumps(os.system)
+        size = os.path.getsize(metadata)
+        with open(metadata, "wb") as f:
+            f.write(doctored + b"\0" * (size - len(doctored)))
+    torch.distributed.barrier()
+    try:
+        engine.load_native(folder, "step", optimizer=True, schedule=True, module_only=False)
+        out["refused"] = False
+    except UserError as err:
+        line = str(err)
+        refusal = f"{metadata}: refused: it names posix.system, which a checkpoint index never"
+        out["refused"] = line.startswith(refusal) and "\n" not in line
+    return out
+
+
+def test_withheld_update_per_source_evaluation_and_dcp_round_trip(tmp_path):
     corpus = make_corpus(tmp_path / "corpus")
     argv = model_flags("gpt2") + train_flags(corpus, gbs=GBS, mbs=MBS) + ["--use-torch-fsdp2"]
     argv += ["--lr-warmup-iters", "0"]  # the first update is not at lr 0
-    for result in run_on_ranks(_engine_checks, world_size=2, args=(argv,), timeout=240):
+    args = (argv, str(tmp_path / "ckpt"))
+    for result in run_on_ranks(_engine_checks, world_size=2, args=args, timeout=240):
         assert result.pop("tokens_per_source") == [2 * 16.0, 2 * 16.0]
         assert all(result.values()), result

@@ -169,6 +169,8 @@ def load(
     ):
         return None, None
     saved = safe_load.load(train_state_path)
+    # refused here in one line; inside DCP the failure would come with its logged tracebacks
+    safe_load.dcp_metadata(os.path.join(path, METADATA_FILE))
     tensors = _state_dict(engine, optimizer=optimizer)
     try:
         dcp.load(tensors, storage_reader=_SafeReader(path), process_group=engine.checkpoint_group)
