@@ -156,7 +156,8 @@ def changes(f) -> dict:
         "--offload-nvme-path": (d + ["--zero-stage", "3", "--offload-param", "cpu"], d + ["--zero-stage", "3", "--offload-param", "nvme", "--offload-nvme-path", os.path.dirname(f["ds"])], None),
         "--distributed-backend": ["gloo"], "--distributed-timeout-minutes": ["3"],
         "--deepspeed_config": [f["ds"]], "--local_rank": (d, d + ["--local_rank", "1"], launched),
-        "--overlap-grad-reduce": ["--zero-stage", "1"],
+        "--overlap-grad-reduce": ["--zero-stage", "1"], "--use-torch-fsdp2": [],
+        "--async-save": (d + ["--use-torch-fsdp2"], d + ["--use-torch-fsdp2", "--async-save"], None),
         # mixture of experts
         "--num-experts": ["4"],
         "--expert-tensor-parallel-size": (moe_tp2, moe_tp2 + ["--expert-tensor-parallel-size", "1"], TWO_RANKS),

@@ -60,6 +60,9 @@ class ParallelConfig:
     (Megatron's default)."""
     zero_stage: int = 0
     """DeepSpeed ZeRO stage (0-3), sharding over the data-parallel ranks."""
+    use_torch_fsdp2: bool = False
+    """The torch-native backend: FSDP2 shards parameters, gradients and optimizer state over the
+    data-parallel ranks per transformer layer (--use-torch-fsdp2); False: DeepSpeed."""
     offload_optimizer: str | None = None
     """ZeRO-Offload: "cpu" or "nvme" (ZeRO-3) keeps the optimizer state and step there; None:
     device memory (--offload-optimizer, --cpu-offload; pretrain/training/backends/deepspeed/offload.py checks it)."""
@@ -92,6 +95,11 @@ class ParallelConfig:
         if self.expert_tensor_parallel_size is None:
             return self.tensor_model_parallel_size
         return self.expert_tensor_parallel_size
+
+    @property
+    def backend(self) -> str:
+        """The training backend: "torch" (FSDP2, --use-torch-fsdp2) or "deepspeed"."""
+        return "torch" if self.use_torch_fsdp2 else "deepspeed"
 
     @property
     def data_parallel_size(self) -> int:

@@ -1,0 +1,2 @@
+"""The torch backend (--use-torch-fsdp2): FSDP2 over the data-parallel ranks with our TP layers,
+torch.distributed.checkpoint (DCP) files with background writes (`engine.build_torch_engine`)."""
