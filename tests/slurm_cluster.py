@@ -11,6 +11,12 @@ two `slurmd` (`-N n1`, `-N n2`), and waits until both nodes are idle. Both nodes
 `up` on a running cluster changes nothing; `down` cancels its jobs, then stops every daemon by the
 pid in its pid file and waits until each is gone. Commands for the cluster need
 `SLURM_CONF=DIR/slurm.conf` (`env()`).
+
+Two settings differ from a production cluster, for the tests' time: a requeued job may start again
+after 6 s (`cred_expire=5`; Slurm's default is 120 s) and the schedulers look at the queue every
+1-2 s. A node can be given its own environment, as a node set up differently would have: the
+`export NAME=value` lines in DIR/node-env/<node> reach every task on that node (Slurm's TaskProlog;
+`node_env()` writes the file).
 """
 
 from __future__ import annotations
@@ -124,7 +130,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={run}/munge.socket
+AuthInfo=socket={run}/munge.socket,cred_expire=5
 StateSaveLocation={root}/state
 SlurmdSpoolDir={spool}/%n
 SlurmctldPidFile={run}/slurmctld.pid
@@ -146,15 +152,30 @@ SlurmdTimeout=60
 InactiveLimit=0
 KillWait=30
 MinJobAge=300
+SchedulerParameters=bf_interval=1,sched_interval=2
+TaskProlog={root}/task_prolog.sh
 {nodes}
 PartitionName=local Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
 """
 
 
+def node_env(root: Path, node: str, variables: dict[str, str] | None) -> None:
+    """Give every task started on `node` from now on these environment variables on top of the
+    job's (None: none)."""
+    path = root / "node-env" / node
+    if variables is None:
+        path.unlink(missing_ok=True)
+        return
+    path.write_text("".join(f"export {k}={v}\n" for k, v in variables.items()))
+
+
 def _prepare(root: Path) -> None:
-    """Folders, munge key and slurm.conf (kept when present: ports stay the same)."""
-    for sub in ("run", "log", "state", *(f"spool/{n}" for n in NODES)):
+    """Folders, munge key, task prolog and slurm.conf (kept when present: ports stay the same)."""
+    for sub in ("run", "log", "state", "node-env", *(f"spool/{n}" for n in NODES)):
         (root / sub).mkdir(parents=True, exist_ok=True)
+    prolog = root / "task_prolog.sh"
+    prolog.write_text(f'#!/bin/sh\ncat "{root}/node-env/$SLURMD_NODENAME" 2>/dev/null\nexit 0\n')
+    prolog.chmod(0o755)
     os.chmod(root / "run", 0o755)
     key = root / "munge.key"
     if not key.exists():
