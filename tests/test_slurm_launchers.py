@@ -1,0 +1,157 @@
+"""`sbatch examples/slurm_multi_node.sbatch` on the real two-node Slurm cluster: `srun` starts
+examples/multi_node_torchrun.sh or multi_node_deepspeed.sh once per node, and the launcher starts
+that node's two ranks (TP2 x DP2 over the nodes). Each job also lives through what ends jobs on
+clusters, so that one job proves several things (every Slurm job costs start-up time):
+
+- torchrun, and the time limit's `#SBATCH --signal=B:TERM@60` (sent here at once with `scancel
+  --batch --signal=TERM`, which is how Slurm delivers it: to the batch shell only): the recipe
+  forwards it to every task, the ranks save, the recipe requeues the job, the job starts again by
+  itself and resumes; its losses are the uninterrupted `srun` job's, bit for bit, and one
+  process's within 1e-6.
+- deepspeed (`--num_nodes 2 --node_rank N --master_addr`), and a node lost mid-run (SIGKILL to
+  every process of its task on n2): the job fails, the checkpoint `latest` names is intact, and the
+  job requeued (`scontrol requeue`, what Slurm does after a node failure with `--requeue`) resumes
+  from it; again bit for bit.
+- nodes that disagree (n2's environment names another data path): every rank stops with one
+  line naming the difference, within a minute, no traceback.
+
+Skipped where `slurm-wlm` and `munge` are not installed (`.ci/run` installs them).
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+from datetime import datetime
+
+import psutil
+import pytest
+import slurm_cluster
+from cluster_fixtures import (
+    ITERS,
+    assert_equals_one_process,
+    finished,
+    job_info,
+    metric_lines,
+    recipe_env,
+    slurm,
+    submit,
+    wait_ended,
+    wait_for_iterations,
+)
+from training_fixtures import make_corpus
+
+pytestmark = pytest.mark.slurm
+
+RECIPE = "examples/slurm_multi_node.sbatch"
+
+
+def _launcher_env(launcher: str, corpus: str, tmp, **more: str) -> dict:
+    """The per-node recipe's variables: `launcher` starting 2 ranks on each node."""
+    return recipe_env(
+        corpus,
+        tmp / "ckpt",
+        tmp / "m.jsonl",
+        LAUNCHER=launcher,
+        NPROC_PER_NODE="2",
+        HOSTFILE=str(tmp / "hostfile"),
+        **more,
+    )
+
+
+@pytest.mark.timeout(600)
+def test_torchrun_per_node_b_term_requeues_itself_and_resumes_exactly(
+    cluster, recipe_corpus, two_nodes, one_process, tmp_path
+):
+    full = two_nodes[2]
+    job = submit(cluster, tmp_path, _launcher_env("torchrun", recipe_corpus, tmp_path), RECIPE, 1)
+    wait_for_iterations(cluster, job, tmp_path / "m.jsonl", 2)
+    slurm(cluster, "scancel", "--batch", "--signal=TERM", job)  # what B:TERM@60 does
+    output = finished(cluster, tmp_path, job, tasks="2")
+    assert job_info(cluster, job)["Restarts"] == "1", output[-6000:]
+    stopped = int(re.search(r"exiting after iteration (\d+): SIGTERM received", output)[1])
+    for line in (
+        f"job {job}: 2 nodes (n[1-2]) x 2 ranks, torchrun, TP=2 PP=1, master n1:",
+        "recipe: SIGTERM to the batch shell: forwarding it to the tasks",
+        f"requeueing job {job} (restart 1): it resumes from the last checkpoint",
+        ", restart 1",
+        f"loaded checkpoint {tmp_path / 'ckpt' / f'global_step{stopped}'}",
+        "4 ranks on 2 nodes run the same code",
+    ):
+        assert line in output, (line, output[-6000:])
+    lines = metric_lines(tmp_path / "m.jsonl")  # both starts: the second did not begin at 1
+    assert [it for it, _ in lines] == list(range(1, ITERS + 1))
+    assert [loss for _, loss in lines] == [full[it]["lm-loss"] for it in range(1, ITERS + 1)]
+    assert_equals_one_process(dict(lines), one_process)
+
+
+def _tasks_on(job: str, node: str) -> list[psutil.Process]:
+    """Every process of the job's step tasks on `node` (launcher, ranks, workers)."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            env = p.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if env.get("SLURM_JOB_ID") == job and env.get("SLURMD_NODENAME") == node:
+            if "SLURM_STEP_ID" in env:
+                found.append(p)
+    return found
+
+
+@pytest.mark.timeout(600)
+def test_deepspeed_per_node_survives_a_lost_node_and_the_requeue_resumes_exactly(
+    cluster, recipe_corpus, two_nodes, tmp_path
+):
+    full = two_nodes[2]
+    variables = _launcher_env("deepspeed", recipe_corpus, tmp_path, SAVE_INTERVAL="4")
+    job = submit(cluster, tmp_path, variables, RECIPE, 1)
+    wait_for_iterations(cluster, job, tmp_path / "m.jsonl", 6)
+    lost = _tasks_on(job, "n2")
+    assert any("pretrain_gpt.py" in " ".join(p.cmdline()) for p in lost), lost
+    for p in lost:
+        p.send_signal(signal.SIGKILL)
+    info = wait_ended(cluster, job)
+    assert info["JobState"] == "FAILED", info
+    latest = (tmp_path / "ckpt" / "latest").read_text()
+    committed = int(latest.removeprefix("global_step"))
+    assert committed >= 4 and committed % 4 == 0, latest
+
+    slurm(cluster, "scontrol", "requeue", job)
+    output = finished(cluster, tmp_path, job, tasks="2")
+    assert "deepspeed, TP=2 PP=1" in output and ", restart 1" in output, output[-6000:]
+    assert f"loaded checkpoint {tmp_path / 'ckpt' / latest}" in output, output[-6000:]
+    lines = metric_lines(tmp_path / "m.jsonl")  # the lost start's, then the requeued start's
+    restart = next(i for i in range(1, len(lines)) if lines[i][0] <= lines[i - 1][0])
+    assert [it for it, _ in lines[:restart]] == list(range(1, lines[restart - 1][0] + 1))
+    assert [it for it, _ in lines[restart:]] == list(range(committed + 1, ITERS + 1))
+    for it, loss in lines:
+        assert loss == full[it]["lm-loss"], (it, loss, full[it]["lm-loss"])
+
+
+@pytest.mark.timeout(300)
+def test_nodes_that_disagree_fail_in_one_line_per_rank_within_a_minute(
+    cluster, recipe_corpus, tmp_path
+):
+    other = make_corpus(tmp_path / "other", seed=1)  # what n2 sees at "its" data path
+    slurm_cluster.node_env(cluster, "n2", {"DATA_PREFIX": other})
+    try:
+        job = submit(
+            cluster, tmp_path, _launcher_env("deepspeed", recipe_corpus, tmp_path), RECIPE, 1
+        )
+        info = wait_ended(cluster, job, timeout=120)
+    finally:
+        slurm_cluster.node_env(cluster, "n2", None)
+    output = (tmp_path / f"{job}.out").read_text()
+    assert info["JobState"] == "FAILED", output[-6000:]
+    ran = datetime.fromisoformat(info["EndTime"]) - datetime.fromisoformat(info["StartTime"])
+    assert ran.total_seconds() <= 60, (ran, output[-6000:])
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    expected = (
+        "the ranks do not run the same job: their command line differs: rank 0 (n1) has "
+        f"--data-path {recipe_corpus}, ranks 2-3 (n2) have --data-path {other}; every node "
+        "must run the same code and command line on the same data (check what differs on n2"
+    )
+    ranks = sorted(int(re.match(r"error: rank (\d) \((n[12])\): ", e)[1]) for e in errors)
+    assert ranks == [0, 1, 2, 3] and all(expected in e for e in errors), errors
+    assert "Traceback" not in output, output[-6000:]
