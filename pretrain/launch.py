@@ -2,7 +2,8 @@
 
 Four ways to start ranks, one answer after this module:
 - the `deepspeed` launcher and `torchrun` set RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / PORT
-  (the deepspeed launcher also passes `--local_rank=N` on the command line);
+  (the deepspeed launcher also passes `--local_rank=N` on the command line); `accelerate launch`
+  runs one of them and adds its ACCELERATE_* settings;
 - Slurm's `srun` sets SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID (+ the node list);
 - a plain `python pretrain_gpt.py ...` sets nothing: world size 1 on a free local port.
 
@@ -38,7 +39,8 @@ class LaunchEnv:
     master_port: int
     """Rendezvous port of rank 0."""
     launcher: str
-    """Who started us: "deepspeed", "torchrun", "slurm" or "python"."""
+    """Who started us: "deepspeed", "torchrun", "accelerate (torchrun)", "accelerate
+    (deepspeed)", "slurm" or "python"."""
 
 
 def _int(env: Mapping[str, str], key: str) -> int:
@@ -76,6 +78,8 @@ def detect_launch_env(
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
         launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "deepspeed"
+        if "ACCELERATE_MIXED_PRECISION" in env:  # `accelerate launch` runs one of the two
+            launcher = f"accelerate ({launcher})"
         local_rank = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else (local_rank_flag or 0)
         local_size = (
             _int(env, "LOCAL_WORLD_SIZE")
