@@ -12,9 +12,11 @@ two `slurmd` (`-N n1`, `-N n2`), and waits until both nodes are idle. Both nodes
 pid in its pid file and waits until each is gone. Commands for the cluster need
 `SLURM_CONF=DIR/slurm.conf` (`env()`).
 
-Two settings differ from a production cluster, for the tests' time: a requeued job may start again
-after 6 s (`cred_expire=5`; Slurm's default is 120 s) and the schedulers look at the queue every
-1-2 s. A node can be given its own environment, as a node set up differently would have: the
+Three settings differ from a production cluster, for the tests' time and load: a requeued job may
+start again after 6 s (`cred_expire=5`; Slurm's default is 120 s), the schedulers look at the
+queue every 1-2 s, and a daemon waits 60 s for another's answer (`MessageTimeout`, default 10 s:
+on a loaded 2-core machine slurmd answered slurmctld's kill of a failed job late, and slurmctld's
+retry a minute later killed the job's requeued start on that node). A node can be given its own environment, as a node set up differently would have: the
 `export NAME=value` lines in DIR/node-env/<node> reach every task on that node (Slurm's TaskProlog;
 `node_env()` writes the file).
 """
@@ -149,6 +151,7 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 ReturnToService=2
 SlurmdTimeout=60
+MessageTimeout=60
 InactiveLimit=0
 KillWait=30
 MinJobAge=300
@@ -203,7 +206,8 @@ def _wait(predicate, what: str, root: Path, timeout: float = 60) -> None:
     raise ClusterError(f"{what} within {timeout:.0f} s (logs in {root / 'log'})")
 
 
-def _nodes_idle(root: Path) -> bool:
+def nodes_idle(root: Path) -> bool:
+    """Both nodes idle: no job on them, none still being cleaned up."""
     out = subprocess.run(
         ["sinfo", "-h", "-N", "-o", "%N %t"], env=env(root), capture_output=True, text=True
     ).stdout.split()
@@ -230,7 +234,7 @@ def up(root: Path = DEFAULT_DIR) -> None:
     _start("slurmctld", [_sbin("slurmctld")], root)
     for node in NODES:
         _start(f"slurmd-{node}", [_sbin("slurmd"), "-N", node], root)
-    _wait(lambda: _nodes_idle(root), f"nodes {' '.join(NODES)} were not idle", root)
+    _wait(lambda: nodes_idle(root), f"nodes {' '.join(NODES)} were not idle", root)
 
 
 def _cancel_jobs(root: Path, timeout: float) -> None:

@@ -4,9 +4,12 @@ flags and the environment size it.
 
 - TP2 x DP2 over the two nodes (2 tasks per node, started by `srun` alone, gloo) trains the losses
   of one process of the same flags (1e-6 relative, as tests/test_training_equivalence.py).
-- `scancel --signal=TERM` mid-run signals every task; with --exit-signal-handler the job commits a
-  checkpoint and completes; the same submission again resumes from it (the recipe's --load is its
-  --save) and trains the uninterrupted job's remaining losses bit for bit.
+- The time limit's `#SBATCH --signal=B:TERM@60` (sent here at once with `scancel --batch
+  --signal=TERM`, which is how Slurm delivers it: to the batch shell only) mid-run: the recipe
+  forwards it to every task (`scancel --signal=TERM`), the ranks commit a checkpoint and exit 0,
+  the recipe requeues the job, and the job's second start resumes from the checkpoint (the
+  recipe's --load is its --save): its losses and the first start's are the uninterrupted job's,
+  bit for bit, and its iterations follow on (nothing trained twice, one metrics file).
 
 Skipped where `slurm-wlm` and `munge` are not installed (`.ci/run` installs them).
 """
@@ -25,11 +28,14 @@ from cluster_fixtures import (
     ITERS,
     assert_equals_one_process,
     finished,
+    job_info,
+    metric_lines,
     recipe_env,
+    slurm,
     submit,
     wait_for_iterations,
 )
-from training_fixtures import PYTHON, REPO, read_metrics
+from training_fixtures import PYTHON, REPO
 
 pytestmark = pytest.mark.slurm
 
@@ -104,27 +110,27 @@ def test_tp2_dp2_over_two_nodes_equals_one_process(two_nodes, one_process):
 
 
 @pytest.mark.timeout(600)
-def test_scancel_signal_term_saves_and_the_resubmission_resumes_exactly(
-    cluster, recipe_corpus, two_nodes
+def test_b_term_saves_the_job_requeues_itself_and_resumes_exactly(
+    cluster, recipe_corpus, two_nodes, tmp_path
 ):
-    tmp, _, full = two_nodes
-    save, first, second = tmp / "preempted", tmp / "first.jsonl", tmp / "second.jsonl"
-    job = submit(cluster, tmp, recipe_env(recipe_corpus, save, first))
-    wait_for_iterations(cluster, job, first, 2)
-    subprocess.run(
-        ["scancel", "--signal=TERM", job], env=slurm_cluster.env(cluster), check=True, timeout=30
-    )
-    output = finished(cluster, tmp, job)
-    stopped = int((save / "latest").read_text().removeprefix("global_step"))
+    full = two_nodes[2]
+    save, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    job = submit(cluster, tmp_path, recipe_env(recipe_corpus, save, metrics))
+    wait_for_iterations(cluster, job, metrics, 2)
+    slurm(cluster, "scancel", "--batch", "--signal=TERM", job)  # what B:TERM@60 does
+    output = finished(cluster, tmp_path, job)
+    assert job_info(cluster, job)["Restarts"] == "1", output[-6000:]
+    stopped = int(re.search(r"exiting after iteration (\d+): SIGTERM received", output)[1])
     assert 2 <= stopped < ITERS, output[-6000:]
-    assert f"exiting after iteration {stopped}: SIGTERM received (--exit-signal-handler)" in output
-    assert sorted(read_metrics(first)) == list(range(1, stopped + 1))
-
-    again = submit(cluster, tmp, recipe_env(recipe_corpus, save, second))
-    output = finished(cluster, tmp, again)
-    assert f"loaded checkpoint {save / f'global_step{stopped}'}" in output, output[-6000:]
-    resumed = read_metrics(second)
-    assert sorted(resumed) == list(range(stopped + 1, ITERS + 1))
-    losses = [read_metrics(first)[i]["lm-loss"] for i in range(1, stopped + 1)]
-    losses += [resumed[i]["lm-loss"] for i in range(stopped + 1, ITERS + 1)]
-    assert losses == [full[i]["lm-loss"] for i in range(1, ITERS + 1)]
+    for line in (
+        "recipe: SIGTERM to the batch shell: forwarding it to the tasks",
+        f"saved checkpoint at iteration {stopped:8d} to {save / f'global_step{stopped}'}",
+        f"recipe: step ended (status 0); requeueing job {job} (restart 1): it resumes from",
+        f"loaded checkpoint {save / f'global_step{stopped}'} at iteration {stopped}",
+    ):
+        assert line in output, (line, output[-6000:])
+    restart = rf"job {job}: 2 nodes \(n\[1-2\]\), 4 tasks, TP=2 PP=1, master n1:\d+, restart 1"
+    assert re.search(restart, output), output[-6000:]
+    lines = metric_lines(metrics)  # both starts: the second did not begin at 1
+    assert [it for it, _ in lines] == list(range(1, ITERS + 1))
+    assert [loss for _, loss in lines] == [full[it]["lm-loss"] for it in range(1, ITERS + 1)]
