@@ -125,16 +125,20 @@ def _disagreement(identities: list[dict]) -> str | None:
     """The first thing some ranks have differently from rank 0, said in one line, or None."""
     first = identities[0]
     for key in ("software", "code", "command line", "data"):
-        others = [i for i in identities if i[key] != first[key]]
-        if others:
-            ours, theirs = _describe(key, first[key], others[0][key])
-            return (
-                f"the ranks do not run the same job: their {key} differs: rank 0 ({first['node']}) "
-                f"has {ours}, {_who(others)} {'have' if len(others) > 1 else 'has'} {theirs}; every "
-                f"node must run the same code and command line on the same data (check what "
-                f"differs on {', '.join(sorted({i['node'] for i in others}))}: its environment, "
-                f"checkout, Python environment or files)"
-            )
+        odd = next((i[key] for i in identities if i[key] != first[key]), None)
+        if odd is None:
+            continue
+        group = [i for i in identities if i[key] == odd]  # the first other value, and who has it
+        ours, theirs = _describe(key, first[key], odd)
+        more = sum(i[key] not in (first[key], odd) for i in identities)
+        return (
+            f"the ranks do not run the same job: their {key} differs: rank 0 ({first['node']}) "
+            f"has {ours}, {_who(group)} {'have' if len(group) > 1 else 'has'} {theirs}"
+            f"{f' ({more} more rank(s) have yet another)' if more else ''}; every node must run "
+            f"the same code and command line on the same data (check what differs on "
+            f"{', '.join(sorted({i['node'] for i in group}))}: its environment, checkout, Python "
+            f"environment or files)"
+        )
     return None
 
 
