@@ -9,7 +9,7 @@
 # (--load = --save). A job cancelled for good (plain `scancel JOB`) is not requeued.
 run_step() {
     local signalled=0 status=0 pid
-    trap 'signalled=1; echo "recipe: SIGTERM to the batch shell: forwarding it to the tasks of job ${SLURM_JOB_ID}"; scancel --signal=TERM "${SLURM_JOB_ID}"' TERM
+    trap 'signalled=1; echo "recipe: SIGTERM to the batch shell: forwarding it to the tasks of job ${SLURM_JOB_ID}"; scancel --signal=TERM "${SLURM_JOB_ID}" || true' TERM
     "$@" &
     pid=$!
     wait "$pid" || status=$?
