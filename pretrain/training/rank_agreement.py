@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import json
 import os
 import socket
@@ -43,14 +44,15 @@ def code_digest() -> str:
 
 
 def _software() -> str:
-    import deepspeed
-    import numpy
-
-    python = sys.version.split()[0]
-    return (
-        f"python {python}, torch {torch.__version__}, deepspeed {deepspeed.__version__}, "
-        f"numpy {numpy.__version__}"
-    )
+    """Python's version and the installed torch, DeepSpeed and numpy (from their package
+    metadata: nothing is imported here)."""
+    versions = [f"python {sys.version.split()[0]}"]
+    for package in ("torch", "deepspeed", "numpy"):
+        try:
+            versions.append(f"{package} {importlib.metadata.version(package)}")
+        except importlib.metadata.PackageNotFoundError:
+            versions.append(f"{package} absent")
+    return ", ".join(versions)
 
 
 def _command_line(argv: tuple[str, ...]) -> list[str]:
