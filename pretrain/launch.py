@@ -134,10 +134,17 @@ def detect_launch_env(
     )
 
 
+SILENT_EXIT_DELAY_SECONDS = 10.0
+"""How long a rank that does not print its start-up error waits before it exits: launchers
+(torchrun, DeepSpeed's launch.py, `srun --kill-on-bad-exit`) end every rank of the node as soon
+as one fails, so a silent rank that failed first would end the first rank before it printed the
+error. The launcher ends the waiting rank once the first rank has printed and failed."""
+
+
 def reports_start_up_errors(env: Mapping[str, str] | None = None) -> bool:
     """Whether this process prints a UserError raised before any process group exists: the first
     rank of each node does (LOCAL_RANK / SLURM_LOCALID 0, or no launcher). The others exit with
-    the same status silently: every rank of a node checks the same command line against the same
+    the same status silently, after SILENT_EXIT_DELAY_SECONDS: every rank of a node checks the same command line against the same
     files and environment, so their error is the same line (a node whose files differ still says
     so, through its own first rank). An unreadable local rank prints, rather than hide an error."""
     env = os.environ if env is None else env
