@@ -5,10 +5,11 @@ Also runs under torchrun, Slurm's srun, or plain `python pretrain_gpt.py ...` (o
 """
 
 import sys
+import time
 
 from pretrain.cli import parse_args
 from pretrain.errors import EXIT_USER_ERROR, UserError, exit_on_user_error
-from pretrain.launch import reports_start_up_errors
+from pretrain.launch import SILENT_EXIT_DELAY_SECONDS, reports_start_up_errors
 from pretrain.training.run import pretrain
 
 
@@ -19,6 +20,9 @@ def main() -> None:
         cfg = parse_args(sys.argv[1:])
     except UserError:
         if not reports_start_up_errors():
+            time.sleep(
+                SILENT_EXIT_DELAY_SECONDS
+            )  # the launcher ends us once the first rank said it
             sys.exit(EXIT_USER_ERROR)
         raise
     pretrain(cfg)

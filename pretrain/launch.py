@@ -2,7 +2,8 @@
 
 Four ways to start ranks, one answer after this module:
 - the `deepspeed` launcher and `torchrun` set RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / PORT
-  (the deepspeed launcher also passes `--local_rank=N` on the command line);
+  (the deepspeed launcher also passes `--local_rank=N` on the command line); `accelerate launch`
+  runs one of them and adds its ACCELERATE_* settings;
 - Slurm's `srun` sets SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID (+ the node list);
 - a plain `python pretrain_gpt.py ...` sets nothing: world size 1 on a free local port.
 
@@ -38,7 +39,8 @@ class LaunchEnv:
     master_port: int
     """Rendezvous port of rank 0."""
     launcher: str
-    """Who started us: "deepspeed", "torchrun", "slurm" or "python"."""
+    """Who started us: "deepspeed", "torchrun", "accelerate (torchrun)", "accelerate
+    (deepspeed)", "slurm" or "python"."""
 
 
 def _int(env: Mapping[str, str], key: str) -> int:
@@ -76,6 +78,8 @@ def detect_launch_env(
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
         launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "deepspeed"
+        if "ACCELERATE_MIXED_PRECISION" in env:  # `accelerate launch` runs one of the two
+            launcher = f"accelerate ({launcher})"
         local_rank = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else (local_rank_flag or 0)
         local_size = (
             _int(env, "LOCAL_WORLD_SIZE")
@@ -130,10 +134,17 @@ def detect_launch_env(
     )
 
 
+SILENT_EXIT_DELAY_SECONDS = 10.0
+"""How long a rank that does not print its start-up error waits before it exits: launchers
+(torchrun, DeepSpeed's launch.py, `srun --kill-on-bad-exit`) end every rank of the node as soon
+as one fails, so a silent rank that failed first would end the first rank before it printed the
+error. The launcher ends the waiting rank once the first rank has printed and failed."""
+
+
 def reports_start_up_errors(env: Mapping[str, str] | None = None) -> bool:
     """Whether this process prints a UserError raised before any process group exists: the first
     rank of each node does (LOCAL_RANK / SLURM_LOCALID 0, or no launcher). The others exit with
-    the same status silently: every rank of a node checks the same command line against the same
+    the same status silently, after SILENT_EXIT_DELAY_SECONDS: every rank of a node checks the same command line against the same
     files and environment, so their error is the same line (a node whose files differ still says
     so, through its own first rank). An unreadable local rank prints, rather than hide an error."""
     env = os.environ if env is None else env

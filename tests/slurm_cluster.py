@@ -11,6 +11,14 @@ two `slurmd` (`-N n1`, `-N n2`), and waits until both nodes are idle. Both nodes
 `up` on a running cluster changes nothing; `down` cancels its jobs, then stops every daemon by the
 pid in its pid file and waits until each is gone. Commands for the cluster need
 `SLURM_CONF=DIR/slurm.conf` (`env()`).
+
+Three settings differ from a production cluster, for the tests' time and load: a requeued job may
+start again after 6 s (`cred_expire=5`; Slurm's default is 120 s), the schedulers look at the
+queue every 1-2 s, and a daemon waits 60 s for another's answer (`MessageTimeout`, default 10 s:
+on a loaded 2-core machine slurmd answered slurmctld's kill of a failed job late, and slurmctld's
+retry a minute later killed the job's requeued start on that node). A node can be given its own environment, as a node set up differently would have: the
+`export NAME=value` lines in DIR/node-env/<node> reach every task on that node (Slurm's TaskProlog;
+`node_env()` writes the file).
 """
 
 from __future__ import annotations
@@ -124,7 +132,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={run}/munge.socket
+AuthInfo=socket={run}/munge.socket,cred_expire=5
 StateSaveLocation={root}/state
 SlurmdSpoolDir={spool}/%n
 SlurmctldPidFile={run}/slurmctld.pid
@@ -143,18 +151,34 @@ JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 ReturnToService=2
 SlurmdTimeout=60
+MessageTimeout=60
 InactiveLimit=0
 KillWait=30
 MinJobAge=300
+SchedulerParameters=bf_interval=1,sched_interval=2
+TaskProlog={root}/task_prolog.sh
 {nodes}
 PartitionName=local Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
 """
 
 
+def node_env(root: Path, node: str, variables: dict[str, str] | None) -> None:
+    """Give every task started on `node` from now on these environment variables on top of the
+    job's (None: none)."""
+    path = root / "node-env" / node
+    if variables is None:
+        path.unlink(missing_ok=True)
+        return
+    path.write_text("".join(f"export {k}={v}\n" for k, v in variables.items()))
+
+
 def _prepare(root: Path) -> None:
-    """Folders, munge key and slurm.conf (kept when present: ports stay the same)."""
-    for sub in ("run", "log", "state", *(f"spool/{n}" for n in NODES)):
+    """Folders, munge key, task prolog and slurm.conf (kept when present: ports stay the same)."""
+    for sub in ("run", "log", "state", "node-env", *(f"spool/{n}" for n in NODES)):
         (root / sub).mkdir(parents=True, exist_ok=True)
+    prolog = root / "task_prolog.sh"
+    prolog.write_text(f'#!/bin/sh\ncat "{root}/node-env/$SLURMD_NODENAME" 2>/dev/null\nexit 0\n')
+    prolog.chmod(0o755)
     os.chmod(root / "run", 0o755)
     key = root / "munge.key"
     if not key.exists():
@@ -182,7 +206,8 @@ def _wait(predicate, what: str, root: Path, timeout: float = 60) -> None:
     raise ClusterError(f"{what} within {timeout:.0f} s (logs in {root / 'log'})")
 
 
-def _nodes_idle(root: Path) -> bool:
+def nodes_idle(root: Path) -> bool:
+    """Both nodes idle: no job on them, none still being cleaned up."""
     out = subprocess.run(
         ["sinfo", "-h", "-N", "-o", "%N %t"], env=env(root), capture_output=True, text=True
     ).stdout.split()
@@ -209,7 +234,7 @@ def up(root: Path = DEFAULT_DIR) -> None:
     _start("slurmctld", [_sbin("slurmctld")], root)
     for node in NODES:
         _start(f"slurmd-{node}", [_sbin("slurmd"), "-N", node], root)
-    _wait(lambda: _nodes_idle(root), f"nodes {' '.join(NODES)} were not idle", root)
+    _wait(lambda: nodes_idle(root), f"nodes {' '.join(NODES)} were not idle", root)
 
 
 def _cancel_jobs(root: Path, timeout: float) -> None:

@@ -230,6 +230,25 @@ def test_a_bad_command_line_is_said_once_by_a_two_rank_launch(tmp_path, launcher
     assert len([line for line in lines if "missing.bin" in line]) == 1, result.stdout[-4000:]
 
 
+def test_the_line_is_said_when_a_silent_rank_fails_first(tmp_path):
+    """The same under torchrun with the first rank (the one that prints) started 5 s late: the
+    silent rank fails first, and torchrun ends every rank once one has failed; the silent rank
+    waits (SILENT_EXIT_DELAY_SECONDS) until the first rank has said it. Before, the line was lost
+    (seen under load with `accelerate launch`: `exitcode: -15` for rank 0, no error line)."""
+    from training_fixtures import BIN
+
+    from pretrain.launch import free_port
+
+    corpus = make_corpus(tmp_path / "corpus")
+    flags = model_flags("gpt2") + train_flags(corpus, iters=2) + layout_flags(1, 1, 0)
+    late_first_rank = '[ "$LOCAL_RANK" = 0 ] && sleep 5; exec "$0" "$@"'
+    cmd = [str(BIN / "torchrun"), "--nproc-per-node", "2", "--master-port", str(free_port())]
+    cmd += ["--no-python", "bash", "-c", late_first_rank, PYTHON, str(REPO / "pretrain_gpt.py")]
+    result = run([*cmd, *flags, "--data-path", str(tmp_path / "missing")], timeout=300)
+    lines = [line for line in result.stdout.splitlines() if "missing.bin does not exist" in line]
+    assert result.returncode != 0 and len(lines) == 1, result.stdout[-4000:]
+
+
 @pytest.mark.parametrize(
     "env, prints",
     [

@@ -4,16 +4,18 @@ flags and the environment size it.
 
 - TP2 x DP2 over the two nodes (2 tasks per node, started by `srun` alone, gloo) trains the losses
   of one process of the same flags (1e-6 relative, as tests/test_training_equivalence.py).
-- `scancel --signal=TERM` mid-run signals every task; with --exit-signal-handler the job commits a
-  checkpoint and completes; the same submission again resumes from it (the recipe's --load is its
-  --save) and trains the uninterrupted job's remaining losses bit for bit.
+- The time limit's `#SBATCH --signal=B:TERM@60` (sent here at once with `scancel --batch
+  --signal=TERM`, which is how Slurm delivers it: to the batch shell only) mid-run: the recipe
+  forwards it to every task (`scancel --signal=TERM`), the ranks commit a checkpoint and exit 0,
+  the recipe requeues the job, and the job's second start resumes from the checkpoint (the
+  recipe's --load is its --save): its losses and the first start's are the uninterrupted job's,
+  bit for bit, and its iterations follow on (nothing trained twice, one metrics file).
 
 Skipped where `slurm-wlm` and `munge` are not installed (`.ci/run` installs them).
 """
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import time
@@ -22,33 +24,20 @@ from pathlib import Path
 import psutil
 import pytest
 import slurm_cluster
-from training_fixtures import BIN, PYTHON, REPO, make_corpus, read_metrics, run
-from training_fixtures import test_env as clean_env
-
-from pretrain.launch import free_port
+from cluster_fixtures import (
+    ITERS,
+    assert_equals_one_process,
+    finished,
+    job_info,
+    metric_lines,
+    recipe_env,
+    slurm,
+    submit,
+    wait_for_iterations,
+)
+from training_fixtures import PYTHON, REPO
 
 pytestmark = pytest.mark.slurm
-
-ITERS = 40  # long enough that SIGTERM after 2 logged iterations lands mid-run
-RTOL = 1e-6
-ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL")
-
-
-@pytest.fixture(scope="session")
-def cluster(tmp_path_factory):
-    """The cluster's directory, the cluster up for the session and down after it."""
-    missing = slurm_cluster.missing_commands()
-    if missing:
-        pytest.skip(f"not installed: {' '.join(missing)} (apt-get install -y slurm-wlm munge)")
-    if os.geteuid() != 0:
-        pytest.skip("the Slurm daemons run as root (tests/slurm_cluster.py)")
-    root = tmp_path_factory.mktemp("slurm-cluster")
-    try:
-        slurm_cluster.up(root)
-        yield root
-    finally:
-        slurm_cluster.down(root)
-        assert not any(slurm_cluster.status(root).values()), slurm_cluster.status(root)
 
 
 def _gone(pid: int) -> bool:
@@ -110,135 +99,38 @@ def _up_twice_down_twice(cli: list[str], root: Path) -> None:
     assert out.returncode == 0 and "stopped" not in out.stdout
 
 
-def _recipe_env(corpus: str, save: Path, metrics: Path) -> dict:
-    """The recipe's variables for a tiny fp32 model on the NullTokenizer corpus."""
-    return {
-        "TP": "2",
-        "PP": "1",
-        "NUM_LAYERS": "2",
-        "HIDDEN_SIZE": "32",
-        "NUM_ATTENTION_HEADS": "4",
-        "SEQ_LENGTH": "16",
-        "MICRO_BATCH_SIZE": "2",
-        "GLOBAL_BATCH_SIZE": "8",
-        "TRAIN_ITERS": str(ITERS),
-        "LOG_INTERVAL": "1",
-        "EVAL_ITERS": "0",
-        "SAVE_INTERVAL": "100000",
-        "PRECISION": "fp32",
-        "DATA_PREFIX": corpus,
-        "SAVE_DIR": str(save),
-        "TOKENIZER_FLAGS": "--tokenizer-type NullTokenizer --vocab-size 100",
-        "EXTRA_ARGS": f"--distributed-backend gloo --make-vocab-size-divisible-by 64 "
-        f"--metrics-file {metrics}",
-    }
-
-
-def _submit(root: Path, out_dir: Path, variables: dict) -> str:
-    """`sbatch` the recipe from the repository on 2 nodes x 2 tasks; the job id."""
-    exported = ",".join(f"{k}={v}" for k, v in variables.items())
-    cmd = ["sbatch", "--parsable", "--nodes", "2", "--ntasks-per-node", "2"]
-    cmd += ["--gpus-per-node", "0", "--cpus-per-task", "1", "--output", f"{out_dir}/%j.out"]
-    cmd += [f"--export=ALL,MASTER_PORT={free_port()},{exported}", "examples/slurm_train.sbatch"]
-    env = slurm_cluster.env(root, clean_env(PATH=f"{BIN}:/usr/bin:/bin:/usr/sbin:/sbin"))
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    return result.stdout.strip().split(";")[0]
-
-
-def _job(root: Path, job: str) -> dict[str, str]:
-    out = subprocess.run(
-        ["scontrol", "show", "job", "-o", job],
-        env=slurm_cluster.env(root),
-        capture_output=True,
-        text=True,
-        timeout=30,
-    ).stdout
-    return dict(re.findall(r"(\w+)=(\S*)", out))
-
-
-def _wait(root: Path, job: str, timeout: float = 240) -> dict[str, str]:
-    """The job's record once it has ended; on timeout cancel it and fail."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        info = _job(root, job)
-        if info.get("JobState") in ENDED:
-            return info
-        time.sleep(0.5)
-    subprocess.run(["scancel", job], env=slurm_cluster.env(root), timeout=30)
-    raise AssertionError(f"job {job} still {_job(root, job).get('JobState')} after {timeout} s")
-
-
-def _finished(root: Path, out_dir: Path, job: str) -> str:
-    """The job's output, asserting it completed with exit code 0."""
-    info = _wait(root, job)
-    output = (out_dir / f"{job}.out").read_text()
-    assert (info["JobState"], info["ExitCode"]) == ("COMPLETED", "0:0"), output[-6000:]
-    assert (info["NodeList"], info["NumTasks"]) == ("n[1-2]", "4"), info  # both slurmd
-    return output
-
-
-@pytest.fixture(scope="module")
-def two_nodes(cluster, tmp_path_factory):
-    """(corpus, out dir, output and metrics of one uninterrupted 2-node job)."""
-    tmp = tmp_path_factory.mktemp("slurm-train")
-    corpus = make_corpus(tmp / "corpus")
-    job = _submit(cluster, tmp, _recipe_env(corpus, tmp / "ckpt", tmp / "m.jsonl"))
-    return corpus, tmp, _finished(cluster, tmp, job), read_metrics(tmp / "m.jsonl")
-
-
-def _one_process_argv(variables: dict) -> list[str]:
-    """The recipe's pretrain_gpt.py flags for `variables`, at TP1 PP1 (sourced, not copied)."""
-    script = (
-        "source examples/model_gpt2_1.3b.sh && printf '%s\\n' --tensor-model-parallel-size 1 "
-        '--pipeline-model-parallel-size 1 "${GPT_ARGS[@]}" "${DATA_ARGS[@]}" "${TRAIN_ARGS[@]}"'
-    )
-    env = {"PATH": "/usr/bin:/bin", **variables}
-    out = subprocess.run(
-        ["bash", "-c", script], cwd=REPO, env=env, capture_output=True, text=True, check=True
-    )
-    return out.stdout.splitlines()
-
-
 @pytest.mark.timeout(420)
-def test_tp2_dp2_over_two_nodes_equals_one_process(two_nodes, tmp_path):
-    corpus, _, output, got = two_nodes
+def test_tp2_dp2_over_two_nodes_equals_one_process(two_nodes, one_process):
+    _, output, got = two_nodes
     assert re.search(r"job \d+: 2 nodes \(n\[1-2\]\), 4 tasks, TP=2 PP=1, master n1:", output)
     assert "4 rank(s) via slurm, backend gloo" in output and "TP=2  PP=1  DP=2" in output
-    metrics = tmp_path / "one.jsonl"
-    argv = _one_process_argv(_recipe_env(corpus, tmp_path / "ckpt", metrics))
-    result = run([PYTHON, str(REPO / "pretrain_gpt.py"), *argv], timeout=240)
-    assert result.returncode == 0, result.stdout[-6000:]
-    ref = read_metrics(metrics)
-    assert sorted(got) == sorted(ref) == list(range(1, ITERS + 1))
-    for it in ref:
-        a, b = got[it]["lm-loss"], ref[it]["lm-loss"]
-        assert abs(a - b) <= RTOL * abs(b), (it, a, b)
+    assert "4 ranks on 2 nodes run the same code" in output
+    assert "ranks 0-1 (n1), ranks 2-3 (n2)" in output
+    assert_equals_one_process({i: m["lm-loss"] for i, m in got.items()}, one_process)
 
 
 @pytest.mark.timeout(600)
-def test_scancel_signal_term_saves_and_the_resubmission_resumes_exactly(cluster, two_nodes):
-    corpus, tmp, _, full = two_nodes
-    save, first, second = tmp / "preempted", tmp / "first.jsonl", tmp / "second.jsonl"
-    job = _submit(cluster, tmp, _recipe_env(corpus, save, first))
-    deadline = time.monotonic() + 240
-    while not (first.exists() and len(read_metrics(first)) >= 2):
-        assert time.monotonic() < deadline and _job(cluster, job).get("JobState") not in ENDED
-        time.sleep(0.1)
-    subprocess.run(
-        ["scancel", "--signal=TERM", job], env=slurm_cluster.env(cluster), check=True, timeout=30
-    )
-    output = _finished(cluster, tmp, job)
-    stopped = int((save / "latest").read_text().removeprefix("global_step"))
+def test_b_term_saves_the_job_requeues_itself_and_resumes_exactly(
+    cluster, recipe_corpus, two_nodes, tmp_path
+):
+    full = two_nodes[2]
+    save, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    job = submit(cluster, tmp_path, recipe_env(recipe_corpus, save, metrics))
+    wait_for_iterations(cluster, job, metrics, 2)
+    slurm(cluster, "scancel", "--batch", "--signal=TERM", job)  # what B:TERM@60 does
+    output = finished(cluster, tmp_path, job)
+    assert job_info(cluster, job)["Restarts"] == "1", output[-6000:]
+    stopped = int(re.search(r"exiting after iteration (\d+): SIGTERM received", output)[1])
     assert 2 <= stopped < ITERS, output[-6000:]
-    assert f"exiting after iteration {stopped}: SIGTERM received (--exit-signal-handler)" in output
-    assert sorted(read_metrics(first)) == list(range(1, stopped + 1))
-
-    again = _submit(cluster, tmp, _recipe_env(corpus, save, second))
-    output = _finished(cluster, tmp, again)
-    assert f"loaded checkpoint {save / f'global_step{stopped}'}" in output, output[-6000:]
-    resumed = read_metrics(second)
-    assert sorted(resumed) == list(range(stopped + 1, ITERS + 1))
-    losses = [read_metrics(first)[i]["lm-loss"] for i in range(1, stopped + 1)]
-    losses += [resumed[i]["lm-loss"] for i in range(stopped + 1, ITERS + 1)]
-    assert losses == [full[i]["lm-loss"] for i in range(1, ITERS + 1)]
+    for line in (
+        "recipe: SIGTERM to the batch shell: forwarding it to the tasks",
+        f"saved checkpoint at iteration {stopped:8d} to {save / f'global_step{stopped}'}",
+        f"recipe: step ended (status 0); requeueing job {job} (restart 1): it resumes from",
+        f"loaded checkpoint {save / f'global_step{stopped}'} at iteration {stopped}",
+    ):
+        assert line in output, (line, output[-6000:])
+    restart = rf"job {job}: 2 nodes \(n\[1-2\]\), 4 tasks, TP=2 PP=1, master n1:\d+, restart 1"
+    assert re.search(restart, output), output[-6000:]
+    lines = metric_lines(metrics)  # both starts: the second did not begin at 1
+    assert [it for it, _ in lines] == list(range(1, ITERS + 1))
+    assert [loss for _, loss in lines] == [full[it]["lm-loss"] for it in range(1, ITERS + 1)]

@@ -8,11 +8,13 @@ every check before launch, in a fixed order, so the first problem is reported in
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
 import torch
 
+from pretrain.cli.accelerate_env import check_accelerate_env
 from pretrain.cli.checkpoint_args import fill_from_checkpoint, force_from_checkpoint, saved_model
 from pretrain.cli.flags import DEPRECATED_FLAGS, build_parser, section_values
 from pretrain.cli.refused import refuse_unsupported
@@ -257,7 +259,7 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
         evaluation.multiple_validation_sets, evaluation.validation_set_names, data
     )
 
-    return RunConfig(
+    cfg = RunConfig(
         model=model,
         parallel=parallel,
         training=TrainingConfig(
@@ -285,3 +287,5 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
         argv=tuple(argv),
         prepared=prepared,
     )
+    check_accelerate_env(os.environ if env is None else env, cfg)
+    return cfg

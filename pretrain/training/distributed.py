@@ -147,6 +147,19 @@ def _rendezvous(launch: LaunchEnv, timeout: datetime.timedelta) -> dict:
     return {"store": torch.distributed.PrefixStore(f"pretrain/attempt_{attempt}/", store)}
 
 
+def _rendezvous_failure(launch: LaunchEnv, timeout_minutes: float, err: Exception) -> str:
+    """One line for a rendezvous that failed: which rank, which host and port, torch's reason
+    (its first line) and what to check."""
+    reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return (
+        f"rank {launch.rank}: no rendezvous at {launch.master_addr}:{launch.master_port} "
+        f"(waited up to {timeout_minutes:g} min, --distributed-timeout-minutes): {reason} "
+        f"(check that the job's tasks started on every node, and that MASTER_ADDR:MASTER_PORT "
+        f"is rank 0's host and a port free there and reachable from every node; "
+        f"GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME choose the network interface)"
+    )
+
+
 def init_distributed(launch: LaunchEnv, backend: str, timeout_minutes: float) -> torch.device:
     """env:// process group (gloo on CPU, nccl on GPU); the backend builds its own layers on it."""
     device = torch.device("cpu")
@@ -159,13 +172,16 @@ def init_distributed(launch: LaunchEnv, backend: str, timeout_minutes: float) ->
         device = torch.device("cuda", launch.local_rank)
     timeout = datetime.timedelta(minutes=timeout_minutes)
     if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group(
-            backend=backend,
-            rank=launch.rank,
-            world_size=launch.world_size,
-            timeout=timeout,
-            **_rendezvous(launch, timeout),
-        )
+        try:
+            torch.distributed.init_process_group(
+                backend=backend,
+                rank=launch.rank,
+                world_size=launch.world_size,
+                timeout=timeout,
+                **_rendezvous(launch, timeout),
+            )
+        except torch.distributed.DistError as err:  # the store: a timeout, refused, a busy port
+            raise UserError(_rendezvous_failure(launch, timeout_minutes, err)) from None
     return device
 
 

@@ -44,6 +44,7 @@ from pretrain.training.loop import TrainingConfig
 from pretrain.training.lr_schedule import LRScheduleConfig
 from pretrain.training.optimizer import OptimizerConfig
 from pretrain.training.precision import PrecisionConfig
+from pretrain.training.rank_agreement import check_ranks_agree
 from pretrain.training.resume import check_before_launch, load_checkpoint, restore_rng_state
 from pretrain.training.resume_changes import check_tokenizer, data_changes
 from pretrain.training.save_lock import hold_save_lock
@@ -206,6 +207,7 @@ def pretrain(cfg: RunConfig) -> TrainState:
     owns_process_group = not torch.distributed.is_initialized()
     device = init_distributed(cfg.launch, backend, cfg.parallel.distributed_timeout_minutes)
     try:
+        check_ranks_agree(cfg.launch, cfg.argv, record["data_fingerprints"])
         save_lock = hold_save_lock(cfg.checkpoint.save)  # every rank: a refusal before any write
         try:
             return _train(
