@@ -1,0 +1,1 @@
+"""The torch backend: FSDP2 over data parallelism, `torch.distributed.pipelining` stages, DCP."""
