@@ -17,6 +17,10 @@ Points (environment variable = value):
                                           `torch.save` writes only its first <bytes> bytes
                                           (fsynced) before the kill; a commit step is killed
                                           right after it ran
+                                          Background writes (--async-save: DCP's files and
+                                          the files queued behind them) are events too, named
+                                          by their base name (`__0_0.distcp`), through
+                                          `stream_watcher`, and cut the same way
     PRETRAIN_TEST_SAVE_EVENTS             "<file>": every event of every save is appended to
                                           <file> as one line "<iteration> <event>" (before a
                                           kill at it), so a test can see which events a save
@@ -48,18 +52,63 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _is_target(name: str) -> bool:
-    """Record the event `name` of the armed save; True if the save is to be killed at it."""
-    if _armed["log"]:
-        with open(_armed["log"], "a") as f:
-            f.write(f"{_armed['iteration']} {name}\n")
-    return name == _armed["target"]
+def _is_target(name: str, armed: dict | None = None) -> bool:
+    """Record the event `name` of the armed save (`armed`, default the one armed now); True if
+    the save is to be killed at it."""
+    armed = armed or _armed
+    if armed["log"]:
+        with open(armed["log"], "a") as f:
+            f.write(f"{armed['iteration']} {name}\n")
+    return name == armed["target"]
 
 
 def save_event(name: str) -> None:
     """One commit step of a save, just done (see SIGKILL_IN_SAVE)."""
     if _armed is not None and _is_target(name):
         _die()
+
+
+class _CutStream:
+    """A write stream that lets `limit` bytes through in all, then fsyncs and kills."""
+
+    def __init__(self, stream, limit: int):
+        self._stream, self._left = stream, limit
+
+    def write(self, data) -> int:
+        data = memoryview(data).cast("B")
+        if len(data) < self._left:
+            self._left -= len(data)
+            return self._stream.write(data)
+        self._stream.write(data[: self._left])
+        self.die()
+
+    def die(self) -> None:
+        """Flush and fsync what was written, then SIGKILL this process."""
+        self._stream.flush()
+        os.fsync(self._stream.fileno())
+        _die()
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
+def stream_watcher():
+    """Inside an armed save: `watch(stream, name)`, a context giving the stream to write a file
+    of the save with later, in the background. It records the event `name` and, when the save
+    is armed at it, gives a stream that writes the armed number of bytes (or the whole file,
+    if shorter), fsyncs and kills. Outside an armed save it gives the stream itself."""
+    armed = _armed
+
+    @contextlib.contextmanager
+    def watch(stream, name: str):
+        if armed is None or not _is_target(name, armed):
+            yield stream
+            return
+        cut = _CutStream(stream, armed["bytes"])
+        yield cut
+        cut.die()  # the file was shorter than the armed bytes
+
+    return watch
 
 
 def _write_part_and_die(real_save, obj, f, args, kwargs) -> None:

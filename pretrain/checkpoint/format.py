@@ -90,7 +90,14 @@ def parallel_record(parallel: ParallelConfig, pipeline_engine: bool) -> dict:
         "world_size": parallel.world_size,
         "zero_stage": parallel.zero_stage,
         "pipeline_engine": pipeline_engine,
+        "backend": parallel.backend,
     }
+
+
+def saved_backend(meta: dict) -> str:
+    """The backend that wrote a checkpoint: "torch" or "deepspeed" (older checkpoints, which do
+    not say, and converted ones are DeepSpeed's layout)."""
+    return meta["parallel"].get("backend", "deepspeed")
 
 
 def build_metadata(

@@ -21,6 +21,10 @@ Anything else (e.g. `os.system`, `builtins.eval`, a custom class) is refused wit
 `UserError` naming every such global in the file; the restricted unpickler stops at the first one,
 before anything from the file is called.
 
+torch.distributed.checkpoint's `.metadata` index is a plain pickle (torch reads it with
+`pickle.load`): `dcp_metadata` reads it allowing DCP's own classes only (the torch backend's
+checkpoints and Megatron-LM's torch_dist both have one).
+
 Third-party readers (DeepSpeed's engine load, zero_to_fp32) call `torch.load(weights_only=False)`
 themselves: they run inside `checked_torch_loads`, which routes each of their reads through `load`.
 """
@@ -31,6 +35,7 @@ import argparse
 import contextlib
 import io
 import os
+import pickle
 import pickletools
 import re
 import signal
@@ -244,3 +249,40 @@ def _legacy_globals(path: str) -> list[str]:
     except (ValueError, OSError):
         pass  # not (or not all) pickles: torch.load reports it
     return names
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles `.metadata` allowing only what torch's checkpoint index is made of: the
+    classes of torch.distributed.checkpoint, torch.Size, dtypes, layouts and memory formats.
+    Anything else (a function to call, a foreign class) is refused by name: torch's own reader
+    uses plain `pickle.load`, which would run whatever a doctored `.metadata` names."""
+
+    def find_class(self, module: str, name: str):  # noqa: D102 (pickle API)
+        found = super().find_class(module, name)
+        torch_value = module == "torch" and isinstance(
+            found, torch.dtype | torch.layout | torch.memory_format
+        )
+        checkpoint_class = module.startswith("torch.distributed.checkpoint.") and isinstance(
+            found, type
+        )
+        plain = (module, name) in {
+            ("torch", "Size"),
+            ("collections", "OrderedDict"),
+            ("torch.serialization", "_get_layout"),  # "torch.strided" -> the layout, nothing else
+        }
+        if torch_value or checkpoint_class or plain:
+            return found
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def dcp_metadata(path: str):
+    """A torch.distributed.checkpoint `.metadata` file, unpickled allowing DCP's own classes
+    only; UserError (one line) naming anything else it refers to."""
+    with open(path, "rb") as f:
+        try:
+            return _MetadataUnpickler(f).load()
+        except pickle.UnpicklingError as err:
+            raise UserError(
+                f"{path}: refused: it names {err}, which a checkpoint index never holds "
+                f"(a doctored or foreign file; nothing was run)"
+            ) from None

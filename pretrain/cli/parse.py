@@ -39,6 +39,7 @@ from pretrain.training.backends.deepspeed.config import (
     load_user_config,
 )
 from pretrain.training.backends.deepspeed.offload import check_nvme_checkpoints, resolve_offload
+from pretrain.training.backends.torch.flags import check_deepspeed_only, resolve_torch_flags
 from pretrain.training.checkpointing import CheckpointConfig
 from pretrain.training.evaluator import EvalConfig
 from pretrain.training.logging import LoggingConfig
@@ -105,6 +106,21 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
             f"--rotary-percent {ns.rotary_percent}: only 1.0 is implemented (RoPE rotates every "
             f"dimension of a head; drop the flag)"
         )
+    torch_backend = ns.parallel__use_torch_fsdp2
+    if torch_backend:
+        torch_offload = resolve_torch_flags(
+            zero_stage=ns.zero_stage,
+            use_distributed_optimizer=ns.use_distributed_optimizer,
+            deepspeed_config=ns.deepspeed_config,
+            cpu_offload=ns.cpu_offload,
+            offload_optimizer=ns.parallel__offload_optimizer,
+            offload_param=ns.parallel__offload_param,
+            pipeline_parallel_size=pp,
+            fp16=ns.precision__fp16,
+            ckpt_format=ns.ckpt_format,
+        )
+    else:
+        check_deepspeed_only(async_save=ns.checkpoint__async_save, ckpt_format=ns.ckpt_format)
     ds_json = load_user_config(ns.deepspeed_config) if ns.deepspeed_config else None
     json_gbs, ns.micro_batch_size = json_batch_sizes(
         ds_json,
@@ -156,14 +172,18 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
             f"--zero-stage {zero} with --pipeline-model-parallel-size {pp}: DeepSpeed's pipeline "
             f"engine supports ZeRO 0 and 1 only (use --zero-stage 1, or PP=1 for ZeRO-2/3)"
         )
-    offload = resolve_offload(
-        cpu_offload=ns.cpu_offload,
-        optimizer=ns.parallel__offload_optimizer,
-        param=ns.parallel__offload_param,
-        nvme_path=ns.parallel__offload_nvme_path,
-        zero_stage=zero,
-        user_json=ds_json,
-        json_path=ns.deepspeed_config,
+    offload = (
+        torch_offload
+        if torch_backend
+        else resolve_offload(
+            cpu_offload=ns.cpu_offload,
+            optimizer=ns.parallel__offload_optimizer,
+            param=ns.parallel__offload_param,
+            nvme_path=ns.parallel__offload_nvme_path,
+            zero_stage=zero,
+            user_json=ds_json,
+            json_path=ns.deepspeed_config,
+        )
     )
     parallel = ParallelConfig(
         **(section_values(ns, "parallel") | offload), world_size=launch.world_size, zero_stage=zero

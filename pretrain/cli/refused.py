@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pretrain.errors import UserError
 
 _MOE = "MoE is not supported yet (train a dense model: drop the MoE flags)"
-_FSDP = "FSDP is not supported yet (use ZeRO: --zero-stage 3 shards parameters, gradients and optimizer state)"
+_FSDP = "Megatron's own FSDP is not implemented (use --use-torch-fsdp2: torch's FSDP2; or ZeRO: --zero-stage 3)"
 _FP8 = "FP8 training is not implemented (use --bf16)"
 _KD = "knowledge distillation is not implemented (train the student without a teacher)"
 _GPT_OSS = "gpt-oss's architecture is not implemented (GPT-2 and Llama-style models only)"
@@ -68,7 +68,6 @@ REFUSED_FLAGS: dict[str, str] = {
     # FSDP and other data-parallel schemes
     **dict.fromkeys(
         (
-            "--use-torch-fsdp2",
             "--use-megatron-fsdp",
             "--data-parallel-sharding-strategy",
             "--outer-dp-sharding-strategy",

@@ -31,8 +31,9 @@ _SIZE_ONE = {
     ),
 }
 
-CKPT_FORMAT = "torch"
-"""The `--ckpt-format` that describes what is written here: per-rank `torch.save` files."""
+CKPT_FORMATS = ("torch", "torch_dist")
+"""The `--ckpt-format`s that describe what is written here: DeepSpeed's per-rank `torch.save`
+files, or (--use-torch-fsdp2) torch.distributed.checkpoint folders."""
 
 
 def check_script_flags(ns: argparse.Namespace, num_layers: int, pp: int) -> None:
@@ -47,11 +48,12 @@ def check_script_flags(ns: argparse.Namespace, num_layers: int, pp: int) -> None
             f"--num-layers-per-virtual-pipeline-stage {per_chunk}: DeepSpeed's pipeline engine "
             f"runs one model chunk per stage ({num_layers} layers / PP {pp}); drop the flag"
         )
-    if ns.ckpt_format not in (None, CKPT_FORMAT):
+    if ns.ckpt_format not in (None, *CKPT_FORMATS):
         raise UserError(
             f"--ckpt-format {ns.ckpt_format}: checkpoints here are DeepSpeed's per-rank torch files "
-            f"(--ckpt-format {CKPT_FORMAT}), which resume at any layout from their full state; "
-            f"use --ckpt-format {CKPT_FORMAT} or drop the flag (tools/convert_to_hf.py exports)"
+            f"(--ckpt-format torch) or, with --use-torch-fsdp2, DCP folders (torch_dist), which "
+            f"resume at any layout from their full state; use one of them or drop the flag "
+            f"(tools/convert_to_hf.py exports)"
         )
     modules = ns.recompute_modules or []
     if set(modules) - {"core_attn"}:

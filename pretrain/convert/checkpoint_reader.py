@@ -10,6 +10,9 @@ What pretrain_gpt.py writes (pretrain/training/checkpointing.py, docs/CHECKPOINT
     PP > 1:            layer_<idx:02>-model_<tp:02>-model_states.pt    one per pipeline layer
     resharded offline: full_state_tp<t:02>_pp<p:02>.pt                 fp32 master weights
                        (tools/reshard_checkpoint.py; pretrain.checkpoint.full_state)
+    torch backend:     .metadata + __<rank>_0.distcp (DCP), read through the same full_state
+                       files beside them (--use-torch-fsdp2; a checkpoint saved with
+                       --no-save-full-state there is refused: it has none)
 
 Pipeline layer indices map to GPTModel names through `pretrain.checkpoint.pipeline_layers.layer_name_prefix`
 (0 = embedding, 1..L = layers.0..L-1, L+1 = head; with tied embeddings L+2 is the last stage's
@@ -38,6 +41,7 @@ from pretrain.checkpoint.format import (
     available_tags,
     model_config_from_meta,
     read_latest_tag,
+    saved_backend,
     tag_for,
 )
 from pretrain.checkpoint.full_state import FullState
@@ -203,7 +207,10 @@ def read_checkpoint(load_dir: str, iteration: int | None = None) -> LoadedCheckp
             f"{os.path.join(step_dir, META_FILE)}: missing or bad entry {err} (not written by this "
             f"version of pretrain_gpt.py?)"
         ) from None
-    if is_full_state_only(meta):  # tools/reshard_checkpoint.py: fp32 master weights only
+    # tools/reshard_checkpoint.py's output (fp32 master weights only) and the torch backend's
+    # checkpoints (DCP files, read here through their layout-independent state)
+    from_full_state = is_full_state_only(meta) or saved_backend(meta) == "torch"
+    if from_full_state:
         state = FullState(step_dir, config.vocab_size)
         shards = [{name: state.entry(name).param for name in state.names()}]
     elif pp > 1:
@@ -219,7 +226,7 @@ def read_checkpoint(load_dir: str, iteration: int | None = None) -> LoadedCheckp
             f"{step_dir}: the weights do not match the model in {META_FILE}: missing "
             f"{sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}"
         )
-    if is_full_state_only(meta):
+    if from_full_state:
         full = shards[0]
     else:
         full = trim_vocab(merge_tp(shards, partitions), config.vocab_size)

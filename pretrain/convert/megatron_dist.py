@@ -25,7 +25,6 @@ safe loader: no pickled code runs.
 from __future__ import annotations
 
 import os
-import pickle
 import tempfile
 
 import torch
@@ -42,44 +41,12 @@ COMMON_STATE = "common_state"  # the object Megatron-LM main stores its common e
 _STACKED = "decoder.layers."
 
 
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles `.metadata` allowing only what torch's checkpoint index is made of: the
-    classes of torch.distributed.checkpoint, torch.Size, dtypes, layouts and memory formats.
-    Anything else (a function to call, a foreign class) is refused by name: torch's own reader
-    uses plain `pickle.load`, which would run whatever a doctored `.metadata` names."""
-
-    def find_class(self, module: str, name: str):  # noqa: D102 (pickle API)
-        found = super().find_class(module, name)
-        torch_value = module == "torch" and isinstance(
-            found, torch.dtype | torch.layout | torch.memory_format
-        )
-        checkpoint_class = module.startswith("torch.distributed.checkpoint.") and isinstance(
-            found, type
-        )
-        plain = (module, name) in {
-            ("torch", "Size"),
-            ("collections", "OrderedDict"),
-            ("torch.serialization", "_get_layout"),  # "torch.strided" -> the layout, nothing else
-        }
-        if torch_value or checkpoint_class or plain:
-            return found
-        raise pickle.UnpicklingError(f"{module}.{name}")
-
-
 class _SafeReader(FileSystemReader):
     """torch's FileSystemReader with the restricted `.metadata` unpickler (the tensor shards are
     read by torch with `weights_only=True` already)."""
 
     def read_metadata(self, *args, **kwargs):  # noqa: D102 (torch API)
-        path = os.path.join(self.path, METADATA_FILE)
-        with open(path, "rb") as f:
-            try:
-                metadata = _MetadataUnpickler(f).load()
-            except pickle.UnpicklingError as err:
-                raise UserError(
-                    f"{path}: refused: it names {err}, which a checkpoint index never holds "
-                    f"(a doctored or foreign file; nothing was run)"
-                ) from None
+        metadata = safe_load.dcp_metadata(os.path.join(self.path, METADATA_FILE))
         if getattr(metadata, "storage_meta", None) is None:
             from torch.distributed.checkpoint.metadata import StorageMeta
 

@@ -38,6 +38,9 @@ class ParallelConfig:
     """Ranks in the job; DP = world / (TP x PP)."""
     zero_stage: int = 0
     """DeepSpeed ZeRO stage (0-3), sharding over the data-parallel ranks."""
+    use_torch_fsdp2: bool = False
+    """The torch-native backend: FSDP2 shards parameters, gradients and optimizer state over the
+    data-parallel ranks per transformer layer (--use-torch-fsdp2); False: DeepSpeed."""
     offload_optimizer: str | None = None
     """ZeRO-Offload: "cpu" or "nvme" (ZeRO-3) keeps the optimizer state and step there; None:
     device memory (--offload-optimizer, --cpu-offload; pretrain/training/backends/deepspeed/offload.py checks it)."""
@@ -57,6 +60,11 @@ class ParallelConfig:
         check_world_divisible(
             self.world_size, self.tensor_model_parallel_size, self.pipeline_model_parallel_size
         )
+
+    @property
+    def backend(self) -> str:
+        """The training backend: "torch" (FSDP2, --use-torch-fsdp2) or "deepspeed"."""
+        return "torch" if self.use_torch_fsdp2 else "deepspeed"
 
     @property
     def data_parallel_size(self) -> int:

@@ -8,7 +8,10 @@ the same one line and stop.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+from concurrent.futures import Future
 
 import torch
 
@@ -34,8 +37,10 @@ class RankFiles:
     failure with `fail`.
     """
 
-    def __init__(self):
+    def __init__(self, watch=None):
         self.failure: tuple[str, str] | None = None
+        # `watch(stream, name)`: the context a file is written through (the test hooks' cut)
+        self._watch = watch or (lambda stream, _name: contextlib.nullcontext(stream))
 
     def write(self, state_dict, path: str, zipfile: bool = True) -> None:
         """torch.save `state_dict` to `path` and fsync it; record (not raise) a failure."""
@@ -43,7 +48,8 @@ class RankFiles:
             return  # the save has failed already: write nothing more
         try:
             with open(path, "wb") as f:
-                torch.save(state_dict, f, _use_new_zipfile_serialization=zipfile)
+                with self._watch(f, os.path.basename(path)) as out:
+                    torch.save(state_dict, out, _use_new_zipfile_serialization=zipfile)
                 f.flush()
                 os.fsync(f.fileno())
         except (OSError, RuntimeError) as err:
@@ -55,3 +61,37 @@ class RankFiles:
     def fail(self, path: str, reason: str) -> None:
         """Record a failure seen outside `write`."""
         self.failure = self.failure or (path, reason)
+
+
+class BackgroundFiles(RankFiles):
+    """`RankFiles` of a background save: `write` only queues (the payload must be this rank's
+    own copy: training goes on changing the originals); `start` writes the queue in a thread
+    once another write (the backend's native files) has finished. `watch` is the test hooks'
+    `stream_watcher()` of the save."""
+
+    def __init__(self, watch=None):
+        super().__init__(watch)
+        self._queue: list[tuple] = []
+
+    def write(self, state_dict, path: str, zipfile: bool = True) -> None:
+        """Queue `state_dict` for `path`."""
+        self._queue.append((state_dict, path, zipfile))
+
+    def start(self, after: Future, where: str) -> Future:
+        """Write the queue in the background once `after` is done (its exception, one line, is
+        this save's failure, at `where`); the returned future is done when every file is
+        written."""
+        done: Future = Future()
+
+        def run() -> None:
+            try:
+                after.result()
+            except Exception as err:  # noqa: BLE001 - any failed write is the save's failure
+                self.fail(where, str(err))
+            for state_dict, path, zipfile in self._queue:
+                RankFiles.write(self, state_dict, path, zipfile)
+            self._queue.clear()
+            done.set_result(None)
+
+        threading.Thread(target=run, name="checkpoint-writes", daemon=True).start()
+        return done

@@ -17,12 +17,14 @@ optimizer state hold NaN/Inf on any rank writes nothing (one warning; `pretrain.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import os
 import random
 import shutil
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -57,8 +59,15 @@ from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
 from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.random import get_tensor_parallel_rng
-from pretrain.testing_hooks import SIGKILL_BEFORE_COMMIT, armed_save, kill_here, save_event
-from pretrain.training.checkpoint_writes import RankFiles, agree
+from pretrain.testing_hooks import (
+    SIGKILL_BEFORE_COMMIT,
+    armed_save,
+    kill_here,
+    save_event,
+    stream_watcher,
+)
+from pretrain.training.checkpoint_writes import BackgroundFiles, RankFiles, agree
+from pretrain.training.distributed import any_rank
 from pretrain.training.divergence import nonfinite_state
 from pretrain.training.logging import logger
 from pretrain.training.state import TrainState
@@ -96,6 +105,9 @@ class CheckpointConfig:
     use_checkpoint_opt_param_scheduler: bool = False
     """Resume with the checkpoint's LR schedule over this run's flags
     (--use-checkpoint-opt_param-scheduler; `scheduler_resume`)."""
+    async_save: bool = False
+    """Stage each save in memory and write it in the background; the commit (`latest`) follows
+    when every rank's write has finished (--async-save; backends with `Engine.async_native`)."""
     save_total_limit: int | None = None
     """Keep the newest this many complete steps, deleting older ones after each commit
     (--save-total-limit); the step `latest` names is never deleted."""
@@ -112,6 +124,20 @@ def rng_state() -> dict:
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state()
     return rng
+
+
+@dataclass
+class _Pending:
+    """A background save (--async-save) whose files are being written."""
+
+    train_state: TrainState
+    """A copy of the position it saves."""
+    tmp_name: str
+    unique: str
+    files: RankFiles
+    """Holds a failed write."""
+    done: Future
+    """Done when this rank's files are all written."""
 
 
 def _bytes_needed(engine: Engine, save_dir: str) -> int:
@@ -146,6 +172,7 @@ class Checkpointer:
         self.tokens_seen = tokens_seen
         self.last_saved: int | None = None
         self._cleaned = False
+        self._pending: _Pending | None = None  # a background save not yet committed
 
     def should_save(self, iteration: int) -> bool:
         """True at every --save-interval iteration (with --save)."""
@@ -153,14 +180,19 @@ class Checkpointer:
         return bool(c.save and c.save_interval and iteration % c.save_interval == 0)
 
     def save_if_unsaved(self, engine: Engine, train_state: TrainState) -> None:
-        """Save at exit unless this iteration was just saved (or --save is not given)."""
+        """Save at exit unless this iteration was just saved (or --save is not given), and wait
+        for a background save to be committed."""
         if self.config.save and self.last_saved != train_state.iteration:
             self.save(engine, train_state)
+        self.wait(engine)
 
     def save(self, engine: Engine, train_state: TrainState) -> str | None:
         """Write the checkpoint for `train_state.iteration` on every rank and commit it; returns
         its tag, or None when the step `latest` names already has that tag (it is kept) or when
-        the weights or optimizer state hold NaN/Inf on any rank (nothing is written)."""
+        the weights or optimizer state hold NaN/Inf on any rank (nothing is written). With
+        --async-save the files are staged here and written in the background; `poll` or `wait`
+        commits them (a background save still running is committed first)."""
+        self.wait(engine)
         iteration = train_state.iteration
         with armed_save(iteration):
             if self._nonfinite(engine, iteration):
@@ -171,25 +203,77 @@ class Checkpointer:
             if unique is None:
                 return None
             tmp_name = temporary_name(tag_for(iteration), "tmp", unique)
-            failure = agree(self._write_rank_files(engine, train_state, tmp_name))
-            if failure is None and torch.distributed.get_rank() == 0:
+            if self.config.async_save:
+                self._pending = self._start_background(engine, train_state, tmp_name, unique)
+                return tag_for(iteration)
+            files = RankFiles()
+            self._write_rank_files(engine, train_state, tmp_name, files)
+            self._conclude(engine, train_state, tmp_name, unique, files)
+        return tag_for(iteration)
+
+    def poll(self, engine: Engine) -> None:
+        """At an iteration's end: commit the background save if every rank has written its
+        files (a collective while one runs; nothing otherwise)."""
+        if self._pending is not None and not any_rank(not self._pending.done.done()):
+            self._finish(engine)
+
+    def wait(self, engine: Engine) -> None:
+        """Wait for the background save (if one runs) to be written on every rank; commit it."""
+        if self._pending is not None:
+            self._pending.done.result()
+            self._finish(engine)
+
+    def _start_background(
+        self, engine: Engine, train_state: TrainState, tmp_name: str, unique: str
+    ) -> _Pending:
+        """Stage this rank's files (copies: training goes on) and start writing them."""
+        files = BackgroundFiles(stream_watcher())
+        native = self._write_rank_files(engine, train_state, tmp_name, files, background=True)
+        done = files.start(after=native, where=os.path.join(self.config.save, tmp_name))
+        logger.info(
+            f"staged checkpoint at iteration {train_state.iteration:8d}; writing it in the "
+            f"background (--async-save)"
+        )
+        return _Pending(copy.deepcopy(train_state), tmp_name, unique, files, done)
+
+    def _finish(self, engine: Engine) -> None:
+        """Commit the background save, whose files every rank has written."""
+        pending, self._pending = self._pending, None
+        with armed_save(pending.train_state.iteration):
+            self._conclude(
+                engine, pending.train_state, pending.tmp_name, pending.unique, pending.files
+            )
+
+    def _conclude(
+        self,
+        engine: Engine,
+        train_state: TrainState,
+        tmp_name: str,
+        unique: str,
+        files: RankFiles,
+    ) -> None:
+        """The ranks agree that every write succeeded, rank 0 commits, they agree again; a
+        failure on any rank is one UserError on every rank (the temporary folder removed)."""
+        failure = agree(self._failure_line(engine, files))
+        if failure is None:  # (agreeing on an agreed failure again would name the rank twice)
+            if torch.distributed.get_rank() == 0:
                 failure = self._commit(engine, train_state, tmp_name, unique)
             failure = agree(failure)
-            if failure is not None:
-                if torch.distributed.get_rank() == 0:
-                    shutil.rmtree(os.path.join(self.config.save, tmp_name), ignore_errors=True)
-                raise UserError(failure)
-            logger.info(
-                f"saved checkpoint at iteration {iteration:8d} to "
-                f"{os.path.join(self.config.save, tag_for(iteration))}"
-            )
-            limit = self.config.save_total_limit
-            if limit and torch.distributed.get_rank() == 0:  # only after a newer step committed
-                for removed in prune_steps(self.config.save, limit):
-                    logger.info(
-                        f"removed {os.path.join(self.config.save, removed)} (--save-total-limit)"
-                    )
-        return tag_for(iteration)
+        if failure is not None:
+            if torch.distributed.get_rank() == 0:
+                shutil.rmtree(os.path.join(self.config.save, tmp_name), ignore_errors=True)
+            raise UserError(failure)
+        iteration = train_state.iteration
+        logger.info(
+            f"saved checkpoint at iteration {iteration:8d} to "
+            f"{os.path.join(self.config.save, tag_for(iteration))}"
+        )
+        limit = self.config.save_total_limit
+        if limit and torch.distributed.get_rank() == 0:  # only after a newer step committed
+            for removed in prune_steps(self.config.save, limit):
+                logger.info(
+                    f"removed {os.path.join(self.config.save, removed)} (--save-total-limit)"
+                )
 
     def newest_checkpoint(self) -> str | None:
         """The step a relaunch would resume from: the one `latest` names in --save, else in
@@ -248,13 +332,24 @@ class Checkpointer:
         return [new_unique()]
 
     def _write_rank_files(
-        self, engine: Engine, train_state: TrainState, tmp_name: str
-    ) -> str | None:
+        self,
+        engine: Engine,
+        train_state: TrainState,
+        tmp_name: str,
+        files: RankFiles,
+        background: bool = False,
+    ) -> Future | None:
         """This rank's backend files, RNG state and (unless --no-save-full-state) part of the
-        layout-independent state, each fsynced; a failure as one line."""
+        layout-independent state, each fsynced, through `files` (failures kept there);
+        `background`: the backend's files staged and written in the background (their
+        future)."""
         save_dir = self.config.save
-        files = RankFiles()
-        engine.save_native(save_dir, tmp_name, dataclasses.asdict(train_state), files)
+        client_state = dataclasses.asdict(train_state)
+        native = None
+        if background:
+            native = engine.save_native_in_background(save_dir, tmp_name, client_state, files)
+        else:
+            engine.save_native(save_dir, tmp_name, client_state, files)
         stamp = position_stamp(train_state.iteration, train_state.consumed_train_samples)
         if not self.config.no_save_rng:
             rank = torch.distributed.get_rank()
@@ -263,9 +358,14 @@ class Checkpointer:
         if not self.config.no_save_full_state:
             step_dir = os.path.join(save_dir, tmp_name)
             engine.save_full_state(step_dir, files.write, stamp)  # a collective
+        return native
+
+    def _failure_line(self, engine: Engine, files: RankFiles) -> str | None:
+        """The one line of this rank's failed write, or None."""
         if files.failure is None:
             return None
         path, reason = files.failure
+        save_dir = self.config.save
         return write_failure_message(path, reason, save_dir, _bytes_needed(engine, save_dir))
 
     def _commit(

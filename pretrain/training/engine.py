@@ -6,6 +6,8 @@ and the resume code only ask an `Engine` (this interface), never a backend's lib
 
 - `deepspeed` (`pretrain.training.backends.deepspeed`, the default): DeepSpeed's engine and ZeRO
   over the data-parallel ranks, its pipeline engine at PP > 1.
+- `torch` (`pretrain.training.backends.torch`, --use-torch-fsdp2): FSDP2 over the
+  data-parallel ranks with our TP layers, DCP checkpoints written in the background.
 
 Only a backend's own package imports its library (tests/test_layers.py checks it).
 """
@@ -14,10 +16,14 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from pretrain.parallel import state
+from pretrain.training.distributed import collective_device
 
 if TYPE_CHECKING:
     from pretrain.training.checkpoint_writes import RankFiles
@@ -137,6 +143,15 @@ class Engine(abc.ABC):
         through `files` (a failure is recorded there, not raised, after the backend's own
         collectives); `client_state` (the `TrainState`) goes with them."""
 
+    def save_native_in_background(
+        self, save_dir: str, tag: str, client_state: dict, files: RankFiles
+    ) -> Future:
+        """`save_native`, staged: this rank's state is copied now and written in the background
+        (training may change it at once); the future completes, on every rank, when every
+        rank's native files are written (an exception: the write failed). Backends whose saves
+        block do not have it (--async-save is refused for them before launch)."""
+        raise NotImplementedError(f"{type(self).__name__} has no background save")
+
     @abc.abstractmethod
     def load_native(
         self, folder: str, tag: str, *, optimizer: bool, schedule: bool, module_only: bool
@@ -171,9 +186,30 @@ class Engine(abc.ABC):
         """Release the backend's process groups and buffers."""
 
 
+def count_parameters(model: torch.nn.Module) -> int:
+    """Elements of the full model: TP shards summed over TP, tied copies and TP replicas once."""
+    tp_rank0 = state.get_tensor_model_parallel_rank() == 0
+    local = sum(
+        p.numel()
+        for p in model.parameters()
+        if not getattr(p, "shared", False)
+        and (tp_rank0 or getattr(p, "tensor_model_parallel", False))
+    )
+    count = torch.tensor([local], dtype=torch.int64, device=collective_device())
+    group = state.get_model_parallel_group()
+    if torch.distributed.is_initialized() and group is not None:
+        torch.distributed.all_reduce(count, group=group)
+    return int(count.item())
+
+
 def build_engine(**kwargs) -> Engine:
-    """The engine of the backend the run's `ParallelConfig` names, built from the keyword
-    arguments of `pretrain.training.backends.deepspeed.engine.build_deepspeed_engine`."""
+    """The engine of the backend the run's `ParallelConfig` names (`parallel.backend`), built
+    from the keyword arguments of `pretrain.training.backends.deepspeed.engine.
+    build_deepspeed_engine` (the torch backend takes the ones it needs)."""
+    if kwargs["parallel"].backend == "torch":
+        from pretrain.training.backends.torch.engine import build_torch_engine
+
+        return build_torch_engine(**kwargs)
     from pretrain.training.backends.deepspeed.engine import build_deepspeed_engine
 
     return build_deepspeed_engine(**kwargs)

@@ -197,7 +197,7 @@ def banner(
     tp: int,
     pp: int,
     dp: int,
-    zero: int,
+    sharding: str,
     world: int,
     launcher: str,
     backend: str,
@@ -214,13 +214,14 @@ def banner(
     threads: int,
     offload: str | None = None,
 ) -> str:
-    """The start-up summary: ranks, layout, parameters, batch, FLOPs, checkpoint folders, and
-    what ZeRO offloads (`offload`, a line only when something is)."""
+    """The start-up summary: ranks, layout (`sharding`: "ZeRO-<stage>" or "FSDP2"), parameters,
+    batch, FLOPs, checkpoint folders, and what is offloaded (`offload`, a line only when
+    something is)."""
     lines = [
         "=" * 78,
         f" pretrain_gpt.py  |  {world} rank(s) via {launcher}, backend {backend}, device {device}, "
         f"{threads} thread(s)/rank",
-        f" layout           |  TP={tp}  PP={pp}  DP={dp}  ZeRO-{zero}  ({precision})",
+        f" layout           |  TP={tp}  PP={pp}  DP={dp}  {sharding}  ({precision})",
         *([f" offload          |  {offload}"] if offload else []),
         f" parameters       |  {params_total:,} ({params_total / 1e6:.2f} M)",
         f" batch            |  global {global_batch} = micro {micro_batch} x {num_microbatches} micro-batches "

@@ -152,6 +152,7 @@ def train(
         divergence.after_step(train_state.iteration, loss, checkpointer.newest_checkpoint)
         if evaluator.should_evaluate(train_state.iteration):
             evaluator.evaluate(engine, train_state)
+        checkpointer.poll(engine)  # commits a background save once every rank has written it
         if checkpointer.should_save(train_state.iteration):
             checkpointer.save(engine, train_state)
         if _should_exit(config, train_state.iteration, started):

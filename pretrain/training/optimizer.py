@@ -54,10 +54,19 @@ def param_groups(
 class ClippedAdamW(torch.optim.AdamW):
     """AdamW whose step first clips all gradients to `clip_grad` by the true global L2 norm."""
 
-    def __init__(self, params, *, clip_grad: float, model_parallel_group=None, **adamw_kwargs):
+    def __init__(
+        self,
+        params,
+        *,
+        clip_grad: float,
+        model_parallel_group=None,
+        shard_group=None,
+        **adamw_kwargs,
+    ):
         super().__init__(params, **adamw_kwargs)
         self.clip_grad = clip_grad
         self.model_parallel_group = model_parallel_group
+        self.shard_group = shard_group  # the gradients are DTensor shards over these ranks
         self._global_grad_norm = None
 
     @property
@@ -68,10 +77,10 @@ class ClippedAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        norm = global_grad_norm(params, self.model_parallel_group)
+        norm = global_grad_norm(params, self.model_parallel_group, self.shard_group)
         self._global_grad_norm = float(norm)
         if self.clip_grad > 0:
-            coeff = self.clip_grad / (norm + 1e-6)
+            coeff = float(self.clip_grad / (norm + 1e-6))  # fp32, exactly (DTensors take floats)
             if coeff < 1.0:
                 torch._foreach_mul_([p.grad for p in params], coeff)
         return super().step(closure)
@@ -84,9 +93,11 @@ def build_optimizer(
     lr: float,
     we_clip: bool,
     model_parallel_group=None,
+    shard_group=None,
 ) -> torch.optim.Optimizer:
     """AdamW over Megatron's groups; with `we_clip` it clips by the true global norm first
-    (ZeRO-0 fp32), else DeepSpeed's ZeRO/bf16/fp16 optimizer clips and this is plain AdamW."""
+    (ZeRO-0 fp32; the torch backend, whose gradients are sharded over `shard_group`), else
+    DeepSpeed's ZeRO/bf16/fp16 optimizer clips and this is plain AdamW."""
     groups = param_groups(named_params, config.weight_decay)
     adamw = dict(
         lr=lr,
@@ -97,5 +108,9 @@ def build_optimizer(
     if not we_clip:
         return torch.optim.AdamW(groups, **adamw)
     return ClippedAdamW(
-        groups, clip_grad=config.clip_grad, model_parallel_group=model_parallel_group, **adamw
+        groups,
+        clip_grad=config.clip_grad,
+        model_parallel_group=model_parallel_group,
+        shard_group=shard_group,
+        **adamw,
     )

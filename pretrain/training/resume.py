@@ -20,7 +20,12 @@ import torch
 
 from pretrain.checkpoint import safe_load
 from pretrain.checkpoint.agreement import disagreement, layout_disagreement
-from pretrain.checkpoint.format import LATEST_FILE, check_same_model, refuse_foreign_checkpoint
+from pretrain.checkpoint.format import (
+    LATEST_FILE,
+    check_same_model,
+    refuse_foreign_checkpoint,
+    saved_backend,
+)
 from pretrain.checkpoint.full_state import has_full_state, shard_payloads
 from pretrain.checkpoint.integrity import Choice, check_finite
 from pretrain.checkpoint.load_target import choose_load, same_folder
@@ -98,10 +103,26 @@ def _check_precision(meta: dict, precision: str | None, finetune: bool, path: st
     )
 
 
-def _same_layout(saved: dict, parallel: ParallelConfig) -> bool:
+def _check_backend(meta: dict, parallel: ParallelConfig, path: str) -> None:
+    """Refuse a checkpoint of the other backend that has no full state (each backend reads
+    only its own native files)."""
+    saved = saved_backend(meta)
+    if saved == parallel.backend:
+        return
+    flag = "with --use-torch-fsdp2" if saved == "torch" else "without --use-torch-fsdp2"
+    raise UserError(
+        f"--load {path}: the checkpoint was written by the {saved} backend{_without_full_state(meta)}"
+        f"; its native files are that backend's: resume it {flag}"
+    )
+
+
+def _same_layout(meta: dict, parallel: ParallelConfig) -> bool:
+    saved = meta["parallel"]
     keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
-    return all(saved[k] == getattr(parallel, k) for k in keys) and saved["zero_stage"] == (
-        parallel.zero_stage
+    return (
+        all(saved[k] == getattr(parallel, k) for k in keys)
+        and saved["zero_stage"] == parallel.zero_stage
+        and saved_backend(meta) == parallel.backend
     )
 
 
@@ -128,7 +149,7 @@ def relayout_possible(
     if is_full_state_only(meta):
         return True
     same_precision = precision is None or saved_precision(meta) in (None, precision)
-    same = _same_layout(meta["parallel"], parallel) and same_precision
+    same = _same_layout(meta, parallel) and same_precision
     return not same and has_full_state(step_dir)
 
 
@@ -159,6 +180,7 @@ def check_compatible(
     check_same_model(meta, model, path)
     if relayout:
         return
+    _check_backend(meta, parallel, path)
     _check_precision(meta, precision, config.finetune, path)
     saved = meta["parallel"]
     for key, flag in (
@@ -333,7 +355,8 @@ def _load_relayout(
     if is_full_state_only(meta):
         layout += "by tools/reshard_checkpoint.py"
     else:
-        layout += f"DP{saved['data_parallel_size']} ZeRO-{saved['zero_stage']}"
+        sharding = "FSDP2" if saved_backend(meta) == "torch" else f"ZeRO-{saved['zero_stage']}"
+        layout += f"DP{saved['data_parallel_size']} {sharding}"
     if carried.precision not in (None, engine.precision):
         layout += f" in {carried.precision}, resumed in {engine.precision}"
     if config.finetune:

@@ -287,7 +287,7 @@ def _train(
             tp=par.tensor_model_parallel_size,
             pp=par.pipeline_model_parallel_size,
             dp=par.data_parallel_size,
-            zero=par.zero_stage,
+            sharding="FSDP2" if par.backend == "torch" else f"ZeRO-{par.zero_stage}",
             world=par.world_size,
             launcher=cfg.launch.launcher,
             backend=backend,

@@ -32,8 +32,7 @@ from pretrain.training.backends.deepspeed.comm import init_deepspeed_comm
 from pretrain.training.backends.deepspeed.config import build_deepspeed_config, we_clip_gradients
 from pretrain.training.backends.deepspeed.pipeline import build_pipeline_model
 from pretrain.training.checkpoint_writes import RankFiles
-from pretrain.training.distributed import collective_device
-from pretrain.training.engine import Carried, Engine, Write
+from pretrain.training.engine import Carried, Engine, Write, count_parameters
 from pretrain.training.lr_schedule import LRScheduleConfig, SampleLRScheduler
 from pretrain.training.optimizer import ClippedAdamW, OptimizerConfig, build_optimizer
 from pretrain.training.per_source import SourceLosses
@@ -254,22 +253,6 @@ def _undo_warmup_step(ds_optimizer) -> None:
         ds_optimizer.refresh_fp32_params()
 
 
-def _count_parameters(model: torch.nn.Module) -> int:
-    """Elements of the full model: TP shards summed over TP, tied copies and TP replicas once."""
-    tp_rank0 = state.get_tensor_model_parallel_rank() == 0
-    local = sum(
-        p.numel()
-        for p in model.parameters()
-        if not getattr(p, "shared", False)
-        and (tp_rank0 or getattr(p, "tensor_model_parallel", False))
-    )
-    count = torch.tensor([local], dtype=torch.int64, device=collective_device())
-    group = state.get_model_parallel_group()
-    if torch.distributed.is_initialized() and group is not None:
-        torch.distributed.all_reduce(count, group=group)
-    return int(count.item())
-
-
 def build_deepspeed_engine(
     *,
     model_config: ModelConfig,
@@ -304,7 +287,7 @@ def build_deepspeed_engine(
         model_parallel_group=state.get_model_parallel_group(),
     )
     scheduler = SampleLRScheduler(optimizer, schedule, global_batch_size=global_batch_size)
-    params_total = _count_parameters(model)
+    params_total = count_parameters(model)
     ds_config = build_deepspeed_config(
         global_batch_size=global_batch_size,
         micro_batch_size=micro_batch_size,

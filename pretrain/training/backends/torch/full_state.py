@@ -1,0 +1,125 @@
+"""FSDP2's DTensor shards <-> the layout-independent state of `pretrain.checkpoint.full_state`.
+
+The same files as the DeepSpeed backend's (`full_state_tp<t>_pp<p>[_dp<d>].pt`), so a checkpoint
+of either backend resumes on the other at any layout. `save_full_state` gathers each parameter's
+fp32 master and Adam moments over the data-parallel ranks (`full_tensor()`, one parameter at a
+time) into TP-local tensors; data-parallel rank d keeps and writes every DP-th parameter.
+`load_full_state` cuts each saved parameter for this TP rank, then for this rank's dim-0 shard
+of the data-parallel mesh (no communication: every rank reads the files), into the parameter and
+into Adam's state, which it creates where no step has yet.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from pretrain.checkpoint.full_state import FullState, write_shard
+from pretrain.errors import UserError
+from pretrain.parallel import state
+from pretrain.training.engine import Carried, Write
+
+if TYPE_CHECKING:
+    from pretrain.training.backends.torch.engine import TorchEngine
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _partition(param: torch.Tensor) -> tuple[int, int] | None:
+    if getattr(param, "tensor_model_parallel", False):
+        return (int(param.partition_dim), int(getattr(param, "partition_stride", 1)))
+    return None
+
+
+def _gathered(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole (TP-local) tensor on the CPU in fp32, a copy the caller owns."""
+    if isinstance(tensor, DTensor):
+        tensor = tensor.full_tensor()
+    return tensor.detach().to("cpu", torch.float32, copy=True)
+
+
+def _collect(engine: TorchEngine, keep) -> dict[str, dict]:
+    """The entries (fp32 master, moments, step) of the parameters `keep(i)` selects; every rank
+    joins every gather (collectives over DP) and drops at once what it does not keep."""
+    entries = {}
+    for i, (name, param) in enumerate(engine.model.named_parameters()):
+        adam = engine.optimizer.state.get(param, {})
+        entry = {"partition": _partition(param), "param": _gathered(param)}
+        for key in MOMENTS:
+            if key in adam:
+                entry[key] = _gathered(adam[key])
+        if "step" in adam:
+            entry["step"] = int(adam["step"])
+        if keep(i):
+            entries[name] = entry
+    return entries
+
+
+def save_full_state(engine: TorchEngine, step_dir: str, write: Write, stamp: dict) -> None:
+    """`Engine.save_full_state` on the torch backend (collective over DP)."""
+    dp, dp_rank = state.get_data_parallel_world_size(), state.get_data_parallel_rank()
+    write_shard(
+        step_dir,
+        tp_rank=state.get_tensor_model_parallel_rank(),
+        tp_size=state.get_tensor_model_parallel_world_size(),
+        pp_stage=state.get_pipeline_model_parallel_rank(),
+        dp_rank=dp_rank,
+        entries=_collect(engine, keep=lambda i: i % dp == dp_rank),
+        extra={
+            "lr_scheduler": engine.scheduler.state_dict(),
+            "precision": engine.precision,
+            "fp32_masters": True,
+            "loss_scaler": None,
+            **stamp,
+        },
+        write=write,
+    )
+
+
+def _like(param: DTensor, value: torch.Tensor) -> DTensor:
+    """`value` (the whole TP-local tensor) as a DTensor placed as `param` is, cut locally."""
+    return distribute_tensor(
+        value.to(param.device, param.dtype), param.device_mesh, param.placements, src_data_rank=None
+    )
+
+
+def load_full_state(
+    engine: TorchEngine,
+    step_dir: str,
+    *,
+    vocab_size: int,
+    with_optimizer: bool,
+    with_schedule: bool,
+) -> Carried:
+    """`Engine.load_full_state` on the torch backend."""
+    full = FullState(step_dir, vocab_size)
+    named = dict(engine.model.named_parameters())
+    if not named.keys() <= set(full.names()):
+        raise UserError(
+            f"{step_dir}: the saved parameters differ from this model's "
+            f"({sorted(named.keys() - set(full.names()))[:4]})"
+        )
+    with_optimizer = with_optimizer and full.has_optimizer()
+    tp_rank = state.get_tensor_model_parallel_rank()
+    tp = state.get_tensor_model_parallel_world_size()
+    for name, param in named.items():
+        local = full.local(
+            name, tp_rank=tp_rank, tp_size=tp, padded_vocab_size=engine.padded_vocab_size
+        )
+        with torch.no_grad():
+            param.to_local().copy_(_like(param, local["param"]).to_local())
+        if with_optimizer:
+            engine.optimizer.state[param] = {
+                "step": torch.tensor(float(full.step(name))),
+                **{key: _like(param, local[key]) for key in MOMENTS},
+            }
+    if with_schedule:
+        engine.scheduler.load_state_dict(full.extra["lr_scheduler"])
+    return Carried(
+        fp32_masters=bool(full.extra.get("fp32_masters")),
+        adam_state=with_optimizer,
+        loss_scale=False,
+        precision=full.extra.get("precision"),
+    )

@@ -1,0 +1,68 @@
+"""One iteration and one evaluation pass on the torch backend (PP = 1).
+
+Each micro-batch's loss, divided by the number of micro-batches, goes backward; FSDP2 keeps the
+gradients unsharded and local while they accumulate (`set_requires_gradient_sync(False)`) and
+reduce-scatters them, averaged over the data-parallel ranks, in the last micro-batch's backward.
+The gradient is then the mean over micro-batches and data-parallel ranks, as DeepSpeed's. The
+optimizer (`ClippedAdamW`: the true global norm over DTensor shards and TP) steps unless the
+judge withholds the update, then the LR schedule advances by the global batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from pretrain.training.per_source import SourceLosses
+from pretrain.training.step import dp_mean, micro_batch_loss
+
+if TYPE_CHECKING:
+    from pretrain.training.backends.torch.engine import TorchEngine
+
+
+def train_step(
+    engine: TorchEngine,
+    batches: Iterator[dict],
+    num_microbatches: int,
+    use_document_ids: bool,
+    device: torch.device,
+    judge: Callable[[float], bool] | None = None,
+) -> float:
+    """`Engine.train_step` on the torch backend."""
+    model, losses = engine.model, []
+    for i in range(num_microbatches):
+        model.set_requires_gradient_sync(i == num_microbatches - 1)
+        loss = micro_batch_loss(model, next(batches), use_document_ids, device)
+        (loss / num_microbatches).backward()
+        losses.append(loss.detach())
+    mean = float(dp_mean(torch.stack(losses).mean()))
+    if judge is None or judge(mean):
+        engine.optimizer.step()
+        engine.scheduler.step()
+    engine.optimizer.zero_grad(set_to_none=True)
+    return mean
+
+
+@torch.no_grad()
+def evaluation_loss(
+    engine: TorchEngine,
+    batches: Iterator[dict],
+    eval_iters: int,
+    num_microbatches: int,
+    use_document_ids: bool,
+    device: torch.device,
+    sources: SourceLosses | None = None,
+) -> float:
+    """`Engine.evaluation_loss` on the torch backend."""
+    model = engine.model
+    model.eval()
+    try:
+        losses = [
+            micro_batch_loss(model, next(batches), use_document_ids, device, sources)
+            for _ in range(eval_iters * num_microbatches)
+        ]
+    finally:
+        model.train()
+    return float(dp_mean(torch.stack(losses).mean()))
