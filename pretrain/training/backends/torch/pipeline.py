@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -242,3 +243,13 @@ class Pipeline:
             return dp_mean(self._run(batches, use_document_ids, train=False))
         finally:
             self.loss.sources = None
+            _reshard(self.modules)
+
+
+def _reshard(modules: Sequence[torch.nn.Module]) -> None:
+    """Free FSDP2's gathered parameters (a forward-only pass leaves them gathered: nothing runs
+    the post-backward that reshards), so the modules hold their sharded parameters again."""
+    for module in modules:
+        for part in module.modules():
+            if isinstance(part, FSDPModule):
+                part.reshard()

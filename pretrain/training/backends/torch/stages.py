@@ -36,10 +36,18 @@ from pretrain.model.gpt import (
     run_segments,
 )
 from pretrain.parallel import state
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.layers import VocabParallelEmbedding
 
 TIED_COPY = "tied_embedding.weight"
 """The last stage's copy of `embedding.word_embeddings.weight` (tied embeddings)."""
+WORD_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def saved_name(name: str) -> str:
+    """The GPTModel name a stage parameter is checkpointed under: its own, or for the tied copy
+    the word embedding's (the full state holds it once, from the first stage)."""
+    return WORD_EMBEDDING if name == TIED_COPY else name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +62,16 @@ class StagePlan:
     """Model chunks (virtual stages) per PP rank."""
     v_shape: bool = False
     """ZBV placement: rank r holds stages r and 2 PP - 1 - r (needs 2 chunks)."""
+
+    @classmethod
+    def of(cls, num_layers: int, parallel: ParallelConfig) -> StagePlan:
+        """The plan of a run's layout and schedule."""
+        return cls(
+            num_layers=num_layers,
+            pipeline_size=parallel.pipeline_model_parallel_size,
+            chunks=parallel.virtual_pipeline_stages,
+            v_shape=parallel.pipeline_schedule == "zbv-zero-bubble",
+        )
 
     def __post_init__(self) -> None:
         if self.num_layers % self.num_stages:
@@ -103,7 +121,7 @@ class StageModule(nn.Module):
                 vocab_size=config.vocab_size,
             )
             self.tied_embedding.initialize(
-                f"{Embedding.prefix}.word_embeddings", config.seed, config.init_method_std
+                WORD_EMBEDDING.removesuffix(".weight"), config.seed, config.init_method_std
             )
             self.tied_embedding.weight.shared = True
 
@@ -131,3 +149,33 @@ def build_stage_modules(config: ModelConfig, plan: StagePlan, rank: int) -> list
         StageModule(config, plan.layers_of(s), first=s == 0, last=s == last)
         for s in plan.stages_of(rank)
     ]
+
+
+class StageParts(nn.Module):
+    """This PP rank's stage modules seen as one module under GPTModel's parameter names
+    (`embedding.*`, `layers.<i>.*`, `head.*`, plus the tied copy `tied_embedding.weight`): what
+    the engine's optimizer, checkpoints and full state read. The stage modules themselves (not
+    registered here) are what the pipeline runs."""
+
+    def __init__(self, stages: list[StageModule]):
+        super().__init__()
+        self.stage_modules = stages
+        self.embedding = next((s.embedding for s in stages if s.embedding is not None), None)
+        self.layers = nn.ModuleDict({i: layer for s in stages for i, layer in s.layers.items()})
+        self.head = next((s.head for s in stages if s.head is not None), None)
+        self.tied_embedding = next(
+            (s.tied_embedding for s in stages if s.tied_embedding is not None), None
+        )
+
+    def train(self, mode: bool = True) -> StageParts:
+        """Train (or evaluate) every stage module."""
+        super().train(mode)
+        for stage in self.stage_modules:
+            stage.train(mode)
+        return self
+
+
+def stage_parts(config: ModelConfig, plan: StagePlan) -> StageParts:
+    """This PP rank's stages of the GPT under `plan`."""
+    rank = state.get_pipeline_model_parallel_rank()
+    return StageParts(build_stage_modules(config, plan, rank))
