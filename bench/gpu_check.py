@@ -9,6 +9,9 @@ Checks, in order of value (each one's figures go into the --json report as soon 
    random-token corpus; tokens/s, TFLOP/s (the log's formula), MFU; beside it a plain PyTorch
    step of the same model (torch modules, SDPA is_causal, fused AdamW, bf16 autocast), "ratio" =
    ours / plain tokens/s.
+4. `torch_backend`: the 124M model on the torch backend (`--use-torch-fsdp2 --bf16`: FSDP2's
+   bf16 MixedPrecisionPolicy over fp32 masters, one rank); tokens/s, TFLOP/s, MFU, and
+   "vs_deepspeed" = its tokens/s / the DeepSpeed run's (check 3's gpt2_124m).
 A check starts only when elapsed + its estimate fits the budget; otherwise, or when a check it
 needs failed, its entry says "not started: why". Exit 1 unless every check is "ok". The report
 is rewritten atomically after each check and printed as the last stdout line at the end.
@@ -84,6 +87,9 @@ TINY = Shape("tiny", 2, 64, 4, 128, 2)  # the dry run's plain step
 # document attention on FlexAttention: s a multiple of its 128 block, head dim 64, no dropout
 FLEX = Shape("flex_training", 4, 512, 8, 1024, 8)
 FLEX_FLAGS = ("--reset-attention-mask",)
+# the torch backend (FSDP2, bf16 mixed precision) on the 124M shape
+TORCH_BACKEND = Shape("torch_backend", 12, 768, 12, 1024, 16)
+TORCH_FLAGS = ("--use-torch-fsdp2",)
 
 
 def parse_args(argv=None):
@@ -289,6 +295,15 @@ def plan(args, corpus: str, work: Path) -> list[Check]:
         checks.append(Check(name, [py, "pretrain_gpt.py", *argv], estimate, SHAPES[name]))
         if name == EXPORTED:
             checks.append(Check("hf_export", export_cmd(work), 60, needs=EXPORTED))
+    torch_backend = training_argv(TORCH_BACKEND, corpus, args.iters, work, save=False)
+    checks.append(
+        Check(
+            "torch_backend",
+            [py, "pretrain_gpt.py", *torch_backend, *TORCH_FLAGS],
+            120,
+            TORCH_BACKEND,
+        )
+    )
     return checks
 
 
@@ -327,8 +342,11 @@ class Report:
         os.replace(tmp, self.path)
 
 
-def run_check(check: Check, args, work: Path, env: dict, timeout: float, peak) -> dict:
-    """Run one check on the GPU; its figures."""
+def run_check(
+    check: Check, args, work: Path, env: dict, timeout: float, peak, report_ours: dict
+) -> dict:
+    """Run one check on the GPU; its figures (`report_ours`: the earlier checks' "ours"
+    figures by check name)."""
     output = run_step(check.name, check.cmd, timeout, env)
     if check.name == "tests":
         summary = output.strip().splitlines()[-1]
@@ -340,6 +358,10 @@ def run_check(check: Check, args, work: Path, env: dict, timeout: float, peak) -
     ours = logged_figures(check.shape, work / f"{check.shape.name}.jsonl", args.warmup, peak)
     if check.shape is FLEX:
         return {"ours": ours}
+    if check.shape is TORCH_BACKEND:
+        deepspeed = report_ours.get(EXPORTED)
+        ratio = None if deepspeed is None else ours["tokens_per_s"] / deepspeed["tokens_per_s"]
+        return {"ours": ours, "vs_deepspeed": None if ratio is None else round(ratio, 3)}
     plain_times = plain_step_seconds(check.shape, torch.device("cuda"), args.iters, args.warmup)
     plain = figures(check.shape, statistics.median(plain_times), peak)
     torch.cuda.empty_cache()
@@ -372,9 +394,10 @@ def gpu_run(args, work: Path, report: Report, start: float) -> bool:
             }
         else:
             try:
+                ours = {n: e["ours"] for n, e in report.data["checks"].items() if "ours" in e}
                 entry = {
                     "status": "ok",
-                    **run_check(check, args, work, env, args.budget_s - elapsed, peak),
+                    **run_check(check, args, work, env, args.budget_s - elapsed, peak, ours),
                 }
             except CheckFailed as err:
                 print(f"gpu-check FAILED: {err}", file=sys.stderr)

@@ -33,6 +33,7 @@ import contextlib
 import io
 import os
 import signal
+import threading
 
 SIGKILL_BEFORE_COMMIT = "PRETRAIN_TEST_SIGKILL_BEFORE_COMMIT"
 SIGKILL_IN_SAVE = "PRETRAIN_TEST_SIGKILL_IN_SAVE"
@@ -111,10 +112,10 @@ def stream_watcher():
     return watch
 
 
-def _write_part_and_die(real_save, obj, f, args, kwargs) -> None:
+def _write_part_and_die(real_save, obj, f, args, kwargs, limit: int) -> None:
     buffer = io.BytesIO()
     real_save(obj, buffer, *args, **kwargs)
-    part = buffer.getvalue()[: _armed["bytes"]]
+    part = buffer.getvalue()[:limit]
     if isinstance(f, str | os.PathLike):
         with open(f, "wb") as out:
             out.write(part)
@@ -145,12 +146,14 @@ def armed_save(iteration: int):
     import torch
 
     real_save = torch.save
-    _armed = {"iteration": iteration, "target": target, "log": log}
-    _armed["bytes"] = int(spec[1]) if target is not None else 0
+    armed = {"iteration": iteration, "target": target, "log": log}
+    armed["bytes"] = int(spec[1]) if target is not None else 0
+    _armed, owner = armed, threading.get_ident()
 
     def save(obj, f, *args, **kwargs):
-        if _is_target(_file_name(f)):
-            _write_part_and_die(real_save, obj, f, args, kwargs)
+        # the saving thread's own writes (a background save's files are `stream_watcher`'s)
+        if threading.get_ident() == owner and _is_target(_file_name(f), armed):
+            _write_part_and_die(real_save, obj, f, args, kwargs, armed["bytes"])
         return real_save(obj, f, *args, **kwargs)
 
     torch.save = save

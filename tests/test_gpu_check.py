@@ -41,9 +41,19 @@ def test_dry_run_writes_each_planned_command_and_env(tmp_path):
     line = _gpu_check().parse_result_line(result.stdout)
     assert json.loads(report.read_text()) == line  # the file holds what the run reported
     assert line["dry_run"] is True and line["budget_s"] == 480
-    # the order of value: GPU tests, FlexAttention training, 124M and its export, then 1.3B
+    # the order of value: GPU tests, FlexAttention training, 124M and its export, then 1.3B,
+    # then the torch backend's 124M
     checks = line["checks"]
-    assert list(checks) == ["tests", "flex_training", "gpt2_124m", "hf_export", "gpt_1_3b"]
+    assert list(checks) == [
+        "tests",
+        "flex_training",
+        "gpt2_124m",
+        "hf_export",
+        "gpt_1_3b",
+        "torch_backend",
+    ]
+    torch_backend = checks["torch_backend"]["cmd"]
+    assert "--use-torch-fsdp2" in torch_backend and "--bf16" in torch_backend
     for name, check in checks.items():
         assert check["status"] == "planned", name
         assert check["env"]["DS_ACCELERATOR"] == "cuda" and check["env"]["PRETRAIN_REQUIRE_GPU"]

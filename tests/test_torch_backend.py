@@ -7,12 +7,13 @@ every configuration of that size through `pretrain(argv)` (tests/training_multir
 - fp32, both flavours: torch TP1 DP1 / TP2 / DP2 / TP2 DP2 against DeepSpeed's one process
   (losses and the logged grad norms, which the clipping used: every step is clipped, within
   1e-6 relative, as docs/TRAINING.md states for every layout), and against DeepSpeed ZeRO-3
-  (its sharding) at DP2 and TP2 DP2; a validation pass at iteration 5 agrees too;
+  (its sharding) at DP2 (GPT-2) and TP2 DP2 (Llama); a validation pass at iteration 5 agrees too;
 - bf16 (GPT-2): torch DP2 and DeepSpeed DP2 ZeRO-3, both from the same bf16-rounded weights
   with fp32 masters. Each must stay within 2e-3 of the fp32 run (DeepSpeed's bf16 promise,
-  tests/test_bf16.py), and the two backends within BF16_RTOL of each other: they differ only in
-  how bf16 gradients are accumulated and reduced, measured 2e-4 at most here, so 1e-3 leaves
-  room while staying far below what a wrong gradient or clipping would give (> 1e-2);
+  tests/test_bf16.py), and the two backends within BF16_RTOL = 1e-3 of each other in loss and
+  grad norm: they differ only in how the bf16 gradients are accumulated and reduced (measured:
+  losses 1.3e-5 apart at most, grad norms 3.2e-4), so 1e-3 is 3x the measured gap and 80 times
+  below what a norm that drops a TP rank's shards gave (8%, docs/TRAINING.md);
 - offload: torch DP2 and TP2 DP2 with --cpu-offload / --offload-param cpu (FSDP2's
   CPUOffloadPolicy) equal the same layout without offload within 1e-6.
 """
@@ -43,15 +44,14 @@ def _tp(n: int) -> list[str]:
 RUNS = {
     "ds_one": (1, ("gpt2", "llama"), []),
     "torch_one": (1, ("gpt2", "llama"), TORCH),
-    "ds_one_bf16": (1, ("gpt2",), ["--bf16"]),
     "torch_tp2": (2, ("gpt2", "llama"), TORCH + _tp(2)),
     "torch_dp2": (2, ("gpt2", "llama"), TORCH),
-    "ds_dp2_zero3": (2, ("gpt2", "llama"), ["--zero-stage", "3"]),
+    "ds_dp2_zero3": (2, ("gpt2",), ["--zero-stage", "3"]),
     "torch_dp2_offload": (2, ("gpt2",), TORCH + ["--cpu-offload"]),
     "torch_dp2_bf16": (2, ("gpt2",), TORCH + ["--bf16"]),
     "ds_dp2_zero3_bf16": (2, ("gpt2",), ["--zero-stage", "3", "--bf16"]),
     "torch_tp2_dp2": (4, ("gpt2", "llama"), TORCH + _tp(2)),
-    "ds_tp2_dp2_zero3": (4, ("gpt2", "llama"), ["--zero-stage", "3"] + _tp(2)),
+    "ds_tp2_dp2_zero3": (4, ("llama",), ["--zero-stage", "3"] + _tp(2)),
     "torch_tp2_dp2_offload": (4, ("llama",), TORCH + _tp(2) + ["--offload-param", "cpu"]),
 }
 
@@ -109,10 +109,9 @@ def test_torch_layout_matches_one_process(runs, name, flavour):
     assert ref[ITERATIONS]["lm-loss"] < ref[1]["lm-loss"]  # and it learned
 
 
-@pytest.mark.parametrize("flavour", ["gpt2", "llama"])
 @pytest.mark.parametrize(
-    "torch_run, deepspeed_run",
-    [("torch_dp2", "ds_dp2_zero3"), ("torch_tp2_dp2", "ds_tp2_dp2_zero3")],
+    "torch_run, deepspeed_run, flavour",
+    [("torch_dp2", "ds_dp2_zero3", "gpt2"), ("torch_tp2_dp2", "ds_tp2_dp2_zero3", "llama")],
 )
 def test_torch_backend_equals_deepspeed_at_the_same_layout(runs, torch_run, deepspeed_run, flavour):
     _agree(runs["metrics"][torch_run, flavour], runs["metrics"][deepspeed_run, flavour], RTOL)
@@ -121,7 +120,7 @@ def test_torch_backend_equals_deepspeed_at_the_same_layout(runs, torch_run, deep
 def test_bf16_tracks_fp32_and_deepspeeds_bf16(runs):
     m = runs["metrics"]
     fp32 = m["ds_one", "gpt2"]
-    for name in ("torch_dp2_bf16", "ds_dp2_zero3_bf16", "ds_one_bf16"):
+    for name in ("torch_dp2_bf16", "ds_dp2_zero3_bf16"):
         _agree(m[name, "gpt2"], fp32, BF16_VS_FP32, keys=("lm-loss",))
     _agree(m["torch_dp2_bf16", "gpt2"], m["ds_dp2_zero3_bf16", "gpt2"], BF16_RTOL)
     # bf16 really ran: the losses are not fp32's to the last digits

@@ -10,7 +10,8 @@ One launch of two ranks (tests/training_multirun.py), GPT-2, fp32, dropout 0, on
   within 1e-5 (through the layout-independent full state, Adam moments included);
 - `async`: the torch backend at TP2 with --async-save every 2 iterations, 1..6, training on while
   each save is written; `async_resumed` loads its step 2 (written while iterations 3 and 4 ran)
-  and trains 3..6: the same losses and grad norms, bit for bit.
+  and trains 3..5: the same losses and grad norms, bit for bit; its --exit-interval exit at 5
+  waits for step 4's background write, then saves 5.
 The converter, tools/reshard_checkpoint.py and tools/explain_batch.py then read the torch
 backend's step 4.
 """
@@ -71,7 +72,7 @@ def saved(tmp_path_factory):
         + ["--save", str(tmp / "async"), "--save-interval", "2"],
         _flags(corpus, "async_resumed", tmp, *TORCH, *TP2, "--async-save")
         + ["--load", str(tmp / "async" / "global_step2"), "--save", str(tmp / "async_resumed")]
-        + ["--save-interval", "2"],
+        + ["--save-interval", "2", "--exit-interval", "5"],
     ]
     result = run(multirun_cmd(2, runs, tmp / "runs.json"), timeout=800)
     assert result.returncode == 0, result.stdout[-8000:]
@@ -111,18 +112,22 @@ def test_the_checkpoints_record_their_backend_and_files(saved):
 def test_an_async_save_resumes_bit_for_bit(saved):
     uninterrupted, resumed = _metrics(saved, "async"), _metrics(saved, "async_resumed")
     assert sorted(uninterrupted) == list(range(1, ITERS + 1))
-    assert sorted(resumed) == list(range(3, ITERS + 1))
+    assert sorted(resumed) == [3, 4, 5]
     for it in resumed:
         for key in ("lm-loss", "grad-norm", "learning-rate"):
             assert resumed[it][key] == uninterrupted[it][key], (it, key)
     for step in (2, 4, 6):  # every background save was committed
         assert (saved["tmp"] / "async" / f"global_step{step}" / ".metadata").is_file()
     assert (saved["tmp"] / "async" / "latest").read_text() == f"global_step{ITERS}"
+    exited = saved["tmp"] / "async_resumed"  # the exit waited for step 4, then saved 5
+    assert (exited / "latest").read_text() == "global_step5"
+    assert (exited / "global_step4" / ".metadata").is_file()
+    # training went on while step 2 was written: committed at the end of iteration 3 at the
+    # earliest (the first poll after it was staged)
     out = saved["output"]
-    assert "writing it in the background (--async-save)" in out
-    assert out.index("staged checkpoint at iteration        2") < out.index(
-        "saved checkpoint at iteration        2"
-    )
+    staged = out.index("staged checkpoint at iteration        2; writing it in the background")
+    iteration_3 = out.index(" iteration        3/       6 |", staged)
+    assert out.index("saved checkpoint at iteration        2", staged) > iteration_3
 
 
 def test_the_hf_export_of_a_torch_checkpoint_computes_the_training_loss(saved, tmp_path):

@@ -98,7 +98,7 @@ class _Writer(FileSystemWriter):
         return StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id)
 
 
-def failure_reason(err: BaseException) -> str:
+def _failure_reason(err: BaseException) -> str:
     """One line for a failed DCP save or load (its CheckpointException holds every rank's
     exception, with tracebacks): the first rank's exception type and first line."""
     failures = getattr(err, "failures", None)
@@ -125,7 +125,7 @@ def save(
     try:
         dcp.save(tensors, storage_writer=_Writer(path), process_group=group)
     except CheckpointException as err:  # raised on every rank alike (a BaseException)
-        files.fail(path, failure_reason(err))
+        files.fail(path, _failure_reason(err))
     return None
 
 
@@ -138,7 +138,7 @@ def _one_line_failure(writing: Future) -> Future:
         try:
             done.set_result(finished.result())
         except CheckpointException as err:
-            done.set_exception(RuntimeError(failure_reason(err)))
+            done.set_exception(RuntimeError(_failure_reason(err)))
         except Exception as err:  # noqa: BLE001 - any other failure of the write, as it is
             done.set_exception(err)
 
@@ -169,11 +169,13 @@ def load(
     ):
         return None, None
     saved = safe_load.load(train_state_path)
+    # refused here in one line; inside DCP the failure would come with its logged tracebacks
+    safe_load.dcp_metadata(os.path.join(path, METADATA_FILE))
     tensors = _state_dict(engine, optimizer=optimizer)
     try:
         dcp.load(tensors, storage_reader=_SafeReader(path), process_group=engine.checkpoint_group)
     except CheckpointException as err:  # raised on every rank alike (a BaseException)
-        raise UserError(f"{path}: cannot be loaded ({failure_reason(err)})") from None
+        raise UserError(f"{path}: cannot be loaded ({_failure_reason(err)})") from None
     if schedule:
         engine.scheduler.load_state_dict(saved["lr_scheduler"])
     return path, saved["client_state"]

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from pretrain.parallel import state
 
@@ -80,6 +80,14 @@ def shard_model(
         for mark, value in marks[name].items():
             setattr(param, mark, value)
     return model
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free every gathered parameter: a forward without backward (evaluation) leaves the root's
+    (embedding, head) gathered, as plain tensors in the module, until the next step."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _marks(param: torch.nn.Parameter) -> dict:

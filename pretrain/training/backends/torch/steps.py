@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pretrain.training.backends.torch.fsdp import reshard
 from pretrain.training.per_source import SourceLosses
 from pretrain.training.step import dp_mean, micro_batch_loss
 
@@ -89,4 +90,5 @@ def evaluation_loss(
         ]
     finally:
         model.train()
+        reshard(model)  # the sharded parameters are what checkpoints and the optimizer hold
     return float(dp_mean(torch.stack(losses).mean()))

@@ -1,0 +1,129 @@
+"""SIGKILL during an --async-save background write (the torch backend's DCP files, the files
+queued behind them) and at its commit never damages the step `latest` names; the next launch
+resumes from it with the uninterrupted losses.
+
+tests/checkpoint_kill_trials.py runs the trials (two ranks, forked from one warm process),
+as for DeepSpeed's saves (tests/test_checkpoint_kills.py). A background save's events are the
+files its thread writes, by base name: DCP's shards and (rank 0) its `.metadata` index, then the
+files queued behind them (rank 0's `train_state.pt`, each rank's RNG state and its share of the
+full state), each cut after a seeded random number of bytes; then rank 0's commit steps, which
+`wait` runs after every rank's write (the final save of each trial). The test first checks that
+an unarmed save has exactly these events, then kills one save at each of them.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from training_fixtures import (
+    PYTHON,
+    REPO,
+    make_corpus,
+    model_flags,
+    read_metrics,
+    run,
+    train_flags,
+)
+from training_fixtures import test_env as clean_env
+
+from pretrain.checkpoint.integrity import choose_checkpoint
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+SEED = 20251202
+WORLD = 2
+COMMIT = ["metadata written", "step renamed into place", "latest committed"]
+PRUNE = "old step moved aside for deletion"  # --save-total-limit 2, from the third step on
+COMMITTED = {"latest committed", PRUNE}  # `latest` names the save
+EVENTS = [  # each rank's events of one save, in order
+    ["__0_0.distcp", ".metadata.tmp", "train_state.pt", "rng_state_0.pt"]
+    + ["full_state_tp00_pp00.pt", *COMMIT, PRUNE],
+    ["__1_0.distcp", "rng_state_1.pt", "full_state_tp00_pp00_dp001.pt"],
+]
+MOVED_ASIDE = "older step moved aside"  # a save over the complete step killed after its rename
+
+
+def _trials() -> list[dict]:
+    rng = random.Random(SEED)
+    trials = [{"kind": "resume", "event": None}]
+    for rank, events in enumerate(EVENTS):
+        for event in events:
+            trials.append({"kind": "resume", "event": event, "rank": rank})
+            if event == "step renamed into place":
+                trials.append({"kind": "resume", "event": MOVED_ASIDE, "rank": 0})
+    trials.append({"kind": "resume", "event": None})
+    for trial in trials:
+        is_file = trial["event"] is not None and trial["event"] not in COMMIT + [PRUNE, MOVED_ASIDE]
+        trial["bytes"] = rng.randrange(1, 200_000) if is_file else 0
+    return trials
+
+
+def _expected(follows_rename: bool) -> list[list[str]]:
+    saves = [list(events) for events in EVENTS]
+    if follows_rename:
+        saves[0].insert(saves[0].index("step renamed into place"), MOVED_ASIDE)
+    return saves
+
+
+def _check_events(trial: dict, saves: list[list[str]]) -> None:
+    got = trial["events"]
+    if trial["event"] is None:
+        assert got[0][: len(saves[0]) - 1] == saves[0][:-1], trial  # the prune: 1 or more
+        assert set(got[0][len(saves[0]) - 1 :]) <= {PRUNE} and got[1:] == saves[1:], trial
+        return
+    armed = saves[trial["rank"]]
+    assert got[trial["rank"]] == armed[: armed.index(trial["event"]) + 1], trial
+    for events, whole in zip(got, saves, strict=True):
+        assert events == whole[: len(events)], trial
+
+
+def test_sigkill_during_a_background_save_never_damages_the_checkpoint_latest_names(tmp_path):
+    corpus = make_corpus(tmp_path / "corpus")
+    trials = _trials()
+    final = 2 + len(trials)
+    flags = (
+        model_flags("gpt2")
+        + ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]  # the RNG files count too
+        + train_flags(corpus, iters=2)
+        + ["--use-torch-fsdp2", "--async-save", "--ckpt-format", "torch_dist"]
+        + ["--save-interval", "1", "--save-total-limit", "2", "--lr-decay-iters", str(final)]
+    )
+    spec = {
+        "flags": flags,
+        "world": WORLD,
+        "save": str(tmp_path / "ckpt"),
+        "metrics": str(tmp_path / "m.jsonl"),
+        "reference": {"save": str(tmp_path / "ref"), "iters": final, "metrics": str(tmp_path / "ref.jsonl")},
+        "trials": trials,
+    }  # fmt: skip
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    result = run(
+        [PYTHON, str(REPO / "tests" / "checkpoint_kill_trials.py"), str(tmp_path / "spec.json")],
+        timeout=850,
+        env=clean_env(),
+    )
+    assert result.returncode == 0, result.stdout[-6000:]
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    phases = [r for r in lines if "phase" in r]
+    assert [p["status"] for p in phases] == [[0] * WORLD] * 2, phases
+    done = [r for r in lines if "trial" in r]
+    assert len(done) == len(trials)
+    reference = read_metrics(tmp_path / "ref.jsonl")
+    follows_rename = False
+    for t in done:
+        context = {k: v for k, v in t.items() if k != "tail"}
+        before = int(t["latest_before"].removeprefix("global_step"))
+        assert t["loaded"] == before, (context, t["tail"])
+        assert not t["traceback"] and t["every_file_loads"], (context, t["tail"])
+        _check_events(context, _expected(follows_rename))
+        killed = t["event"] is not None
+        assert t["status"][t["rank"] if killed else 0] == (-9 if killed else 0), context
+        saved = t["event"] in COMMITTED or not killed
+        assert t["latest_after"] == f"global_step{before + saved}", context
+        metrics = read_metrics(t["metrics"])
+        assert sorted(metrics) == [before + 1], context  # resumed, not started afresh
+        assert metrics[before + 1]["lm-loss"] == reference[before + 1]["lm-loss"], context
+        follows_rename = t["event"] == "step renamed into place"
+    assert choose_checkpoint(str(tmp_path / "ckpt")).note is None
