@@ -26,7 +26,6 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -40,16 +39,24 @@ from pretrain.model.gpt import uses_sequence_parallel
 from pretrain.model.loss import masked_mean_loss
 from pretrain.parallel import state
 from pretrain.parallel.cross_entropy import vocab_parallel_cross_entropy
+from pretrain.training.backends.torch.fsdp import local_tensor, reshard
+from pretrain.training.backends.torch.pipeline_flags import SCHEDULE_CHOICES
 from pretrain.training.backends.torch.stages import StageModule, StagePlan
 from pretrain.training.per_source import SourceLosses
 from pretrain.training.step import dp_mean
 
-SCHEDULES = {
-    "1f1b": Schedule1F1B,
-    "interleaved-1f1b": ScheduleInterleaved1F1B,
-    "interleaved-zero-bubble": ScheduleInterleavedZeroBubble,
-    "zbv-zero-bubble": ScheduleZBVZeroBubble,
-}
+SCHEDULES = dict(
+    zip(
+        SCHEDULE_CHOICES,
+        (
+            Schedule1F1B,
+            ScheduleInterleaved1F1B,
+            ScheduleInterleavedZeroBubble,
+            ScheduleZBVZeroBubble,
+        ),
+        strict=True,
+    )
+)
 """--pipeline-schedule -> torch's schedule class."""
 
 
@@ -88,11 +95,11 @@ class TiedEmbedding:
         grads = [w.grad for w in self.weights if w.grad is not None]
         if not grads:
             return
-        total = torch.stack([_local(g) for g in grads]).sum(0)
+        total = torch.stack([local_tensor(g) for g in grads]).sum(0)
         if self.group is not None:
             dist.all_reduce(total, group=self.group)
         for grad in grads:
-            _local(grad).copy_(total)
+            local_tensor(grad).copy_(total)
 
 
 class _Stage(PipelineStage):
@@ -111,11 +118,6 @@ class _Stage(PipelineStage):
     def set_local_bwd_input(self, next_stage_bwd_outputs, mb_index: int) -> None:
         if self.has_backward:
             super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's shard of a DTensor (FSDP2), or the tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _stage_io(
@@ -166,6 +168,12 @@ class Pipeline:
         self.loss = MicroBatchLoss()
         self._stages, self._stage_key = None, None
         self._schedule, self._schedule_key = None, None
+
+    @property
+    def stages(self) -> list[_Stage]:
+        """This rank's `PipelineStage`s (built by the first pass; bench/pipeline_bubble.py times
+        their compute)."""
+        return list(self._stages or ())
 
     def _pipeline_stages(self, shape: tuple[int, int], ids: tuple) -> list[_Stage]:
         """The `PipelineStage`s for micro-batches of `shape` and these id tensors (built once)."""
@@ -243,13 +251,5 @@ class Pipeline:
             return dp_mean(self._run(batches, use_document_ids, train=False))
         finally:
             self.loss.sources = None
-            _reshard(self.modules)
-
-
-def _reshard(modules: Sequence[torch.nn.Module]) -> None:
-    """Free FSDP2's gathered parameters (a forward-only pass leaves them gathered: nothing runs
-    the post-backward that reshards), so the modules hold their sharded parameters again."""
-    for module in modules:
-        for part in module.modules():
-            if isinstance(part, FSDPModule):
-                part.reshard()
+            for module in self.modules:  # a forward-only pass leaves FSDP2's parameters gathered
+                reshard(module)
