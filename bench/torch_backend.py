@@ -14,11 +14,14 @@ the deepspeed launcher, so a process's peak memory is that configuration's:
   built (weights, gradients, optimizer state and activations, plus whatever the library
   allocates); the largest over the ranks. Step time: the median `iteration-time` of the
   metrics file after `--warmup` iterations. `ratio` = fsdp2 / zero3 step time (the same
-  sharding; goal <= 1.0), `memory_ratio` = fsdp2 / zero3 peak memory.
+  sharding; goal <= 1.0), `memory_ratio` = fsdp2 / zero3 peak memory; `step_cpu_s` and
+  `ratio_cpu`: the same in the process's CPU seconds (every thread), steadier than wall time on
+  a shared machine.
 - save stall: the torch backend saving every `--save-every` iterations, blocking and with
-  --async-save, against the same run without saves; `stall_s` = (the time from the end of
+  --async-save, against the same run without saves; `stall_wall_s` = (the time from the end of
   iteration 1 to the end of the last iteration, minus the run without saves') / the saves in
-  that span; a save at the last iteration (the final one, waited for at exit) is outside it.
+  that span; a save at the last iteration (the final one, waited for at exit) is outside it;
+  `stall_cpu_s` the same in the rank's CPU seconds (the background writer's included).
 
 The last line printed is one JSON object with the figures.
 """
@@ -53,6 +56,7 @@ def parse() -> argparse.Namespace:
     p.add_argument("--seq-length", type=int, default=32)
     p.add_argument("--vocab-size", type=int, default=50257)
     p.add_argument("--micro-batch-size", type=int, default=1)
+    p.add_argument("--part", choices=["all", "memory", "stall"], default="all", help="what to run")
     p.add_argument("--workdir", help="where corpus and checkpoints go [a temporary folder]")
     p.add_argument("--worker", nargs=3, metavar=("ARGV", "REPORT", "LABEL"), help=argparse.SUPPRESS)
     p.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # the deepspeed launcher's
@@ -88,12 +92,13 @@ def worker(argv_file: str, report: str, label: str) -> None:
         return build(**kwargs)
 
     engine_module.build_engine = measured_build  # run.py imports it when it builds the engine
-    ends = []
+    ends, cpu_ends = [], []
     record = MetricsLogger.record_iteration
 
     def stamped(self, **kwargs):
         record(self, **kwargs)
         ends.append(time.perf_counter())
+        cpu_ends.append(time.process_time())  # every thread of this rank, the writer's too
 
     MetricsLogger.record_iteration = stamped
 
@@ -107,7 +112,7 @@ def worker(argv_file: str, report: str, label: str) -> None:
         else:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before["rss"]
         with open(f"{report}.rank{os.environ.get('RANK', '0')}", "w") as f:
-            json.dump({"label": label, "peak_bytes": peak, "ends": ends}, f)
+            json.dump({"label": label, "peak_bytes": peak, "ends": ends, "cpu_ends": cpu_ends}, f)
 
     main()
 
@@ -172,6 +177,11 @@ def step_time(metrics: str, warmup: int) -> float:
     return statistics.median(times[warmup:])
 
 
+def _deltas(stamps: list[float]) -> list[float]:
+    """Seconds between consecutive iteration ends (the first iteration's start is not stamped)."""
+    return [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+
+
 def memory_and_steps(a, corpus: str, work: str) -> dict:
     configs = {
         "fsdp2": ["--use-torch-fsdp2"],
@@ -182,9 +192,11 @@ def memory_and_steps(a, corpus: str, work: str) -> dict:
     for label, flags in configs.items():
         metrics = os.path.join(work, f"{label}.jsonl")
         reports = launch(a, label, base_argv(a, corpus, a.iters, metrics) + flags, work)
+        cpu_steps = [statistics.median(_deltas(r["cpu_ends"])[a.warmup :]) for r in reports]
         out[label] = {
             "peak_mib_per_rank": round(max(r["peak_bytes"] for r in reports) / 2**20, 1),
             "step_s": round(step_time(metrics, a.warmup), 4),
+            "step_cpu_s": round(max(cpu_steps), 4),
         }
     return out
 
@@ -192,7 +204,7 @@ def memory_and_steps(a, corpus: str, work: str) -> dict:
 def save_stall(a, corpus: str, work: str) -> dict:
     iters = 1 + a.save_every * a.saves + 1  # the timed span holds `saves` saves, not the last
     flags = ["--use-torch-fsdp2"]
-    spans = {}
+    spans, cpu = {}, {}
     for label, extra in (
         ("no_save", []),
         ("blocking", ["--save", os.path.join(work, "blocking")]),
@@ -202,12 +214,19 @@ def save_stall(a, corpus: str, work: str) -> dict:
             extra += ["--save-interval", str(a.save_every), "--save-total-limit", "1"]
         metrics = os.path.join(work, f"stall_{label}.jsonl")
         argv = base_argv(a, corpus, iters, metrics) + flags + extra
-        ends = launch(a, f"stall_{label}", argv, work)[0]["ends"]
-        spans[label] = ends[-1] - ends[0]
+        reports = launch(a, f"stall_{label}", argv, work)
+        spans[label] = reports[0]["ends"][-1] - reports[0]["ends"][0]
+        cpu[label] = max(r["cpu_ends"][-1] - r["cpu_ends"][0] for r in reports)
+    lost = {"wall": spans, "cpu": cpu}
     return {
         "span_s": {k: round(v, 2) for k, v in spans.items()},
-        "stall_s": {
-            k: round((spans[k] - spans["no_save"]) / a.saves, 2) for k in ("blocking", "async")
+        "span_cpu_s": {k: round(v, 2) for k, v in cpu.items()},
+        **{
+            f"stall_{kind}_s": {
+                k: round((lost[kind][k] - lost[kind]["no_save"]) / a.saves, 2)
+                for k in ("blocking", "async")
+            }
+            for kind in ("wall", "cpu")
         },
     }
 
@@ -220,19 +239,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=a.workdir) as work:
         corpus = os.path.join(work, "corpus")
         make_corpus(corpus, a.vocab_size, 200_000)
-        steps = memory_and_steps(a, corpus, work)
-        stall = save_stall(a, corpus, work)
-    figures = {
-        "model": f"GPT {a.num_layers} x {a.hidden_size}, vocab {a.vocab_size}",
-        "nproc": a.nproc,
-        **steps,
-        **stall,
-        "ratio": round(steps["fsdp2"]["step_s"] / steps["zero3"]["step_s"], 3),
-        "ratio_vs_zero1": round(steps["fsdp2"]["step_s"] / steps["zero1"]["step_s"], 3),
-        "memory_ratio": round(
-            steps["fsdp2"]["peak_mib_per_rank"] / steps["zero3"]["peak_mib_per_rank"], 3
-        ),
-    }
+        figures = {"model": f"GPT {a.num_layers} x {a.hidden_size}, vocab {a.vocab_size}"}
+        figures["nproc"] = a.nproc
+        if a.part in ("all", "memory"):
+            steps = memory_and_steps(a, corpus, work)
+            figures |= steps | {
+                "ratio": round(steps["fsdp2"]["step_s"] / steps["zero3"]["step_s"], 3),
+                "ratio_vs_zero1": round(steps["fsdp2"]["step_s"] / steps["zero1"]["step_s"], 3),
+                "ratio_cpu": round(steps["fsdp2"]["step_cpu_s"] / steps["zero3"]["step_cpu_s"], 3),
+                "memory_ratio": round(
+                    steps["fsdp2"]["peak_mib_per_rank"] / steps["zero3"]["peak_mib_per_rank"], 3
+                ),
+            }
+        if a.part in ("all", "stall"):
+            figures |= save_stall(a, corpus, work)
     print(json.dumps(figures))
 
 

@@ -153,7 +153,8 @@ def changes(f) -> dict:
         "--offload-nvme-path": (d + ["--zero-stage", "3", "--offload-param", "cpu"], d + ["--zero-stage", "3", "--offload-param", "nvme", "--offload-nvme-path", os.path.dirname(f["ds"])], None),
         "--distributed-backend": ["gloo"], "--distributed-timeout-minutes": ["3"],
         "--deepspeed_config": [f["ds"]], "--local_rank": (d, d + ["--local_rank", "1"], launched),
-        "--overlap-grad-reduce": ["--zero-stage", "1"],
+        "--overlap-grad-reduce": ["--zero-stage", "1"], "--use-torch-fsdp2": [],
+        "--async-save": (d + ["--use-torch-fsdp2"], d + ["--use-torch-fsdp2", "--async-save"], None),
         # optimizer and schedule
         "--lr": ["2e-3"], "--min-lr": ["1e-5"], "--lr-decay-style": ["cosine"],
         "--lr-decay-iters": ["2"], "--lr-decay-samples": (samples, samples + ["--lr-decay-samples", "16"], None),

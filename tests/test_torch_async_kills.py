@@ -8,7 +8,9 @@ files its thread writes, by base name: DCP's shards and (rank 0) its `.metadata`
 files queued behind them (rank 0's `train_state.pt`, each rank's RNG state and its share of the
 full state), each cut after a seeded random number of bytes; then rank 0's commit steps, which
 `wait` runs after every rank's write (the final save of each trial). The test first checks that
-an unarmed save has exactly these events, then kills one save at each of them.
+an unarmed save has exactly these events, then kills one save at each background file and at
+the first commit step and the commit point (tests/test_checkpoint_kills.py kills every commit
+step of the same protocol).
 """
 
 from __future__ import annotations
@@ -42,7 +44,9 @@ EVENTS = [  # each rank's events of one save, in order
     + ["full_state_tp00_pp00.pt", *COMMIT, PRUNE],
     ["__1_0.distcp", "rng_state_1.pt", "full_state_tp00_pp00_dp001.pt"],
 ]
-MOVED_ASIDE = "older step moved aside"  # a save over the complete step killed after its rename
+# the commit steps are the blocking save's (tests/test_checkpoint_kills.py kills each); here the
+# first and the commit point, run from `wait` after the background write
+KILLED_COMMIT = {"metadata written", "latest committed"}
 
 
 def _trials() -> list[dict]:
@@ -50,32 +54,24 @@ def _trials() -> list[dict]:
     trials = [{"kind": "resume", "event": None}]
     for rank, events in enumerate(EVENTS):
         for event in events:
-            trials.append({"kind": "resume", "event": event, "rank": rank})
-            if event == "step renamed into place":
-                trials.append({"kind": "resume", "event": MOVED_ASIDE, "rank": 0})
+            if event not in COMMIT + [PRUNE] or event in KILLED_COMMIT:
+                trials.append({"kind": "resume", "event": event, "rank": rank})
     trials.append({"kind": "resume", "event": None})
     for trial in trials:
-        is_file = trial["event"] is not None and trial["event"] not in COMMIT + [PRUNE, MOVED_ASIDE]
+        is_file = trial["event"] is not None and trial["event"] not in KILLED_COMMIT
         trial["bytes"] = rng.randrange(1, 200_000) if is_file else 0
     return trials
 
 
-def _expected(follows_rename: bool) -> list[list[str]]:
-    saves = [list(events) for events in EVENTS]
-    if follows_rename:
-        saves[0].insert(saves[0].index("step renamed into place"), MOVED_ASIDE)
-    return saves
-
-
-def _check_events(trial: dict, saves: list[list[str]]) -> None:
+def _check_events(trial: dict) -> None:
     got = trial["events"]
     if trial["event"] is None:
-        assert got[0][: len(saves[0]) - 1] == saves[0][:-1], trial  # the prune: 1 or more
-        assert set(got[0][len(saves[0]) - 1 :]) <= {PRUNE} and got[1:] == saves[1:], trial
+        assert got[0][: len(EVENTS[0]) - 1] == EVENTS[0][:-1], trial  # the prune: 1 or more
+        assert set(got[0][len(EVENTS[0]) - 1 :]) <= {PRUNE} and got[1:] == EVENTS[1:], trial
         return
-    armed = saves[trial["rank"]]
+    armed = EVENTS[trial["rank"]]
     assert got[trial["rank"]] == armed[: armed.index(trial["event"]) + 1], trial
-    for events, whole in zip(got, saves, strict=True):
+    for events, whole in zip(got, EVENTS, strict=True):
         assert events == whole[: len(events)], trial
 
 
@@ -111,13 +107,12 @@ def test_sigkill_during_a_background_save_never_damages_the_checkpoint_latest_na
     done = [r for r in lines if "trial" in r]
     assert len(done) == len(trials)
     reference = read_metrics(tmp_path / "ref.jsonl")
-    follows_rename = False
     for t in done:
         context = {k: v for k, v in t.items() if k != "tail"}
         before = int(t["latest_before"].removeprefix("global_step"))
         assert t["loaded"] == before, (context, t["tail"])
         assert not t["traceback"] and t["every_file_loads"], (context, t["tail"])
-        _check_events(context, _expected(follows_rename))
+        _check_events(context)
         killed = t["event"] is not None
         assert t["status"][t["rank"] if killed else 0] == (-9 if killed else 0), context
         saved = t["event"] in COMMITTED or not killed
@@ -125,5 +120,4 @@ def test_sigkill_during_a_background_save_never_damages_the_checkpoint_latest_na
         metrics = read_metrics(t["metrics"])
         assert sorted(metrics) == [before + 1], context  # resumed, not started afresh
         assert metrics[before + 1]["lm-loss"] == reference[before + 1]["lm-loss"], context
-        follows_rename = t["event"] == "step renamed into place"
     assert choose_checkpoint(str(tmp_path / "ckpt")).note is None
