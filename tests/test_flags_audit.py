@@ -92,6 +92,8 @@ def base(f) -> list[str]:
     ]  # fmt: skip
 
 
+# the torch backend's pipeline over 2 ranks, 2 layers per stage
+TORCH_PP2 = ["--use-torch-fsdp2", "--pipeline-model-parallel-size", "2", "--num-layers", "4"]
 FULL_UNIFORM_1 = ["--recompute-granularity", "full", "--recompute-method", "uniform"] + [
     "--recompute-num-layers",
     "1",
@@ -150,6 +152,9 @@ def changes(f) -> dict:
         # parallelism
         "--tensor-model-parallel-size": (d, d + ["--tensor-model-parallel-size", "2"], TWO_RANKS),
         "--pipeline-model-parallel-size": (d, d + ["--pipeline-model-parallel-size", "2"], TWO_RANKS),
+        "--num-layers-per-virtual-pipeline-stage": (d + TORCH_PP2, d + TORCH_PP2 + ["--num-layers-per-virtual-pipeline-stage", "1"], TWO_RANKS),
+        "--num-virtual-stages-per-pipeline-rank": (d + TORCH_PP2, d + TORCH_PP2 + ["--num-virtual-stages-per-pipeline-rank", "2"], TWO_RANKS),
+        "--pipeline-schedule": (d + TORCH_PP2, d + TORCH_PP2 + ["--pipeline-schedule", "interleaved-zero-bubble"], TWO_RANKS),
         "--zero-stage": ["1"], "--cpu-offload": (d + ["--zero-stage", "1"], d + ["--zero-stage", "1", "--cpu-offload"], None),
         "--offload-optimizer": (d + ["--zero-stage", "1"], d + ["--zero-stage", "1", "--offload-optimizer", "cpu"], None),
         "--offload-param": (d + ["--zero-stage", "3"], d + ["--zero-stage", "3", "--offload-param", "cpu"], None),
@@ -257,8 +262,6 @@ NOOP_VALUES = {
     "--context-parallel-size": ["1"],
     "--ds-sequence-parallel-size": ["1"],
     "--expert-model-parallel-size": ["1"],
-    "--num-layers-per-virtual-pipeline-stage": ["2"],  # 2 layers / PP 1: one chunk per stage
-    "--num-virtual-stages-per-pipeline-rank": ["1"],
     "--DDP-impl": ["local"],
     "--ckpt-format": ["torch"],
     "--dist-ckpt-strictness": ["log_all"],

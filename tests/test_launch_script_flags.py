@@ -139,7 +139,6 @@ def test_a_refused_flag_exits_2_with_one_line(corpus):
 SIZE_ONE = [
     ("--context-parallel-size", "there is no context parallelism"),
     ("--ds-sequence-parallel-size", "there is no DeepSpeed-Ulysses sequence parallelism"),
-    ("--num-virtual-stages-per-pipeline-rank", "runs one model chunk per stage"),
 ]
 
 
@@ -152,17 +151,6 @@ def test_a_parallelism_we_lack_is_accepted_at_1_and_refused_above(corpus, flag, 
         UserError, match=re.escape(f"{flag} 2: only 1 is accepted (") + ".*" + words
     ):
         parse_args(tiny(corpus, flag, "2"), env=ONE_RANK)
-
-
-def test_virtual_pipeline_stages_are_refused_unless_one_chunk_per_stage(corpus):
-    pp2 = ["--pipeline-model-parallel-size", "2", "--num-layers", "4"]
-    parse_args(tiny(corpus, *pp2, "--num-layers-per-virtual-pipeline-stage", "2"), env=TWO_RANKS)
-    with pytest.raises(UserError, match=re.escape(
-        "--num-layers-per-virtual-pipeline-stage 1: DeepSpeed's pipeline engine runs one model "
-        "chunk per stage (4 layers / PP 2); drop the flag")):  # fmt: skip
-        parse_args(
-            tiny(corpus, *pp2, "--num-layers-per-virtual-pipeline-stage", "1"), env=TWO_RANKS
-        )
 
 
 @pytest.mark.parametrize("value", ["zarr", "torch_dcp", "fsdp_dtensor"])

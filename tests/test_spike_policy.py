@@ -191,15 +191,21 @@ def test_rewind_without_a_checkpoint_skips(corpus, reference, tmp_path):
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize(
     "layout",
-    ["--zero-stage 2", "--pipeline-model-parallel-size 2"],
-    ids=["dp2-zero2", "pp2"],
+    [
+        "--zero-stage 2",
+        "--pipeline-model-parallel-size 2",
+        "--use-torch-fsdp2 --pipeline-model-parallel-size 2 --num-layers 4 "
+        "--num-virtual-stages-per-pipeline-rank 2 --pipeline-schedule zbv-zero-bubble",
+    ],
+    ids=["dp2-zero2", "pp2", "torch-pp2-zbv"],
 )
 def test_two_ranks_take_the_same_decision(corpus, tmp_path, layout):
     """Two ranks, with dropout. DP = 2 under ZeRO-2: each rank sees half the batch, the decision
     comes from the DP-averaged loss, DeepSpeed's own step frees the gradient partitions. PP = 2:
     the pipeline engine steps inside train_batch; the judge runs at its optimizer step, on the
-    last stage's loss broadcast to the first. Either way the skip run equals the
-    --iterations-to-skip run at the same layout (RNG states put back, too)."""
+    last stage's loss broadcast to the first. The torch backend's ZBV pipeline: the loss is on
+    rank 0 (the V's last stage), summed over the pipeline to rank 1. Either way the skip run
+    equals the --iterations-to-skip run at the same layout (RNG states put back, too)."""
     runs, layout = {}, f"{layout} --hidden-dropout 0.1 --attention-dropout 0.1"
     for name, extra in (("ref", f"--iterations-to-skip {SPIKE}"), ("skip", DETECT)):
         policy = "--spiky-loss-policy skip" if name == "skip" else ""

@@ -43,7 +43,6 @@ def test_any_cpu_offload_flag_is_fsdp2s_one_policy(argv, flags):
     [
         (["--zero-stage", "3"], "--zero-stage 3 with --use-torch-fsdp2: FSDP2 always shards"),
         (["--use-distributed-optimizer"], "--use-distributed-optimizer with --use-torch-fsdp2"),
-        (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size 2 with"),
         (["--ckpt-format", "torch"], "--ckpt-format torch with --use-torch-fsdp2: the torch"),
         (["--offload-param", "nvme"], "--offload-param nvme with --use-torch-fsdp2: FSDP2"),
     ],

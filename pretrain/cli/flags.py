@@ -22,6 +22,7 @@ from pretrain.flag_help import HelpFormatter, add_megatron_groups, argument_grou
 from pretrain.model.config import ModelConfig
 from pretrain.model.moe.config import parse_layer_freq
 from pretrain.tokenizer import add_tokenizer_args
+from pretrain.training.backends.torch.pipeline_flags import SCHEDULE_CHOICES
 from pretrain.training.exit_signal import SIGNALS
 from pretrain.training.lr_schedule import DECAY_STYLES, WSD_DECAY_STYLES
 from pretrain.training.skip import iteration_spec
@@ -133,8 +134,9 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _flag("--local_rank", "--local-rank", type=int, help="set by the deepspeed launcher"),
         _flag("--context-parallel-size", type=int, default=1, metavar="N", help="accepted with 1 only: there is no context parallelism (TP, PP and DP exist; >1 is refused)"),
         _flag("--ds-sequence-parallel-size", type=int, default=1, metavar="N", help="accepted with 1 only: there is no DeepSpeed-Ulysses sequence parallelism (use --sequence-parallel with TP; >1 is refused)"),
-        _flag("--num-layers-per-virtual-pipeline-stage", type=int, metavar="N", help="accepted only when it gives one model chunk per stage (N = layers / PP): DeepSpeed's pipeline engine runs one chunk per stage; interleaved schedules are refused"),
-        _flag("--num-virtual-stages-per-pipeline-rank", type=int, metavar="N", help="accepted with 1 only: DeepSpeed's pipeline engine runs one model chunk per stage (>1 is refused)"),
+        _flag("--num-layers-per-virtual-pipeline-stage", type=int, metavar="N", help="interleaved pipeline (--use-torch-fsdp2): N layers per model chunk, (layers / PP) / N chunks per pipeline rank, chunk c of rank r holding the layers of virtual stage c x PP + r (Megatron's); N = layers / PP (one chunk) on either backend"),
+        _flag("--num-virtual-stages-per-pipeline-rank", type=int, metavar="V", help="interleaved pipeline (--use-torch-fsdp2): V model chunks per pipeline rank (exclusive with --num-layers-per-virtual-pipeline-stage); 1 on either backend"),
+        _flag("--pipeline-schedule", choices=list(SCHEDULE_CHOICES), help="pipeline schedule (torch.distributed.pipelining); all but 1f1b need --use-torch-fsdp2, zbv-zero-bubble 2 model chunks per rank [default: 1f1b, interleaved-1f1b with more than one model chunk per rank] (docs/TRAINING.md, \"Which schedule\")"),
         _flag("--overlap-grad-reduce", field="parallel.overlap_grad_reduce", action="store_true", help="overlap the gradient reduce-scatter with the backward pass: DeepSpeed's zero_optimization.overlap_comm (ZeRO 1-2; ZeRO-3 overlaps by default; ZeRO-0 has no overlap)"),
         _flag("--overlap-param-gather", action="store_true", help="accepted: ZeRO-3 already prefetches parameters during the forward pass; ZeRO-1/2 gather the updated parameters after the step (DeepSpeed has no overlap for it)"),
         _flag("--DDP-impl", choices=["local", "torch"], help="accepted: DeepSpeed's engine does the data-parallel gradient reduction"),

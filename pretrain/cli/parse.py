@@ -8,6 +8,7 @@ every check before launch, in a fixed order, so the first problem is reported in
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from collections.abc import Sequence
@@ -43,6 +44,7 @@ from pretrain.training.backends.deepspeed.config import (
 )
 from pretrain.training.backends.deepspeed.offload import check_nvme_checkpoints, resolve_offload
 from pretrain.training.backends.torch.flags import check_deepspeed_only, resolve_torch_flags
+from pretrain.training.backends.torch.pipeline_flags import resolve_pipeline_flags
 from pretrain.training.checkpointing import CheckpointConfig
 from pretrain.training.evaluator import EvalConfig
 from pretrain.training.logging import LoggingConfig
@@ -118,7 +120,6 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
             cpu_offload=ns.cpu_offload,
             offload_optimizer=ns.parallel__offload_optimizer,
             offload_param=ns.parallel__offload_param,
-            pipeline_parallel_size=pp,
             fp16=ns.precision__fp16,
             ckpt_format=ns.ckpt_format,
         )
@@ -230,9 +231,19 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
     if saved is not None:
         model = force_from_checkpoint(model, saved, say)
     check_position_embedding(ns, model.position_embedding_type)
-    check_script_flags(ns, model.num_layers, pp)
+    check_script_flags(ns)
     model.validate(tp, pp, parallel.expert_model_parallel_size, parallel.expert_tp)
     check_moe_training(model, parallel)
+    pipeline = resolve_pipeline_flags(
+        schedule=ns.pipeline_schedule,
+        layers_per_chunk=ns.num_layers_per_virtual_pipeline_stage,
+        chunks=ns.num_virtual_stages_per_pipeline_rank,
+        num_layers=model.num_layers,
+        pp=pp,
+        torch_backend=torch_backend,
+        batches=batches,
+        train_samples=train_samples,
+    )
     data = DataConfig.from_args(ns)
     if data.data_schedule is not None and batches.varies:
         raise UserError(
@@ -261,7 +272,7 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
 
     cfg = RunConfig(
         model=model,
-        parallel=parallel,
+        parallel=dataclasses.replace(parallel, **pipeline),
         training=TrainingConfig(
             **section_values(ns, "training"),
             micro_batch_size=mbs,

@@ -168,7 +168,9 @@ REFUSED_FLAGS: dict[str, str] = {
     ),  # fmt: skip
     **dict.fromkeys(
         ("--enable-zbh1-pipeline", "--enable-zbh1-exact-semantics"),
-        "zero-bubble pipeline schedules are not implemented (DeepSpeed's 1F1B schedule runs)",
+        "Megatron-DeepSpeed's ZB-H1 pipeline is not implemented; torch's zero-bubble schedules "
+        "run on the torch backend (--use-torch-fsdp2 --pipeline-schedule interleaved-zero-bubble, "
+        "or zbv-zero-bubble with --num-virtual-stages-per-pipeline-rank 2)",
     ),
     "--cpu-optimizer": "use --cpu-offload (ZeRO >= 1: optimizer state and step in CPU memory)",
     "--checkpoint-in-cpu": (

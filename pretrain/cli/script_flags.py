@@ -1,6 +1,6 @@
 """The checks of the launch-script flags that are accepted only with the value that describes this
-project: a parallelism it lacks at size 1, one model chunk per pipeline stage, the checkpoint
-format it writes, the recompute module it has. Anything else is one UserError naming the flag,
+project: a parallelism it lacks at size 1, the checkpoint formats it writes, the recompute module
+it has (the virtual pipeline flags: `pretrain.training.backends.torch.pipeline_flags`). Anything else is one UserError naming the flag,
 the value and what exists instead (docs/COMPATIBILITY.md, "Flags of the launch scripts").
 """
 
@@ -22,11 +22,6 @@ _SIZE_ONE = {
         "there is no DeepSpeed-Ulysses sequence parallelism; use --tensor-model-parallel-size "
         "with --sequence-parallel",
     ),
-    "--num-virtual-stages-per-pipeline-rank": (
-        "num_virtual_stages_per_pipeline_rank",
-        "DeepSpeed's pipeline engine runs one model chunk per stage (no interleaved schedule); "
-        "drop the flag",
-    ),
 }
 
 CKPT_FORMATS = ("torch", "torch_dist")
@@ -34,18 +29,12 @@ CKPT_FORMATS = ("torch", "torch_dist")
 files, or (--use-torch-fsdp2) torch.distributed.checkpoint folders."""
 
 
-def check_script_flags(ns: argparse.Namespace, num_layers: int, pp: int) -> None:
+def check_script_flags(ns: argparse.Namespace) -> None:
     """Refuse, in one line, a launch-script flag set to a value this project cannot honour."""
     for flag, (dest, instead) in _SIZE_ONE.items():
         size = getattr(ns, dest)
         if size is not None and size != 1:
             raise UserError(f"{flag} {size}: only 1 is accepted ({instead})")
-    per_chunk = ns.num_layers_per_virtual_pipeline_stage
-    if per_chunk is not None and per_chunk * pp != num_layers:
-        raise UserError(
-            f"--num-layers-per-virtual-pipeline-stage {per_chunk}: DeepSpeed's pipeline engine "
-            f"runs one model chunk per stage ({num_layers} layers / PP {pp}); drop the flag"
-        )
     if ns.ckpt_format not in (None, *CKPT_FORMATS):
         raise UserError(
             f"--ckpt-format {ns.ckpt_format}: checkpoints here are DeepSpeed's per-rank torch files "

@@ -379,6 +379,21 @@ def run_layers(layers, hidden: torch.Tensor, position_ids=None, document_ids=Non
     return hidden
 
 
+def run_segments(
+    module: nn.Module, layers, segments, hidden: torch.Tensor, position_ids=None, document_ids=None
+) -> torch.Tensor:
+    """`hidden` through consecutive TransformerLayers in the (start, end, recomputed) runs of
+    `recompute_segments`; recomputed runs go under `checkpoint` while `module` keeps activations
+    for a backward pass."""
+    for start, end, recompute in segments:
+        run = functools.partial(run_layers, layers[start:end])
+        if recompute and recomputing(module):
+            hidden = checkpoint(run, hidden, position_ids, document_ids)
+        else:
+            hidden = run(hidden, position_ids, document_ids)
+    return hidden
+
+
 def lm_head_logits(
     hidden: torch.Tensor, weight: torch.Tensor, vocab_size: int, sequence_parallel: bool = False
 ) -> torch.Tensor:
@@ -462,12 +477,7 @@ class GPTModel(nn.Module):
         (padding dropped) with `gather_logits=True`. `document_ids` [b, s] keeps documents apart
         in attention (None: causal over the sample)."""
         hidden = self.embedding(tokens, position_ids)
-        for start, end, recompute in self.segments:
-            run = functools.partial(run_layers, self.layers[start:end])
-            if recompute and recomputing(self):
-                hidden = checkpoint(run, hidden, position_ids, document_ids)
-            else:
-                hidden = run(hidden, position_ids, document_ids)
+        hidden = run_segments(self, self.layers, self.segments, hidden, position_ids, document_ids)
         tied = (
             None
             if self.config.untie_embeddings_and_output_weights

@@ -63,6 +63,13 @@ class ParallelConfig:
     use_torch_fsdp2: bool = False
     """The torch-native backend: FSDP2 shards parameters, gradients and optimizer state over the
     data-parallel ranks per transformer layer (--use-torch-fsdp2); False: DeepSpeed."""
+    pipeline_schedule: str = "1f1b"
+    """The pipeline schedule (--pipeline-schedule): "1f1b" (DeepSpeed's pipeline engine runs it;
+    so does the torch backend), or, on the torch backend, "interleaved-1f1b",
+    "interleaved-zero-bubble", "zbv-zero-bubble"."""
+    virtual_pipeline_stages: int = 1
+    """Model chunks per pipeline rank, Megatron's virtual pipeline size
+    (--num-layers-per-virtual-pipeline-stage, --num-virtual-stages-per-pipeline-rank)."""
     offload_optimizer: str | None = None
     """ZeRO-Offload: "cpu" or "nvme" (ZeRO-3) keeps the optimizer state and step there; None:
     device memory (--offload-optimizer, --cpu-offload; pretrain/training/backends/deepspeed/offload.py checks it)."""

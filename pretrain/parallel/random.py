@@ -73,15 +73,25 @@ class TensorParallelRNG:
             self._state = get_state()
             set_state(outer)
 
-    @contextlib.contextmanager
-    def replay(self, rng_state: torch.Tensor | None):
-        """Run the body from a saved state, then put the current state back (for recomputation)."""
-        current = self.get_state()
-        self.set_state(rng_state)
-        try:
-            yield
-        finally:
-            self.set_state(current)
+    def replay(self, rng_state: torch.Tensor | None) -> _Replay:
+        """Context manager: run the body from a saved state, then put the current state back (for
+        recomputation); it can be entered again (the zero-bubble schedules recompute a
+        checkpointed block twice, for the input and for the weight gradients)."""
+        return _Replay(self, rng_state)
+
+
+class _Replay:
+    """`TensorParallelRNG.replay`: each `with` runs from the same saved state."""
+
+    def __init__(self, rng: TensorParallelRNG, rng_state: torch.Tensor | None):
+        self.rng, self.rng_state, self.outer = rng, rng_state, []
+
+    def __enter__(self) -> None:
+        self.outer.append(self.rng.get_state())
+        self.rng.set_state(self.rng_state)
+
+    def __exit__(self, *exc) -> None:
+        self.rng.set_state(self.outer.pop())
 
 
 _TP_RNG = TensorParallelRNG()

@@ -228,15 +228,17 @@ def banner(
     flops_per_iteration: float,
     threads: int,
     offload: str | None = None,
+    pipeline: str | None = None,
 ) -> str:
-    """The start-up summary: ranks, layout (`sharding`: "ZeRO-<stage>" or "FSDP2"), parameters,
-    batch, FLOPs, checkpoint folders, and what is offloaded (`offload`, a line only when
-    something is)."""
+    """The start-up summary: ranks, layout (`sharding`: "ZeRO-<stage>" or "FSDP2"), the pipeline
+    schedule (`pipeline`, a line at PP > 1), parameters, batch, FLOPs, checkpoint folders, and
+    what is offloaded (`offload`, a line only when something is)."""
     lines = [
         "=" * 78,
         f" pretrain_gpt.py  |  {world} rank(s) via {launcher}, backend {backend}, device {device}, "
         f"{threads} thread(s)/rank",
         f" layout           |  TP={tp}  PP={pp}  DP={dp}  {sharding}  ({precision})",
+        *([f" pipeline         |  {pipeline}"] if pipeline else []),
         *([f" offload          |  {offload}"] if offload else []),
         f" parameters       |  {params_total:,} ({params_total / 1e6:.2f} M)",
         f" batch            |  global {global_batch} = micro {micro_batch} x {num_microbatches} micro-batches "

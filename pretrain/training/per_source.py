@@ -9,10 +9,11 @@ only when every micro-batch has the same number of unmasked tokens; the token-we
 (sum of all sums over all counts) is logged beside the per-source losses so that the relation is
 checkable.
 
-At PP > 1 only the last stage computes losses (its loss function adds each micro-batch here,
-`PipelineLoss.observer`); `reduce` sums over its data-parallel ranks and broadcasts the sums from
-the last stage to the other stages of the pipeline, so that global rank 0 (the first stage) logs
-them.
+At PP > 1 only the rank holding the last stage computes losses (its loss function adds each
+micro-batch here); `reduce` sums over its data-parallel ranks and over the ranks of the pipeline
+(the others add nothing), so that every stage, global rank 0 (which logs them) included, has the
+sums, whichever rank the last stage is on (the torch backend's V-shaped schedule puts it on the
+first).
 """
 
 from __future__ import annotations
@@ -43,16 +44,13 @@ class SourceLosses:
         self.tokens.index_add_(0, ids, mask.sum(dim=1).to(self.sums.device))
 
     def reduce(self) -> None:
-        """Sum over the data-parallel ranks (each saw its own samples of the global batches),
-        then give every pipeline stage the last stage's sums (only it saw losses)."""
+        """Sum over the data-parallel ranks (each saw its own samples of the global batches)
+        and over the pipeline's ranks (only the one holding the last stage saw losses)."""
         both = torch.stack([self.sums, self.tokens])
         if state.get_data_parallel_world_size() > 1:
             torch.distributed.all_reduce(both, group=state.get_data_parallel_group())
         if state.get_pipeline_model_parallel_world_size() > 1:
-            last = state.get_pipeline_model_parallel_ranks()[-1]
-            torch.distributed.broadcast(
-                both, src=last, group=state.get_pipeline_model_parallel_group()
-            )
+            torch.distributed.all_reduce(both, group=state.get_pipeline_model_parallel_group())
         self.sums, self.tokens = both[0].clone(), both[1].clone()
 
     def losses(self) -> dict[str, float]:

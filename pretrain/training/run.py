@@ -184,6 +184,14 @@ def _resume_notes(cfg: RunConfig, meta: dict, record: dict) -> list[str]:
     return [n for n in notes if n]
 
 
+def _pipeline_line(par: ParallelConfig) -> str | None:
+    """The banner's pipeline line: the schedule and model chunks per rank (None at PP 1)."""
+    if par.pipeline_model_parallel_size == 1:
+        return None
+    chunks = par.virtual_pipeline_stages
+    return f"{par.pipeline_schedule}, {chunks} model chunk{'s' if chunks > 1 else ''} per rank"
+
+
 def pretrain(cfg: RunConfig) -> TrainState:
     """Run one training job as configured; returns where it stopped."""
     choice = (
@@ -302,6 +310,7 @@ def _train(
             flops_per_iteration=flops,
             threads=torch.get_num_threads(),
             offload=engine.offload,
+            pipeline=_pipeline_line(par),
         )
     )
     if train_state.iteration >= t.train_iters:

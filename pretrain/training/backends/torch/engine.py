@@ -1,10 +1,12 @@
-"""Model + optimizer + LR schedule -> the torch backend's engine (FSDP2, PP = 1).
+"""Model + optimizer + LR schedule -> the torch backend's engine (FSDP2, pipeline stages at PP > 1).
 
 `build_torch_engine` builds the seeded GPT from our TP layers, shards it with FSDP2 over the
 data-parallel dimension of the device mesh (`fsdp.py`), and steps our `ClippedAdamW` (the true
-global gradient norm over DTensor shards and TP) with the `SampleLRScheduler`. `TorchEngine` is
-the `Engine` of this backend: the iteration (`steps.py`), its native checkpoint (DCP, `dcp.py`,
-also written in the background) and the layout-independent state (`full_state.py`).
+global gradient norm over DTensor shards and TP) with the `SampleLRScheduler`. At PP > 1 the
+model is this rank's pipeline stages (`stages.py`; each stage module sharded as the GPT is) and
+`pipeline.py`'s schedule runs the iteration. `TorchEngine` is the `Engine` of this backend: the
+iteration (`steps.py`), its native checkpoint (DCP, `dcp.py`, also written in the background)
+and the layout-independent state (`full_state.py`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from pretrain.training.backends.torch.fsdp import (
     local_tensor,
     shard_model,
 )
+from pretrain.training.backends.torch.pipeline import Pipeline
+from pretrain.training.backends.torch.stages import StagePlan, stage_parts
 from pretrain.training.checkpoint_writes import RankFiles
 from pretrain.training.distributed import collective_device
 from pretrain.training.engine import Carried, Engine, Write, count_parameters
@@ -52,7 +56,9 @@ class TorchEngine(Engine):
     params_total: int
     padded_vocab_size: int
     fp16: bool = False
-    pipeline: bool = False
+    pipeline: bool = False  # DeepSpeed's per-layer checkpoint layout: never here
+    pipe: Pipeline | None = None
+    """PP > 1: the schedule over this rank's stages (`model` is their `StageParts`)."""
 
     @property
     def precision(self) -> str:
@@ -213,11 +219,26 @@ def build_torch_engine(
     tp = parallel.tensor_model_parallel_size
     state.initialize_model_parallel(tp, parallel.pipeline_model_parallel_size)
     seed_everything(seed)
-    model = GPTModel(model_config).to(device=device, dtype=torch.float32)
+    plan = StagePlan.of(model_config.num_layers, parallel)
+    model = stage_parts(model_config, plan) if plan.pipeline_size > 1 else GPTModel(model_config)
+    model = model.to(device=device, dtype=torch.float32)
     params_total = count_parameters(model)
-    policy = ShardingPolicy(bf16=precision.bf16, offload=parallel.offload_param == "cpu")
+    policy = ShardingPolicy(
+        bf16=precision.bf16,
+        offload=parallel.offload_param == "cpu",
+        reshard_after_forward=plan.pipeline_size == 1,
+    )
     mesh = device_mesh(device)
-    shard_model(model, list(model.layers), mesh, policy)
+    pipe = None
+    if plan.pipeline_size > 1:
+        for stage in model.stage_modules:
+            shard_model(stage, list(stage.layers.values()), mesh, policy)
+        dtype = torch.bfloat16 if policy.bf16 else torch.float32
+        pipe = Pipeline(
+            model_config, plan, model.stage_modules, parallel.pipeline_schedule, device, dtype
+        )
+    else:
+        shard_model(model, list(model.layers), mesh, policy)
     optimizer = build_optimizer(
         model.named_parameters(),
         optimizer_config,
@@ -235,4 +256,5 @@ def build_torch_engine(
         policy=policy,
         params_total=params_total,
         padded_vocab_size=model_config.padded_vocab_size(tp),
+        pipe=pipe,
     )

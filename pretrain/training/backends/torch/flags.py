@@ -37,7 +37,6 @@ def resolve_torch_flags(
     cpu_offload: bool,
     offload_optimizer: str | None,
     offload_param: str | None,
-    pipeline_parallel_size: int,
     fp16: bool,
     ckpt_format: str | None,
 ) -> dict:
@@ -55,11 +54,6 @@ def resolve_torch_flags(
             f"{given[0]} with --use-torch-fsdp2: FSDP2 always shards parameters, gradients and "
             f"optimizer state over the data-parallel ranks (ZeRO-3's sharding); drop "
             f"{given[0].split()[0]}, or drop --use-torch-fsdp2 to train with DeepSpeed"
-        )
-    if pipeline_parallel_size > 1:
-        raise UserError(
-            f"--pipeline-model-parallel-size {pipeline_parallel_size} with --use-torch-fsdp2: "
-            f"the torch backend runs PP = 1 here (drop one)"
         )
     if fp16:
         raise UserError(

@@ -36,6 +36,12 @@ class ShardingPolicy:
     """Gather parameters as bf16 for compute; reduce gradients in fp32 (masters stay fp32)."""
     offload: bool = False
     """Sharded parameters, gradients and the optimizer step in CPU memory."""
+    reshard_after_forward: bool = True
+    """Free each layer's gathered parameters after its forward (gather again for backward).
+    False under a pipeline (PP > 1, torchtitan's choice): a stage stays gathered from its first
+    forward to its last backward of the iteration (the schedule's UNSHARD/RESHARD actions), and
+    the zero-bubble schedules' deferred weight-gradient pass finds the gathered parameters it
+    differentiates (with resharded ones it computed no weight gradient at all, measured)."""
 
 
 def device_mesh(device: torch.device) -> DeviceMesh:
@@ -60,6 +66,7 @@ def shard_model(
     marks = {name: _marks(p) for name, p in model.named_parameters()}
     options = {
         "mesh": mesh["dp"],
+        "reshard_after_forward": policy.reshard_after_forward,
         "mp_policy": MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if policy.bf16 else None, reduce_dtype=torch.float32
         ),

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from pretrain.checkpoint.full_state import FullState, write_shard
 from pretrain.errors import UserError
 from pretrain.parallel import state
+from pretrain.training.backends.torch.stages import saved_name
 from pretrain.training.engine import Carried, Write
 
 if TYPE_CHECKING:
@@ -45,6 +46,8 @@ def _collect(engine: TorchEngine, keep) -> dict[str, dict]:
     joins every gather (collectives over DP) and drops at once what it does not keep."""
     entries = {}
     for i, (name, param) in enumerate(engine.model.named_parameters()):
+        if getattr(param, "shared", False):  # the tied copy (PP > 1): saved from the first stage
+            continue
         adam = engine.optimizer.state.get(param, {})
         entry = {"partition": _partition(param), "param": _gathered(param)}
         for key in MOMENTS:
@@ -95,16 +98,16 @@ def load_full_state(
 ) -> Carried:
     """`Engine.load_full_state` on the torch backend."""
     full = FullState(step_dir, vocab_size)
-    named = dict(engine.model.named_parameters())
-    if not named.keys() <= set(full.names()):
+    # (saved name, parameter): the tied copy of PP > 1 loads from the word embedding
+    named = [(saved_name(n), p) for n, p in engine.model.named_parameters()]
+    if missing := {n for n, _ in named} - set(full.names()):
         raise UserError(
-            f"{step_dir}: the saved parameters differ from this model's "
-            f"({sorted(named.keys() - set(full.names()))[:4]})"
+            f"{step_dir}: the saved parameters differ from this model's ({sorted(missing)[:4]})"
         )
     with_optimizer = with_optimizer and full.has_optimizer()
     tp_rank = state.get_tensor_model_parallel_rank()
     tp = state.get_tensor_model_parallel_world_size()
-    for name, param in named.items():
+    for name, param in named:
         local = full.local(
             name, tp_rank=tp_rank, tp_size=tp, padded_vocab_size=engine.padded_vocab_size
         )

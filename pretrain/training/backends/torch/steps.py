@@ -1,6 +1,7 @@
-"""One iteration and one evaluation pass on the torch backend (PP = 1).
+"""One iteration and one evaluation pass on the torch backend.
 
-Each micro-batch's loss, divided by the number of micro-batches, goes backward; FSDP2 keeps the
+PP > 1: the engine's pipeline schedule runs the micro-batches (`pipeline.Pipeline`). PP = 1:
+each micro-batch's loss, divided by the number of micro-batches, goes backward; FSDP2 keeps the
 gradients unsharded and local while they accumulate (`set_requires_gradient_sync(False)`) and
 reduce-scatters them, averaged over the data-parallel ranks, in the last micro-batch's backward.
 The gradient is then the mean over micro-batches and data-parallel ranks, as DeepSpeed's. The
@@ -32,18 +33,33 @@ def train_step(
     judge: Callable[[float], bool] | None = None,
 ) -> float:
     """`Engine.train_step` on the torch backend."""
-    model, losses = engine.model, []
-    for i in range(num_microbatches):
-        model.set_requires_gradient_sync(i == num_microbatches - 1)
-        loss = micro_batch_loss(model, next(batches), use_document_ids, device)
-        (loss / num_microbatches).backward()
-        losses.append(loss.detach())
-    mean = float(dp_mean(torch.stack(losses).mean()))
+    if engine.pipe is not None:
+        micro_batches = [next(batches) for _ in range(num_microbatches)]
+        mean = float(engine.pipe.train(micro_batches, use_document_ids))
+    else:
+        mean = _accumulate(engine.model, batches, num_microbatches, use_document_ids, device)
     if judge is None or judge(mean):
         engine.optimizer.step()
         engine.scheduler.step()
     engine.optimizer.zero_grad(set_to_none=True)
     return mean
+
+
+def _accumulate(
+    model: torch.nn.Module,
+    batches: Iterator[dict],
+    num_microbatches: int,
+    use_document_ids: bool,
+    device: torch.device,
+) -> float:
+    """Forward/backward of each micro-batch (PP = 1); the iteration's loss."""
+    losses = []
+    for i in range(num_microbatches):
+        model.set_requires_gradient_sync(i == num_microbatches - 1)
+        loss = micro_batch_loss(model, next(batches), use_document_ids, device)
+        (loss / num_microbatches).backward()
+        losses.append(loss.detach())
+    return float(dp_mean(torch.stack(losses).mean()))
 
 
 @torch.no_grad()
@@ -57,9 +73,17 @@ def evaluation_loss(
     sources: SourceLosses | None = None,
 ) -> float:
     """`Engine.evaluation_loss` on the torch backend."""
-    model = engine.model
+    model, pipe = engine.model, engine.pipe
     model.eval()
     try:
+        if pipe is not None:  # each pass already averaged over micro-batches and DP
+            passes = [
+                pipe.evaluate(
+                    [next(batches) for _ in range(num_microbatches)], use_document_ids, sources
+                )
+                for _ in range(eval_iters)
+            ]
+            return float(torch.stack(passes).mean())
         losses = [
             micro_batch_loss(model, next(batches), use_document_ids, device, sources)
             for _ in range(eval_iters * num_microbatches)
