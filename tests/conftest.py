@@ -1,3 +1,3 @@
 """Fixtures shared across test modules."""
 
-pytest_plugins = ["cluster_fixtures", "convert_fixtures", "tokenizer_fixtures"]
+pytest_plugins = ["cluster_fixtures", "convert_fixtures", "op_builds", "tokenizer_fixtures"]

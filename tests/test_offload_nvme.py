@@ -5,8 +5,9 @@ the folder; a checkpoint of a run with NVMe parameters resumes with or without o
 
 DeepSpeed swaps only tensors of at least 1 MiB (its aio block size; smaller ones stay in memory),
 so the model here is 512 wide: its matrices' DP-2 partitions are 1.5-4 MiB. NVMe offload needs
-DeepSpeed's async_io op: libaio (`.ci/run` installs libaio-dev) and a JIT build, done once here
-(about 10 minutes on 2 loaded cores; cached in ~/.cache/torch_extensions afterwards).
+DeepSpeed's async_io op: libaio (`.ci/run` installs libaio-dev) and a JIT build (minutes of CPU;
+cached in ~/.cache/torch_extensions afterwards), which tests/op_builds.py starts in the background
+at the beginning of the session; the fixture below waits for it on torch's build lock.
 """
 
 import pytest

@@ -1,0 +1,70 @@
+"""DeepSpeed's JIT-compiled C++ ops, built in the background while the suite runs.
+
+Two tests need ops DeepSpeed compiles on first use: tests/test_offload_cpu_adam.py
+(`cpu_adam`) and tests/test_offload_nvme.py (`async_io`, with libaio). Each build takes minutes
+of CPU. At session start one `nice -n 19` process builds both into torch's extension cache, so
+the build runs on the CPU the suite leaves idle (its single-process stretches) instead of in
+front of those tests; a test that reaches an op first waits on torch's own build lock
+(`FileBaton`) and then loads the finished op. The build starts only when the session collected
+a test that needs an op; a build still running at session end is stopped by its pid, and the
+build locks it held are removed (a stale lock would make the next build wait forever).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+BUILD = """
+import sys
+from deepspeed.accelerator import get_accelerator
+for name in ("CPUAdamBuilder", "AsyncIOBuilder"):
+    builder = get_accelerator().create_op_builder(name)
+    if builder is not None and builder.is_compatible(verbose=False):
+        builder.load(verbose=False)
+        print(f"built {name}", file=sys.stderr, flush=True)
+"""
+
+OPS = {"cpu_adam": "test_offload_cpu_adam.py", "async_io": "test_offload_nvme.py"}
+"""Each op's extension name (its build folder) and the test file that needs it."""
+
+_process: subprocess.Popen | None = None
+
+
+def pytest_collection_finish(session) -> None:
+    """Start the background build when a collected test needs one of the ops."""
+    global _process
+    files = {os.path.basename(str(item.fspath)) for item in session.items}
+    if not files & set(OPS.values()):
+        return
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    _process = subprocess.Popen(
+        ["nice", "-n", "19", sys.executable, "-c", BUILD],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    """Stop the build if it is still running (its process group, by pid), and remove the build
+    locks it leaves behind."""
+    if _process is None or _process.poll() is not None:
+        return
+    try:
+        os.killpg(_process.pid, 15)
+        _process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(_process.pid, 9)
+        _process.wait(timeout=30)
+    except ProcessLookupError:
+        pass
+    from torch.utils.cpp_extension import _get_build_directory
+
+    root = os.path.dirname(_get_build_directory("cpu_adam", False))
+    for name in os.listdir(root):  # the ops and what they build first (async_io: pin_memory)
+        lock = os.path.join(root, name, "lock")
+        if os.path.exists(lock):
+            os.remove(lock)
