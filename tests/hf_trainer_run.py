@@ -16,7 +16,7 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-from pretrain.training.distributed import disable_deepspeed_shm_allreduce
+from pretrain.training.backends.deepspeed.comm import disable_deepspeed_shm_allreduce
 
 
 def main(hf_dir: str, batch_file: str, ds_config: str, out_dir: str, steps: str) -> None:

@@ -127,14 +127,23 @@ def is_recomputing() -> bool:
     return _RECOMPUTING.get()
 
 
-@contextlib.contextmanager
-def _recomputation(saved: torch.Tensor | None):
-    token = _RECOMPUTING.set(True)
-    try:
-        with _TP_RNG.replay(saved):
-            yield
-    finally:
-        _RECOMPUTING.reset(token)
+class _Recomputation:
+    """The recomputation context of `checkpoint`: the saved TP generator state and
+    `is_recomputing()` true; like `_Replay` it can be entered again (zero-bubble schedules recompute
+    a block twice)."""
+
+    def __init__(self, saved: torch.Tensor | None):
+        self.replay, self.tokens = _TP_RNG.replay(saved), []
+
+    def __enter__(self) -> None:
+        self.tokens.append(_RECOMPUTING.set(True))
+        self.replay.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.replay.__exit__(*exc)
+        finally:
+            _RECOMPUTING.reset(self.tokens.pop())
 
 
 def checkpoint(function, *args):
@@ -143,7 +152,7 @@ def checkpoint(function, *args):
     saved = _TP_RNG.get_state()
 
     def contexts():
-        return contextlib.nullcontext(), _recomputation(saved)
+        return contextlib.nullcontext(), _Recomputation(saved)
 
     return torch.utils.checkpoint.checkpoint(
         function, *args, use_reentrant=False, context_fn=contexts
