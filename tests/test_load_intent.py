@@ -21,6 +21,8 @@ from training_fixtures import (
     make_corpus,
     megatron_loss,
     model_flags,
+    multirun_outputs,
+    one_rank_multirun,
     read_metrics,
     run,
     token_losses,
@@ -54,8 +56,13 @@ def _train(flags: list[str], timeout: float = 400):
 def _one_error(result) -> str:
     """The single `error:` line of a refused run (exit 2, no traceback)."""
     assert result.returncode == 2, result.stdout[-4000:]
-    errors = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "Traceback" not in result.stdout, result.stdout[-4000:]
+    return _one_error_line(result.stdout)
+
+
+def _one_error_line(output: str) -> str:
+    """The single `error:` line of a refused run's output, which holds no traceback."""
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in output, output[-4000:]
     return errors[0]
 
 
@@ -115,17 +122,16 @@ def _hf_export(folder: Path) -> None:
     (folder / "model.safetensors").write_bytes(b"\0" * 16)
 
 
-@pytest.mark.parametrize(
-    "case, words",
-    [
-        ("file", ["is a file; --load takes a checkpoint folder"]),
-        ("hf_export", ["is a Hugging Face model folder", "tools/convert_from_hf.py --load"]),
-        ("empty", ["holds no checkpoint", "is not the --save folder", "drop --load"]),
-        ("incomplete_step", ["this step folder is not a complete checkpoint", MODEL]),
-    ],
-)
-def test_what_is_not_a_checkpoint_is_one_line(base, case, words):
-    """Each of these started from scratch before (exit 0, a warning)."""
+NOT_A_CHECKPOINT = {
+    "file": ["is a file; --load takes a checkpoint folder"],
+    "hf_export": ["is a Hugging Face model folder", "tools/convert_from_hf.py --load"],
+    "empty": ["holds no checkpoint", "is not the --save folder", "drop --load"],
+    "incomplete_step": ["this step folder is not a complete checkpoint", MODEL],
+}
+
+
+def _not_a_checkpoint(base, case: str) -> tuple[list[str], Path, Path]:
+    """(the flags of a run loading the `case` of NOT_A_CHECKPOINT; that target; its --save)."""
     tmp, corpus, _ = base
     target = tmp / f"not_{case}"
     shutil.rmtree(target, ignore_errors=True)
@@ -141,22 +147,16 @@ def test_what_is_not_a_checkpoint_is_one_line(base, case, words):
         shutil.copytree(base[2] / "global_step2", target)
         (target / MODEL).unlink()
     save = tmp / f"save_{case}"
-    line = _one_error(
-        _train(
-            _flags(
-                corpus,
-                2,
-                tmp / "x.jsonl",
-                "--load",
-                str(target),
-                "--save",
-                str(save),
-                "--save-interval",
-                "1",
-            )
-        )
-    )
-    assert f"--load {target}" in line and all(w in line for w in words), line
+    load = ["--load", str(target), "--save", str(save), "--save-interval", "1"]
+    return _flags(corpus, 2, tmp / "x.jsonl", *load), target, save
+
+
+@pytest.mark.parametrize("case", sorted(NOT_A_CHECKPOINT))
+def test_what_is_not_a_checkpoint_is_one_line(refusals, case):
+    """Each of these started from scratch before (exit 0, a warning)."""
+    output, target, save = refusals[f"not_{case}"]
+    line = _one_error_line(output)
+    assert f"--load {target}" in line and all(w in line for w in NOT_A_CHECKPOINT[case]), line
     assert not list(save.glob("global_step*"))
 
 
@@ -270,20 +270,44 @@ def _copy_in(ckpt: Path, name: str) -> None:
     meta_path.write_text(json.dumps(meta))
 
 
-@pytest.mark.parametrize(
-    "name, layout",
-    [
-        (FULL, ["--zero-stage", "0"]),  # another layout: resumes through the full state
-        (MODEL, []),
-        (RNG, []),
-    ],
-)
-def test_a_file_from_another_step_is_refused_by_name(base, name, layout):
+FROM_ANOTHER_STEP = {
+    FULL: ["--zero-stage", "0"],  # another layout: resumes through the full state
+    MODEL: [],
+    RNG: [],
+}
+
+
+def _mixed_step(base, name: str) -> tuple[list[str], Path]:
+    """(the flags of a run loading global_step2 with global_step4's `name` copied in; the
+    step)."""
     tmp, corpus, _ = base
     ckpt = _latest_step2(_copy(base, f"mixed_{name}"))
     _copy_in(ckpt, name)
-    step = ckpt / "global_step2"
-    result = _train(_flags(corpus, ITERS, tmp / "mixed.jsonl", "--load", str(ckpt), *layout))
-    line = _one_error(result)
+    flags = _flags(corpus, ITERS, tmp / "mixed.jsonl", "--load", str(ckpt))
+    return flags + FROM_ANOTHER_STEP[name], ckpt / "global_step2"
+
+
+@pytest.mark.parametrize("name", sorted(FROM_ANOTHER_STEP))
+def test_a_file_from_another_step_is_refused_by_name(refusals, name):
+    output, step = refusals[f"mixed_{name}"]
+    line = _one_error_line(output)
     assert f"{step / name}: holds iteration 4 (32 consumed samples)" in line, line
     assert f"{step / META_FILE} says iteration 2 (16 consumed samples)" in line
+
+
+@pytest.fixture(scope="module")
+def refusals(base):
+    """Every refused --load above, one after another in one one-rank process (each run must
+    stop with a UserError; the exit status of a refusal is test_another_tokenizer_is_refused's):
+    case -> (that run's output, what its test checks it against)."""
+    tmp = base[0]
+    cases = {f"not_{case}": _not_a_checkpoint(base, case) for case in NOT_A_CHECKPOINT}
+    cases |= {f"mixed_{name}": _mixed_step(base, name) for name in FROM_ANOTHER_STEP}
+    runs = [{"argv": argv, "refused": True} for argv, *_ in cases.values()]
+    result = one_rank_multirun(runs, tmp / "refusals.json", timeout=600)
+    assert result.returncode == 0, result.stdout[-6000:]
+    outputs = multirun_outputs(result.stdout)
+    assert len(outputs) == len(cases), result.stdout[-6000:]
+    return {
+        case: (out, *rest) for (case, (_, *rest)), out in zip(cases.items(), outputs, strict=True)
+    }
