@@ -15,8 +15,9 @@ from training_fixtures import (
     PYTHON,
     REPO,
     VOCAB,
-    deepspeed_cmd,
     model_flags,
+    multirun_cmd,
+    multirun_outputs,
     read_metrics,
     run,
     train_flags,
@@ -187,31 +188,46 @@ def test_rewind_without_a_checkpoint_skips(corpus, reference, tmp_path):
     assert _losses(metrics) == reference
 
 
+TWO_RANK_LAYOUTS = {"dp2-zero2": "--zero-stage 2", "pp2": "--pipeline-model-parallel-size 2"}
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(corpus, tmp_path_factory) -> dict[tuple[str, str], tuple[str, dict]]:
+    """One two-rank launch of tests/training_multirun.py: at each layout of TWO_RANK_LAYOUTS,
+    with dropout, the --iterations-to-skip run ("ref") and the skip-policy run ("skip"):
+    (layout, name) -> (the run's output, its losses). Each run ends in a barrier on every rank,
+    so its lines come before rank 0's header of the next run."""
+    tmp, runs = tmp_path_factory.mktemp("two_ranks"), {}
+    for layout, flags in TWO_RANK_LAYOUTS.items():
+        layout_flags = f"{flags} --hidden-dropout 0.1 --attention-dropout 0.1"
+        for name, extra in (("ref", f"--iterations-to-skip {SPIKE}"), ("skip", DETECT)):
+            policy = "--spiky-loss-policy skip" if name == "skip" else ""
+            metrics = tmp / f"{layout}-{name}.jsonl"
+            runs[layout, name] = (_flags(corpus, extra, policy, layout_flags), metrics)
+    argvs = [[*flags, "--metrics-file", str(metrics)] for flags, metrics in runs.values()]
+    out = run(multirun_cmd(2, argvs, tmp / "runs.json"), timeout=900)
+    assert out.returncode == 0, out.stdout[-4000:]
+    outputs = multirun_outputs(out.stdout)
+    assert len(outputs) == len(runs), out.stdout[-4000:]
+    return {
+        key: (output, _losses(read_metrics(metrics)))
+        for (key, (_, metrics)), output in zip(runs.items(), outputs, strict=True)
+    }
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(
-    "layout",
-    ["--zero-stage 2", "--pipeline-model-parallel-size 2"],
-    ids=["dp2-zero2", "pp2"],
-)
-def test_two_ranks_take_the_same_decision(corpus, tmp_path, layout):
+@pytest.mark.parametrize("layout", sorted(TWO_RANK_LAYOUTS))
+def test_two_ranks_take_the_same_decision(two_rank_runs, layout):
     """Two ranks, with dropout. DP = 2 under ZeRO-2: each rank sees half the batch, the decision
     comes from the DP-averaged loss, DeepSpeed's own step frees the gradient partitions. PP = 2:
     the pipeline engine steps inside train_batch; the judge runs at its optimizer step, on the
     last stage's loss broadcast to the first. Either way the skip run equals the
     --iterations-to-skip run at the same layout (RNG states put back, too)."""
-    runs, layout = {}, f"{layout} --hidden-dropout 0.1 --attention-dropout 0.1"
-    for name, extra in (("ref", f"--iterations-to-skip {SPIKE}"), ("skip", DETECT)):
-        policy = "--spiky-loss-policy skip" if name == "skip" else ""
-        flags = _flags(corpus, extra, policy, layout)
-        metrics = tmp_path / f"{name}.jsonl"
-        out = run(deepspeed_cmd(2, [*flags, "--metrics-file", str(metrics)]), timeout=600)
-        assert out.returncode == 0, out.stdout[-4000:]
-        runs[name] = _losses(read_metrics(metrics))
-        if name == "skip":
-            lines = _spike_lines(out.stdout)  # warnings come from every rank
-            assert len(lines) == 2 and all("update withheld" in x for x in lines)
-    assert runs["skip"] == runs["ref"] and SPIKE not in runs["skip"]
+    (_, ref), (out, skip) = two_rank_runs[layout, "ref"], two_rank_runs[layout, "skip"]
+    lines = _spike_lines(out)  # warnings come from every rank
+    assert len(lines) == 2 and all("update withheld" in x for x in lines)
+    assert skip == ref and SPIKE not in skip
 
 
 def test_policies_refused_where_they_cannot_work(tmp_path):

@@ -212,8 +212,9 @@ def one_rank_multirun(runs: list, runs_file: Path, timeout: float) -> subprocess
 
 
 def multirun_outputs(output: str) -> list[str]:
-    """The output of each run of a one-rank training_multirun.py launch, in order (split at the
-    `multirun: run N` line it prints before each run)."""
+    """The output of each run of a training_multirun.py launch, in order, split at the `multirun:
+    run N` line rank 0 prints before each run (exact at one rank; at several, a run's lines come
+    before the next header when the run ends in a barrier, as pretrain() does)."""
     return re.split(r"^multirun: run \d+\n", output, flags=re.M)[1:]
 
 
