@@ -29,6 +29,11 @@ def data_error(path: str, line: int | None, what: str, fix: str) -> UserError:
     return UserError(f"{where}: {what} ({fix})")
 
 
+def print_user_error(err: UserError) -> None:
+    """The one line an entry point ends with: `error: MESSAGE` on stderr."""
+    print(f"error: {err}", file=sys.stderr, flush=True)
+
+
 def exit_on_user_error(main: F) -> F:
     """Decorate a CLI `main`: a `UserError` becomes `error: ...` on stderr and exit status 2; a
     reader that stops early (`| head`) ends the tool with status 0 and nothing on stderr, not a
@@ -41,7 +46,7 @@ def exit_on_user_error(main: F) -> F:
             sys.stdout.flush()  # inside the try: the last buffered lines may meet the closed pipe
             return result
         except UserError as err:
-            print(f"error: {err}", file=sys.stderr, flush=True)
+            print_user_error(err)
             sys.exit(EXIT_USER_ERROR)
         except BrokenPipeError:
             # Python flushes stdout once more at exit: send that to /dev/null, silently

@@ -21,6 +21,8 @@ from training_fixtures import (
     make_corpus,
     megatron_loss,
     model_flags,
+    multirun_outputs,
+    one_rank_multirun,
     read_metrics,
     run,
     token_losses,
@@ -54,20 +56,29 @@ def _train(flags: list[str], timeout: float = 400):
 def _one_error(result) -> str:
     """The single `error:` line of a refused run (exit 2, no traceback)."""
     assert result.returncode == 2, result.stdout[-4000:]
-    errors = [line for line in result.stdout.splitlines() if line.startswith("error: ")]
-    assert len(errors) == 1 and "Traceback" not in result.stdout, result.stdout[-4000:]
+    return _one_error_line(result.stdout)
+
+
+def _one_error_line(output: str) -> str:
+    """The single `error:` line of a refused run's output, which holds no traceback."""
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in output, output[-4000:]
     return errors[0]
 
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    """4 iterations saved at 2 and 4 (global_step2, global_step4)."""
+    """One process: 4 iterations saved at 2 and 4 (tmp/base: global_step2, global_step4), and a
+    checkpoint trained with the GPT-2 tokenizer (50257 ids) for 2 iterations (tmp/gpt2)."""
     tmp = tmp_path_factory.mktemp("load_intent")
     corpus = make_corpus(tmp / "corpus")
     ckpt = tmp / "base"
-    result = _train(
-        _flags(corpus, ITERS, tmp / "base.jsonl", "--save", str(ckpt), "--save-interval", "2")
-    )
+    runs = [
+        _flags(corpus, ITERS, tmp / "base.jsonl", "--save", str(ckpt), "--save-interval", "2"),
+        _gpt2_flags(corpus, 2, tmp / "gpt2.jsonl")
+        + ["--save", str(tmp / "gpt2"), "--save-interval", "2"],
+    ]
+    result = one_rank_multirun(runs, tmp / "base.json", timeout=600)
     assert result.returncode == 0, result.stdout[-6000:]
     return tmp, corpus, ckpt
 
@@ -80,31 +91,24 @@ def _copy(base, name: str) -> Path:
     return dst
 
 
-def test_a_step_folder_resumes_that_step(base):
+def _step_folder(base) -> tuple[list[str], Path, Path]:
+    """(the flags of a run loading a copy's global_step2 folder; the copy; its step folder)."""
     tmp, corpus, _ = base
     ckpt = _copy(base, "step_folder")
     step = ckpt / "global_step2"
-    metrics = tmp / "step_folder.jsonl"
-    result = _train(
-        _flags(
-            corpus,
-            ITERS,
-            metrics,
-            "--load",
-            str(step),
-            "--save",
-            str(tmp / "sf"),
-            "--save-interval",
-            "2",
-        )
-    )
-    assert result.returncode == 0, result.stdout[-6000:]
+    load = ["--load", str(step), "--save", str(tmp / "sf"), "--save-interval", "2"]
+    return _flags(corpus, ITERS, tmp / "step_folder.jsonl", *load), ckpt, step
+
+
+def test_a_step_folder_resumes_that_step(base, runs):
+    tmp = base[0]
+    output, ckpt, step = runs["step_folder"]
     assert (
         f"--load {step}: a step folder: resuming exactly global_step2 "
-        f"({ckpt / 'latest'} names global_step4)" in result.stdout
+        f"({ckpt / 'latest'} names global_step4)" in output
     )
-    assert "data differs" not in result.stdout and "trained with" not in result.stdout
-    resumed, reference = read_metrics(metrics), read_metrics(tmp / "base.jsonl")
+    assert "data differs" not in output and "trained with" not in output
+    resumed, reference = read_metrics(tmp / "step_folder.jsonl"), read_metrics(tmp / "base.jsonl")
     assert sorted(resumed) == [3, 4]  # not a fresh start at 1
     assert resumed[3]["lm-loss"] == reference[3]["lm-loss"]
 
@@ -115,17 +119,16 @@ def _hf_export(folder: Path) -> None:
     (folder / "model.safetensors").write_bytes(b"\0" * 16)
 
 
-@pytest.mark.parametrize(
-    "case, words",
-    [
-        ("file", ["is a file; --load takes a checkpoint folder"]),
-        ("hf_export", ["is a Hugging Face model folder", "tools/convert_from_hf.py --load"]),
-        ("empty", ["holds no checkpoint", "is not the --save folder", "drop --load"]),
-        ("incomplete_step", ["this step folder is not a complete checkpoint", MODEL]),
-    ],
-)
-def test_what_is_not_a_checkpoint_is_one_line(base, case, words):
-    """Each of these started from scratch before (exit 0, a warning)."""
+NOT_A_CHECKPOINT = {
+    "file": ["is a file; --load takes a checkpoint folder"],
+    "hf_export": ["is a Hugging Face model folder", "tools/convert_from_hf.py --load"],
+    "empty": ["holds no checkpoint", "is not the --save folder", "drop --load"],
+    "incomplete_step": ["this step folder is not a complete checkpoint", MODEL],
+}
+
+
+def _not_a_checkpoint(base, case: str) -> tuple[list[str], Path, Path]:
+    """(the flags of a run loading the `case` of NOT_A_CHECKPOINT; that target; its --save)."""
     tmp, corpus, _ = base
     target = tmp / f"not_{case}"
     shutil.rmtree(target, ignore_errors=True)
@@ -141,60 +144,41 @@ def test_what_is_not_a_checkpoint_is_one_line(base, case, words):
         shutil.copytree(base[2] / "global_step2", target)
         (target / MODEL).unlink()
     save = tmp / f"save_{case}"
-    line = _one_error(
-        _train(
-            _flags(
-                corpus,
-                2,
-                tmp / "x.jsonl",
-                "--load",
-                str(target),
-                "--save",
-                str(save),
-                "--save-interval",
-                "1",
-            )
-        )
-    )
-    assert f"--load {target}" in line and all(w in line for w in words), line
+    load = ["--load", str(target), "--save", str(save), "--save-interval", "1"]
+    return _flags(corpus, 2, tmp / "x.jsonl", *load), target, save
+
+
+@pytest.mark.parametrize("case", sorted(NOT_A_CHECKPOINT))
+def test_what_is_not_a_checkpoint_is_one_line(runs, case):
+    """Each of these started from scratch before (exit 0, a warning)."""
+    output, target, save = runs[f"not_{case}"]
+    line = _one_error_line(output)
+    assert f"--load {target}" in line and all(w in line for w in NOT_A_CHECKPOINT[case]), line
     assert not list(save.glob("global_step*"))
 
 
-def test_a_new_or_empty_load_that_is_save_starts_fresh_and_then_resumes(base):
-    """The requeue idiom: the same command (--load = --save) launched again and again."""
+def _requeue(base) -> tuple[list[str], list[str]]:
+    """The requeue idiom: the same command (--load = --save) launched twice; the second run
+    (a longer --train-iters lengthens the default decay span: the flags' schedule, explicitly)."""
     tmp, corpus, _ = base
     folder = tmp / "requeue"
     shutil.rmtree(folder, ignore_errors=True)
     same = ["--load", str(folder), "--save", str(folder), "--save-interval", "1"]
-    first = _train(_flags(corpus, 2, tmp / "requeue.jsonl", *same))
-    assert first.returncode == 0, first.stdout[-6000:]
+    first = _flags(corpus, 2, tmp / "requeue.jsonl", *same)
+    return first, _flags(corpus, 3, tmp / "requeue.jsonl", *same, "--override-opt_param-scheduler")
+
+
+def test_a_new_or_empty_load_that_is_save_starts_fresh_and_then_resumes(base, runs):
+    """The requeue idiom: the same command (--load = --save) launched again and again."""
+    tmp = base[0]
+    folder = tmp / "requeue"
+    (first,), (second,) = runs["requeue_first"], runs["requeue_second"]
     assert (
         f"--load {folder}: no checkpoint there (yet); starting from scratch: the first launch of a job that "
-        f"resumes itself" in first.stdout
+        f"resumes itself" in first
     )
-    # a longer --train-iters lengthens the default decay span: the flags' schedule, explicitly
-    second = _train(
-        _flags(corpus, 3, tmp / "requeue.jsonl", *same, "--override-opt_param-scheduler")
-    )
-    assert second.returncode == 0, second.stdout[-6000:]
     assert sorted(read_metrics(tmp / "requeue.jsonl")) == [1, 2, 3]
-    assert "loaded checkpoint" in second.stdout and "starting from scratch" not in second.stdout
-
-
-@pytest.fixture(scope="module")
-def gpt2_checkpoint(base):
-    """A checkpoint trained with the GPT-2 tokenizer (50257 ids) for 2 iterations."""
-    tmp, corpus, _ = base
-    ckpt = tmp / "gpt2"
-    flags = _gpt2_flags(corpus, 2, tmp / "gpt2.jsonl") + [
-        "--save",
-        str(ckpt),
-        "--save-interval",
-        "2",
-    ]
-    result = _train(flags)
-    assert result.returncode == 0, result.stdout[-6000:]
-    return ckpt
+    assert "loaded checkpoint" in second and "starting from scratch" not in second
 
 
 def _gpt2_flags(corpus: str, iters: int, metrics: Path) -> list[str]:
@@ -211,20 +195,28 @@ def _gpt2_flags(corpus: str, iters: int, metrics: Path) -> list[str]:
     return flags
 
 
-def test_another_tokenizer_is_refused(base, gpt2_checkpoint):
-    """NullTokenizer --vocab-size 50256 has GPT-2's 50257 ids: the same shapes, other tokens."""
+def _null_on_gpt2(base) -> list[str]:
+    """The flags of a run loading the GPT-2-tokenizer checkpoint with NullTokenizer --vocab-size
+    50256: GPT-2's 50257 ids, the same shapes, other tokens."""
     tmp, corpus, _ = base
-    null = _flags(corpus, 3, tmp / "null.jsonl", "--load", str(gpt2_checkpoint))
+    null = _flags(corpus, 3, tmp / "null.jsonl", "--load", str(tmp / "gpt2"))
     at = null.index("--vocab-size")
     null[at + 1] = "50256"
-    line = _one_error(_train(null))
+    return null
+
+
+def test_another_tokenizer_is_refused(base, runs):
+    """NullTokenizer --vocab-size 50256 has GPT-2's 50257 ids: the same shapes, other tokens.
+    The refusal runs through pretrain_gpt.py itself (exit status 2)."""
+    tmp = base[0]
+    gpt2_checkpoint = tmp / "gpt2"
+    line = _one_error(_train(_null_on_gpt2(base)))
     assert f"--load {gpt2_checkpoint}: the checkpoint was trained with GPT2BPETokenizer" in line
     assert "this run uses NullTokenizer" in line and "--allow-tokenizer-mismatch" in line
     assert f"--tokenizer-type GPT2BPETokenizer --vocab-file {VOCAB}" in line
     # one iteration more than saved (a longer decay span): name the schedule, as Megatron asks
-    allowed = _train(null + ["--allow-tokenizer-mismatch", "--override-opt_param-scheduler"])
-    assert allowed.returncode == 0, allowed.stdout[-6000:]
-    assert "continuing (--allow-tokenizer-mismatch)" in allowed.stdout
+    (allowed,) = runs["null_allowed"]
+    assert "continuing (--allow-tokenizer-mismatch)" in allowed
     assert sorted(read_metrics(tmp / "null.jsonl")) == [3]
 
 
@@ -235,26 +227,31 @@ def _latest_step2(ckpt: Path) -> Path:
     return ckpt
 
 
-def test_other_data_and_sequence_length_are_said_and_continue_at_the_consumed_samples(base):
+def _other_data(base) -> tuple[list[str], list[str], str]:
+    """(the flags of a run loading global_step2 of a copy with other data and --seq-length 8;
+    those flags without --load; the other data's prefix)."""
+    tmp = base[0]
+    load = _latest_step2(_copy(base, "other_data"))
+    other = make_corpus(tmp / "other_corpus", num_docs=150, seed=5)
+    change = ["--seq-length", "8", "--max-position-embeddings", "16"]
+    flags = _flags(other, ITERS, tmp / "other.jsonl", *change)
+    return flags + ["--load", str(load)], flags, other
+
+
+def test_other_data_and_sequence_length_are_said_and_continue_at_the_consumed_samples(base, runs):
     """Continued pretraining on other data: allowed, one line; the run reads the new data's
     order from the consumed-samples position (checked against the checkpoint's own model)."""
     tmp, _, ckpt = base
-    load = _latest_step2(_copy(base, "other_data"))
-    other = make_corpus(tmp / "other_corpus", num_docs=150, seed=5)
-    metrics = tmp / "other.jsonl"
-    change = ["--seq-length", "8", "--max-position-embeddings", "16"]
-    flags = _flags(other, ITERS, metrics, *change)
-    result = _train(flags + ["--load", str(load)])
-    assert result.returncode == 0, result.stdout[-6000:]
-    lines = [line for line in result.stdout.splitlines() if "this run's data differs" in line]
-    assert len(lines) == 1, result.stdout[-6000:]
+    output, flags, other = runs["other_data"]
+    lines = [line for line in output.splitlines() if "this run's data differs" in line]
+    assert len(lines) == 1, output[-6000:]
     assert (
         str(tmp / "corpus") in lines[0]
         and other in lines[0]
         and "--seq-length: 16 -> 8" in lines[0]
     )
     assert "continues at its sample 16 (the consumed-samples count)" in lines[0]
-    resumed = read_metrics(metrics)
+    resumed = read_metrics(tmp / "other.jsonl")
     assert sorted(resumed) == [3, 4]
     per_token, mask = token_losses(checkpointed_model(str(ckpt), 2), training_batch(flags, 3))
     assert resumed[3]["lm-loss"] == pytest.approx(megatron_loss(per_token, mask, 2), rel=1e-5)
@@ -270,20 +267,56 @@ def _copy_in(ckpt: Path, name: str) -> None:
     meta_path.write_text(json.dumps(meta))
 
 
-@pytest.mark.parametrize(
-    "name, layout",
-    [
-        (FULL, ["--zero-stage", "0"]),  # another layout: resumes through the full state
-        (MODEL, []),
-        (RNG, []),
-    ],
-)
-def test_a_file_from_another_step_is_refused_by_name(base, name, layout):
+FROM_ANOTHER_STEP = {
+    FULL: ["--zero-stage", "0"],  # another layout: resumes through the full state
+    MODEL: [],
+    RNG: [],
+}
+
+
+def _mixed_step(base, name: str) -> tuple[list[str], Path]:
+    """(the flags of a run loading global_step2 with global_step4's `name` copied in; the
+    step)."""
     tmp, corpus, _ = base
     ckpt = _latest_step2(_copy(base, f"mixed_{name}"))
     _copy_in(ckpt, name)
-    step = ckpt / "global_step2"
-    result = _train(_flags(corpus, ITERS, tmp / "mixed.jsonl", "--load", str(ckpt), *layout))
-    line = _one_error(result)
+    flags = _flags(corpus, ITERS, tmp / "mixed.jsonl", "--load", str(ckpt))
+    return flags + FROM_ANOTHER_STEP[name], ckpt / "global_step2"
+
+
+@pytest.mark.parametrize("name", sorted(FROM_ANOTHER_STEP))
+def test_a_file_from_another_step_is_refused_by_name(runs, name):
+    output, step = runs[f"mixed_{name}"]
+    line = _one_error_line(output)
     assert f"{step / name}: holds iteration 4 (32 consumed samples)" in line, line
     assert f"{step / META_FILE} says iteration 2 (16 consumed samples)" in line
+
+
+@pytest.fixture(scope="module")
+def runs(base):
+    """Every run above but the base runs and the real refusal, one after another in one one-rank
+    process (a refused run must stop with a UserError; the exit status of a refusal is
+    test_another_tokenizer_is_refused's): case -> (that run's output, what its test checks it
+    against)."""
+    tmp = base[0]
+    first, second = _requeue(base)
+    allowed = _null_on_gpt2(base) + ["--allow-tokenizer-mismatch", "--override-opt_param-scheduler"]
+    cases = {
+        "step_folder": _step_folder(base),
+        "requeue_first": (first,),
+        "requeue_second": (second,),
+        "null_allowed": (allowed,),
+        "other_data": _other_data(base),
+    }
+    refused = {f"not_{case}": _not_a_checkpoint(base, case) for case in NOT_A_CHECKPOINT}
+    refused |= {f"mixed_{name}": _mixed_step(base, name) for name in FROM_ANOTHER_STEP}
+    entries = [argv for argv, *_ in cases.values()]
+    entries += [{"argv": argv, "refused": True} for argv, *_ in refused.values()]
+    result = one_rank_multirun(entries, tmp / "runs.json", timeout=900)
+    assert result.returncode == 0, result.stdout[-6000:]
+    outputs = multirun_outputs(result.stdout)
+    cases |= refused
+    assert len(outputs) == len(cases), result.stdout[-6000:]
+    return {
+        case: (out, *rest) for (case, (_, *rest)), out in zip(cases.items(), outputs, strict=True)
+    }

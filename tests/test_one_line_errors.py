@@ -2,7 +2,11 @@
 TypeError, an IndexError at the first forward) is one `error:` line, exit status 2, through the
 real entry points: integer flags below their bound, entries of the wrong JSON type in a
 checkpoint's pretrain_meta.json or in a data sidecar PREFIX.json, and a sidecar that no longer
-describes its .bin/.idx (they were replaced after preprocessing)."""
+describes its .bin/.idx (they were replaced after preprocessing).
+
+The refused training runs run one after another in one process (tests/training_multirun.py: each
+must stop with a UserError, its line printed as pretrain_gpt.py prints it); a flag and a
+checkpoint case also run through pretrain_gpt.py itself, for its exit status."""
 
 from __future__ import annotations
 
@@ -10,10 +14,21 @@ import json
 import random
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
-from training_fixtures import PYTHON, REPO, layout_flags, make_corpus, model_flags, run, train_flags
+from training_fixtures import (
+    PYTHON,
+    REPO,
+    layout_flags,
+    make_corpus,
+    model_flags,
+    multirun_outputs,
+    one_rank_multirun,
+    run,
+    train_flags,
+)
 from training_fixtures import test_env as clean_env
 
 pytestmark = [pytest.mark.timeout(600)]
@@ -31,6 +46,13 @@ def _one_error_line(cmd: list[str]) -> str:
         proc.stderr[-3000:],
     )
     assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-3000:]
+    return lines[0]
+
+
+def _the_error_line(output: str) -> str:
+    """The one `error:` line of a refused run's output, which holds no traceback."""
+    lines = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in output, output[-3000:]
     return lines[0]
 
 
@@ -73,10 +95,13 @@ FLAGS = [
 ]
 
 
-@pytest.mark.parametrize(("flag", "value", "words"), FLAGS, ids=[f"{f}={v}" for f, v, _ in FLAGS])
-def test_integer_flags_below_their_bound(tiny, flag, value, words):
-    _, flags, _ = tiny
-    assert words in _one_error_line(_train(*_with(flags, flag, value)))
+FLAG_IDS = [f"{f}={v}" for f, v, _ in FLAGS]
+
+
+@pytest.mark.parametrize(("flag", "value", "words"), FLAGS, ids=FLAG_IDS)
+def test_integer_flags_below_their_bound(refused, flag, value, words):
+    output, _ = refused[f"{flag}={value}"]
+    assert words in _the_error_line(output)
 
 
 def test_exit_interval_zero_means_no_exit_interval_as_in_megatron(tiny):
@@ -106,16 +131,26 @@ def _set(tree: dict, dotted: str, value) -> None:
     tree[last] = value
 
 
-@pytest.mark.parametrize(("entry", "value", "words"), META, ids=[m[0] for m in META])
-def test_wrong_json_types_in_the_checkpoint_metadata(tiny, tmp_path, entry, value, words):
+META_IDS = [m[0] for m in META]
+
+
+def _bad_meta(tiny, tmp: Path, entry: str, value) -> tuple[list[str], Path]:
+    """(the flags of a resume from a copy of the checkpoint whose pretrain_meta.json has `value`
+    at `entry`; that file)."""
     _, flags, ckpt = tiny
-    load = tmp_path / "ckpt"
+    load = tmp / "ckpt"
     shutil.copytree(ckpt, load)
     path = load / "global_step2" / "pretrain_meta.json"
     meta = json.loads(path.read_text())
     _set(meta, entry, value)
     path.write_text(json.dumps(meta))
-    line = _one_error_line(_train(*_with(flags, "--train-iters", "3"), "--load", str(load)))
+    return [*_with(flags, "--train-iters", "3"), "--load", str(load)], path
+
+
+@pytest.mark.parametrize(("entry", "value", "words"), META, ids=META_IDS)
+def test_wrong_json_types_in_the_checkpoint_metadata(refused, entry, value, words):
+    output, path = refused[entry]
+    line = _the_error_line(output)
     assert f"{path}: {words}" in line and "--load" in line, line
 
 
@@ -166,9 +201,9 @@ def _copy(prefix: str, to: Path) -> str:
     return str(to)
 
 
-def _train_on(tiny, prefix: str) -> list[str]:
+def _on_data(tiny, prefix: str) -> list[str]:
     _, flags, _ = tiny
-    return _train(*_with(flags, "--data-path", prefix), "--split", "100,0,0")
+    return [*_with(flags, "--data-path", prefix), "--split", "100,0,0"]
 
 
 SIDECAR = [
@@ -177,18 +212,24 @@ SIDECAR = [
     ("max_token_id", None, "entry max_token_id is null, not an integer"),
     ("tokenizer.sha256", 7, "entry tokenizer.sha256 is 7, not a string"),
 ]
+SIDECAR_IDS = [f"{s[0]}={s[1]}" for s in SIDECAR]
 
 
-@pytest.mark.parametrize(
-    ("entry", "value", "words"), SIDECAR, ids=[f"{s[0]}={s[1]}" for s in SIDECAR]
-)
-def test_wrong_json_types_in_a_data_sidecar(tiny, preprocessed, tmp_path, entry, value, words):
+def _bad_sidecar(tiny, preprocessed, tmp: Path, entry: str, value) -> tuple[list[str], str]:
+    """(the flags of a run on a copy of the small dataset whose sidecar has `value` at `entry`;
+    the copy's prefix)."""
     _, small, _ = preprocessed
-    prefix = _copy(small, tmp_path / "data")
+    prefix = _copy(small, tmp / "data")
     sidecar = json.loads(Path(prefix + ".json").read_text())
     _set(sidecar, entry, value)
     Path(prefix + ".json").write_text(json.dumps(sidecar))
-    assert f"{prefix}.json: {words}" in _one_error_line(_train_on(tiny, prefix))
+    return _on_data(tiny, prefix), prefix
+
+
+@pytest.mark.parametrize(("entry", "value", "words"), SIDECAR, ids=SIDECAR_IDS)
+def test_wrong_json_types_in_a_data_sidecar(refused, entry, value, words):
+    output, prefix = refused[f"{entry}={value}"]
+    assert f"{prefix}.json: {words}" in _the_error_line(output)
 
 
 def test_merge_refuses_a_sidecar_of_the_wrong_type(preprocessed, tmp_path):
@@ -202,17 +243,67 @@ def test_merge_refuses_a_sidecar_of_the_wrong_type(preprocessed, tmp_path):
     assert f"{prefix}.json: entry tokenizer is [], not an object" in line
 
 
-def test_a_sidecar_of_replaced_data_is_refused_at_start_up(tiny, preprocessed, tmp_path):
+def _replaced_data(tiny, preprocessed, tmp: Path) -> tuple[list[str], str]:
+    """(the flags of a run on a copy of the small dataset whose .bin/.idx are the large one's,
+    its sidecar kept; the copy's prefix)."""
+    _, small, large = preprocessed
+    prefix = _copy(small, tmp / "data")
+    for ext in (".bin", ".idx"):
+        shutil.copy(large + ext, prefix + ext)
+    return _on_data(tiny, prefix), prefix
+
+
+def test_a_sidecar_of_replaced_data_is_refused_at_start_up(refused):
     """The .bin/.idx of the first dataset replaced by the second's (ids up to 899), its sidecar
     kept (largest id 100, which fits the vocabulary): today the check trusts the sidecar and
     the first forward fails with an IndexError in the embedding."""
-    _, small, large = preprocessed
-    prefix = _copy(small, tmp_path / "data")
-    for ext in (".bin", ".idx"):
-        shutil.copy(large + ext, prefix + ext)
-    line = _one_error_line(_train_on(tiny, prefix))
+    output, prefix = refused["replaced"]
+    line = _the_error_line(output)
     assert f"{prefix}.json: records documents 60, but {prefix}.idx has 50" in line, line
     assert f"delete {prefix}.json" in line and "preprocess_data.py" in line, line
+
+
+@pytest.fixture(scope="module")
+def refused(tiny, preprocessed, tmp_path_factory) -> dict[str, tuple[str, object]]:
+    """Every refused training run above in one one-rank process: case id -> (the run's output,
+    the file or prefix its line names). The multirun checks that each stopped with a UserError."""
+    tmp = tmp_path_factory.mktemp("refused")
+    cases = {
+        case: (_with(tiny[1], flag, value), None)
+        for case, (flag, value, _) in zip(FLAG_IDS, FLAGS, strict=True)
+    }
+    for case, (entry, value, _) in zip(META_IDS, META, strict=True):
+        cases[case] = _bad_meta(tiny, _folder(tmp, case), entry, value)
+    for case, (entry, value, _) in zip(SIDECAR_IDS, SIDECAR, strict=True):
+        cases[case] = _bad_sidecar(tiny, preprocessed, _folder(tmp, case), entry, value)
+    cases["replaced"] = _replaced_data(tiny, preprocessed, _folder(tmp, "replaced"))
+    runs = [{"argv": argv, "refused": True} for argv, _ in cases.values()]
+    result = one_rank_multirun(runs, tmp / "runs.json", timeout=600)
+    assert result.returncode == 0, result.stdout[-6000:]
+    outputs = multirun_outputs(result.stdout)
+    assert len(outputs) == len(cases), result.stdout[-6000:]
+    return {
+        case: (output, named)
+        for (case, (_, named)), output in zip(cases.items(), outputs, strict=True)
+    }
+
+
+def _folder(tmp: Path, case: str) -> Path:
+    """A new folder of its own for `case` under `tmp`."""
+    return Path(tempfile.mkdtemp(prefix="case-", dir=tmp))
+
+
+@pytest.mark.parametrize("case", ["flag", "meta"])
+def test_pretrain_gpt_ends_a_refused_run_with_exit_status_2(tiny, tmp_path, case):
+    """Through pretrain_gpt.py itself: a bad flag (refused while parsing) and a bad checkpoint
+    (refused after start-up) end with exit status 2 and the one line."""
+    if case == "flag":
+        line = _one_error_line(_train(*_with(tiny[1], "--micro-batch-size", "0")))
+        assert "--micro-batch-size 0: must be >= 1" in line
+    else:
+        argv, path = _bad_meta(tiny, tmp_path, "model", [])
+        line = _one_error_line(_train(*argv))
+        assert f"{path}: entry model is [], not an object" in line and "--load" in line, line
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])

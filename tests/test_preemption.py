@@ -8,6 +8,9 @@ The launchers' own exit codes are theirs (docs/RELIABILITY.md, "Preemption under
 torchrun re-raises the signal after its workers end (exit 1), the single-node `deepspeed` command
 has no handler (killed by the signal); the ranks exit 0, which the per-node launch.py reports and
 the Slurm-style tasks return.
+
+The four preemptions run one after another; the uninterrupted run and the four resumes then run
+in one launched world (tests/training_multirun.py).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from training_fixtures import (
     layout_flags,
     make_corpus,
     model_flags,
+    multirun_cmd,
     read_metrics,
     run,
     start,
@@ -54,21 +58,11 @@ def _flags(corpus: str, metrics: Path, *extra: str) -> list[str]:
     )
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """(corpus, iteration -> metrics of one uninterrupted two-rank run)."""
-    root = tmp_path_factory.mktemp("preemption")
-    corpus = make_corpus(root / "corpus")
-    metrics = root / "reference.jsonl"
-    result = run(deepspeed_cmd(2, _flags(corpus, metrics)), timeout=300)
-    assert result.returncode == 0, result.stdout[-6000:]
-    return corpus, read_metrics(metrics)
-
-
-def _preempt(tmp_path: Path, corpus: str, launch, send) -> tuple[subprocess.Popen, str, int]:
+def _preempt(folder: Path, corpus: str, launch, send) -> tuple[subprocess.Popen, str, int, list]:
     """Start `launch(flags)` with --exit-signal-handler, call `send(proc, ranks, workers)` after
-    SIGNALLED_AFTER iterations, wait for every process; (proc, output, step `latest` names)."""
-    ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
+    SIGNALLED_AFTER iterations, wait for every process; (proc, output, step `latest` names, the
+    ranks' pids)."""
+    ckpt, metrics = folder / "ckpt", folder / "m.jsonl"
     save = ["--save", str(ckpt), "--save-interval", "1000", "--exit-signal-handler"]
     proc = launch(_flags(corpus, metrics, *save))
     try:
@@ -86,60 +80,20 @@ def _preempt(tmp_path: Path, corpus: str, launch, send) -> tuple[subprocess.Pope
     assert logged <= stopped < ITERS, output[-6000:]
     assert f"exiting after iteration {stopped}: SIGTERM received (--exit-signal-handler)" in output
     assert sorted(read_metrics(metrics)) == list(range(1, stopped + 1))
-    return proc, output, stopped
+    return proc, output, stopped, [r.pid for r in ranks.values()]
 
 
-def _resumes_exactly(tmp_path: Path, corpus: str, full: dict, stopped: int) -> None:
-    """The run resumed from the checkpoint writes its own metrics, from `stopped` + 1 on, equal
-    to the uninterrupted run's; so do the interrupted run's iterations before it."""
-    resumed = tmp_path / "resumed.jsonl"
-    flags = _flags(corpus, resumed, "--load", str(tmp_path / "ckpt"))
-    result = run(deepspeed_cmd(2, flags), timeout=300)
-    assert result.returncode == 0, result.stdout[-6000:]
-    first, second = read_metrics(tmp_path / "m.jsonl"), read_metrics(resumed)
-    assert sorted(second) == list(range(stopped + 1, ITERS + 1))
-    losses = [first[i]["lm-loss"] for i in first] + [second[i]["lm-loss"] for i in second]
-    assert losses == [full[i]["lm-loss"] for i in range(1, ITERS + 1)]
+def _term_the_launcher(proc, ranks, workers):
+    proc.send_signal(signal.SIGTERM)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_sigterm_to_torchrun_saves_and_resumes_exactly(reference, tmp_path):
-    """torchrun forwards SIGTERM to each worker's process group (the rank and its DataLoader
-    worker) and SIGKILLs after 30 s; the ranks save well within that."""
-    corpus, full = reference
-
-    def send(proc, ranks, workers):
-        proc.send_signal(signal.SIGTERM)
-
-    proc, output, stopped = _preempt(
-        tmp_path, corpus, lambda flags: start(torchrun_cmd(2, flags, "--standalone")), send
-    )
-    assert proc.returncode == 1 and "SignalException" in output, output[-3000:]  # torchrun's way
-    assert "forcefully exiting via SIGKILL" not in output  # the ranks ended by themselves
-    _resumes_exactly(tmp_path, corpus, full, stopped)
+def _term_every_task_process(proc, ranks, workers):
+    for p in [*ranks.values(), *workers]:
+        p.send_signal(signal.SIGTERM)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_sigterm_to_the_deepspeed_command_saves_and_resumes_exactly(reference, tmp_path):
-    """The single-node `deepspeed` command dies of the signal without passing it on; the ranks
-    notice their launcher's death, count it as the signal, save and exit 0 (launch.py says so)."""
-    corpus, full = reference
-    pids = []
-
-    def send(proc, ranks, workers):
-        pids.extend(r.pid for r in ranks.values())
-        proc.send_signal(signal.SIGTERM)
-
-    proc, output, stopped = _preempt(
-        tmp_path, corpus, lambda flags: start(deepspeed_cmd(2, flags)), send
-    )
-    assert proc.returncode == -signal.SIGTERM, output[-3000:]
-    for pid in pids:
-        assert f"Process {pid} exits successfully." in output, output[-3000:]
-    assert "counting it as the exit signal (--exit-signal-handler)" in output
-    _resumes_exactly(tmp_path, corpus, full, stopped)
+def _term_the_process_group(proc, ranks, workers):
+    os.killpg(proc.pid, signal.SIGTERM)  # the deepspeed command's process group: all of them
 
 
 def _slurm_tasks(flags: list[str]) -> subprocess.Popen:
@@ -159,40 +113,99 @@ def _slurm_tasks(flags: list[str]) -> subprocess.Popen:
     return start([PYTHON, "-c", step, PYTHON, str(REPO / "pretrain_gpt.py"), *flags], env)
 
 
+# name -> (how the two ranks are launched, how the signal is sent)
+PREEMPTIONS = {
+    "torchrun": (lambda flags: start(torchrun_cmd(2, flags, "--standalone")), _term_the_launcher),
+    "deepspeed_command": (lambda flags: start(deepspeed_cmd(2, flags)), _term_the_launcher),
+    "slurm_tasks": (_slurm_tasks, _term_every_task_process),
+    "deepspeed_group": (lambda flags: start(deepspeed_cmd(2, flags)), _term_the_process_group),
+}
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory):
+    """Every preemption of PREEMPTIONS, one after another; then one two-rank launch of
+    tests/training_multirun.py with the uninterrupted run and the resume from each checkpoint.
+    (folder, name -> `_preempt`'s answer or the AssertionError it raised, the uninterrupted
+    run's metrics by iteration)."""
+    root = tmp_path_factory.mktemp("preemption")
+    corpus = make_corpus(root / "corpus")
+    outcomes = {}
+    for name, (launch, send) in PREEMPTIONS.items():
+        (root / name).mkdir()
+        try:
+            outcomes[name] = _preempt(root / name, corpus, launch, send)
+        except AssertionError as err:  # that test fails with it; the others go on
+            outcomes[name] = err
+    runs = [_flags(corpus, root / "reference.jsonl")]
+    for name, outcome in outcomes.items():
+        if not isinstance(outcome, AssertionError):
+            load = ["--load", str(root / name / "ckpt")]
+            runs.append(_flags(corpus, root / name / "resumed.jsonl", *load))
+    result = run(multirun_cmd(2, runs, root / "runs.json"), timeout=600)
+    assert result.returncode == 0, result.stdout[-6000:]
+    return root, outcomes, read_metrics(root / "reference.jsonl")
+
+
+def _preemption(preempted, name: str) -> tuple[subprocess.Popen, str, int, list]:
+    """`_preempt`'s answer for `name`, after checking that the run resumed from its checkpoint
+    wrote its own metrics, from the step it stopped at + 1 on, equal to the uninterrupted run's;
+    so do the interrupted run's iterations before it."""
+    root, outcomes, full = preempted
+    if isinstance(outcomes[name], AssertionError):
+        raise outcomes[name]
+    proc, output, stopped, pids = outcomes[name]
+    first, second = (
+        read_metrics(root / name / "m.jsonl"),
+        read_metrics(root / name / "resumed.jsonl"),
+    )
+    assert sorted(second) == list(range(stopped + 1, ITERS + 1))
+    losses = [first[i]["lm-loss"] for i in first] + [second[i]["lm-loss"] for i in second]
+    assert losses == [full[i]["lm-loss"] for i in range(1, ITERS + 1)]
+    return proc, output, stopped, pids
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_sigterm_to_every_process_of_every_task_saves_and_resumes_exactly(reference, tmp_path):
+@pytest.mark.timeout(1800)
+def test_sigterm_to_torchrun_saves_and_resumes_exactly(preempted):
+    """torchrun forwards SIGTERM to each worker's process group (the rank and its DataLoader
+    worker) and SIGKILLs after 30 s; the ranks save well within that."""
+    proc, output, _, _ = _preemption(preempted, "torchrun")
+    assert proc.returncode == 1 and "SignalException" in output, output[-3000:]  # torchrun's way
+    assert "forcefully exiting via SIGKILL" not in output  # the ranks ended by themselves
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_sigterm_to_the_deepspeed_command_saves_and_resumes_exactly(preempted):
+    """The single-node `deepspeed` command dies of the signal without passing it on; the ranks
+    notice their launcher's death, count it as the signal, save and exit 0 (launch.py says so)."""
+    proc, output, _, pids = _preemption(preempted, "deepspeed_command")
+    assert proc.returncode == -signal.SIGTERM, output[-3000:]
+    for pid in pids:
+        assert f"Process {pid} exits successfully." in output, output[-3000:]
+    assert "counting it as the exit signal (--exit-signal-handler)" in output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_sigterm_to_every_process_of_every_task_saves_and_resumes_exactly(preempted):
     """Slurm's `scancel --signal=TERM` signals every process of each task: the ranks and their
     DataLoader workers. The workers ignore it; the ranks save and exit 0."""
-    corpus, full = reference
-
-    def send(proc, ranks, workers):
-        for p in [*ranks.values(), *workers]:
-            p.send_signal(signal.SIGTERM)
-
-    proc, output, stopped = _preempt(tmp_path, corpus, _slurm_tasks, send)
+    proc, output, _, _ = _preemption(preempted, "slurm_tasks")
     assert proc.returncode == 0 and "task exit codes: [0, 0]" in output, output[-3000:]
-    _resumes_exactly(tmp_path, corpus, full, stopped)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(600)
-def test_sigterm_to_the_deepspeed_process_group_saves_and_resumes_exactly(reference, tmp_path):
+@pytest.mark.timeout(1800)
+def test_sigterm_to_the_deepspeed_process_group_saves_and_resumes_exactly(preempted):
     """Every process of an `srun deepspeed ...` task: the command (dies of it), its launch.py
     (SIGTERMs every descendant, SIGKILLs what is left after 30 s, exits 1), the ranks and their
     workers. The ranks save and reach their end (`done:`) within launch.py's grace period."""
-    corpus, full = reference
-
-    def send(proc, ranks, workers):
-        os.killpg(proc.pid, signal.SIGTERM)  # the deepspeed command's process group: all of them
-
-    proc, output, stopped = _preempt(
-        tmp_path, corpus, lambda flags: start(deepspeed_cmd(2, flags)), send
-    )
+    proc, output, stopped, _ = _preemption(preempted, "deepspeed_group")
     assert proc.returncode == -signal.SIGTERM, output[-3000:]
     assert "Main process received SIGTERM, exiting" in output  # launch.py's handler ran
     assert f"done: {stopped} iterations" in output
-    _resumes_exactly(tmp_path, corpus, full, stopped)
 
 
 _LOADER = """

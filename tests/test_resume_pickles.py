@@ -128,14 +128,21 @@ def _hostile_copy(tmp, ckpt: str, file: str, legacy: bool = False) -> tuple[str,
 
 
 def _assert_refused(result, path: str, marker: str) -> None:
+    """The run exited non-zero with the refusal line for `path`, and the payload did not run."""
     assert result.returncode != 0, result.stdout[-4000:]
+    _assert_refusal_line(result.stdout, path, marker)
+
+
+def _assert_refusal_line(output: str, path: str, marker: str) -> None:
+    """`output` holds the one-line refusal naming `path` and the global, no traceback; the
+    payload did not run (no MARKER)."""
     refusal = re.compile(
         rf"^error: (rank \d: )?{re.escape(path)}: refused to load: it holds pickled global\(s\) "
         rf"(posix|os)\.system,",
         re.M,
     )
-    assert refusal.search(result.stdout), result.stdout[-4000:]
-    assert "Traceback" not in result.stdout, result.stdout[-4000:]
+    assert refusal.search(output), output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
     assert not os.path.exists(marker)
 
 
@@ -163,13 +170,40 @@ RESUME_ATTACKS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(RESUME_ATTACKS))
-def test_resuming_refuses_a_payload(saved, name):
-    tmp, corpus = saved
+def _hostile_resume(tmp, corpus, name: str) -> tuple[list[str], str, str]:
+    """(the argv of a resume from a copy of the checkpoint with attack `name`'s payload; the
+    file's path; its MARKER)."""
     ckpt, file, layout, extra = RESUME_ATTACKS[name]
     load, path, marker = _hostile_copy(tmp, ckpt, file, legacy=name.endswith("_legacy"))
-    result = run(deepspeed_cmd(2, _flags(corpus, layout, "--load", load, *extra)), timeout=300)
-    _assert_refused(result, path, marker)
+    return _flags(corpus, layout, "--load", load, *extra), path, marker
+
+
+@pytest.fixture(scope="module")
+def refused_resumes(saved):
+    """One launch of tests/training_multirun.py resuming every hostile copy in turn: (its
+    output, name -> (the file with the payload, its MARKER)). The multirun checks that each run
+    stops with a UserError (it exits 0 only if every one did)."""
+    tmp, corpus = saved
+    attacks = {name: _hostile_resume(tmp, corpus, name) for name in sorted(RESUME_ATTACKS)}
+    runs = [{"argv": argv, "refused": True} for argv, _, _ in attacks.values()]
+    result = run(multirun_cmd(2, runs, tmp / "refused.json"), timeout=600)
+    assert result.returncode == 0, result.stdout[-8000:]
+    return result.stdout, {name: (path, marker) for name, (_, path, marker) in attacks.items()}
+
+
+@pytest.mark.parametrize("name", sorted(RESUME_ATTACKS))
+def test_resuming_refuses_a_payload(refused_resumes, name):
+    """A resume from a checkpoint with a payload in any file it reads stops with the one-line
+    refusal naming that file, and the payload does not run."""
+    output, files = refused_resumes
+    _assert_refusal_line(output, *files[name])
+
+
+def test_a_refused_resume_exits_non_zero(saved):
+    """pretrain_gpt.py under the real launcher ends a refused resume with a non-zero exit."""
+    tmp, corpus = saved
+    argv, path, marker = _hostile_resume(tmp, corpus, "model_states_z0")
+    _assert_refused(run(deepspeed_cmd(2, argv), timeout=300), path, marker)
 
 
 def test_reshard_checkpoint_refuses_a_payload(saved):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,8 +16,10 @@ from training_fixtures import (
     PYTHON,
     REPO,
     VOCAB,
-    deepspeed_cmd,
     model_flags,
+    multirun_cmd,
+    multirun_outputs,
+    one_rank_multirun,
     read_metrics,
     run,
     train_flags,
@@ -81,25 +84,52 @@ def corpus(tmp_path_factory) -> str:
     return _write(root / "bad", docs)
 
 
-def _train(tmp_path, name: str, flags: list[str], *extra: str) -> tuple[str, dict]:
-    """Run pretrain_gpt.py with its own metrics file: (output, metrics by iteration)."""
-    metrics = tmp_path / f"{name}.jsonl"
-    cmd = [PYTHON, str(REPO / "pretrain_gpt.py"), *flags, "--metrics-file", str(metrics)]
-    out = run([*cmd, *[x for e in extra for x in e.split()]], timeout=400)
-    assert out.returncode == 0, out.stdout[-4000:]
-    return out.stdout, read_metrics(metrics)
-
-
 def _losses(metrics: dict) -> dict[int, float]:
     return {i: m["lm-loss"] for i, m in metrics.items() if "lm-loss" in m}
 
 
+# name -> what the run adds to _flags(corpus) ({tmp}: the runs' folder), in the order they run,
+# one after another in one process (tests/training_multirun.py)
+POLICY_RUNS = {
+    "ref": f"--iterations-to-skip {SPIKE}",
+    "plain": "",
+    "warn": DETECT,
+    "skip": f"{DETECT} --spiky-loss-policy skip --save {{tmp}}/skip "
+    "--save-interval 5 --exit-interval 10",
+    "skip_resumed": f"{DETECT} --spiky-loss-policy skip --save {{tmp}}/skip "
+    "--load {tmp}/skip --save-interval 5",
+    "before": f"{DETECT} --spiky-loss-policy skip --save {{tmp}}/before --exit-interval 6",
+    "before_resumed": f"{DETECT} --spiky-loss-policy skip --save {{tmp}}/before "
+    "--load {tmp}/before --save-interval 100",
+    "rewind": f"{DETECT} --spiky-loss-policy rewind --save {{tmp}}/rewind --save-interval 6",
+    "rewind_without": f"{DETECT} --spiky-loss-policy rewind --save {{tmp}}/rewind_without "
+    "--save-interval 10",
+}
+
+
 @pytest.fixture(scope="module")
-def reference(corpus, tmp_path_factory) -> dict[int, float]:
+def policy_runs(corpus, tmp_path_factory) -> tuple[Path, dict[str, tuple[str, dict]]]:
+    """Every one-rank run of POLICY_RUNS in one process, each with its own metrics file: (the
+    runs' folder, name -> (the run's output, its metrics by iteration))."""
+    tmp = tmp_path_factory.mktemp("policies")
+    argvs = [
+        _flags(corpus, extra.format(tmp=tmp), f"--metrics-file {tmp / name}.jsonl")
+        for name, extra in POLICY_RUNS.items()
+    ]
+    result = one_rank_multirun(argvs, tmp / "runs.json", timeout=900)
+    assert result.returncode == 0, result.stdout[-4000:]
+    outputs = multirun_outputs(result.stdout)
+    assert len(outputs) == len(POLICY_RUNS), result.stdout[-4000:]
+    return tmp, {
+        name: (output, read_metrics(tmp / f"{name}.jsonl"))
+        for name, output in zip(POLICY_RUNS, outputs, strict=True)
+    }
+
+
+@pytest.fixture(scope="module")
+def reference(policy_runs) -> dict[int, float]:
     """The losses of the run given --iterations-to-skip 9."""
-    _, metrics = _train(
-        tmp_path_factory.mktemp("ref"), "ref", _flags(corpus), f"--iterations-to-skip {SPIKE}"
-    )
+    _, metrics = policy_runs[1]["ref"]
     assert sorted(_losses(metrics)) == [i for i in range(1, ITERS + 1) if i != SPIKE]
     return _losses(metrics)
 
@@ -110,9 +140,8 @@ def _spike_lines(output: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_warn_trains_on_the_spike_as_without_the_check(corpus, reference, tmp_path):
-    _, plain = _train(tmp_path, "plain", _flags(corpus))
-    out, warned = _train(tmp_path, "warn", _flags(corpus, DETECT))
+def test_warn_trains_on_the_spike_as_without_the_check(policy_runs, reference):
+    (_, plain), (out, warned) = policy_runs[1]["plain"], policy_runs[1]["warn"]
     lines = _spike_lines(out)
     assert len(lines) == 1 and lines[0].startswith(f"WARNING: iteration {SPIKE}: lm loss ")
     assert lines[0].endswith("training on it (--spiky-loss-policy warn)")
@@ -124,10 +153,10 @@ def test_warn_trains_on_the_spike_as_without_the_check(corpus, reference, tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_skip_equals_iterations_to_skip_and_resumes_exactly(corpus, reference, tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    skip = _flags(corpus, DETECT, "--spiky-loss-policy skip", f"--save {ckpt}")
-    out, first = _train(tmp_path, "skip", skip, "--save-interval 5 --exit-interval 10")
+def test_skip_equals_iterations_to_skip_and_resumes_exactly(policy_runs, reference):
+    tmp, runs = policy_runs
+    ckpt = str(tmp / "skip")
+    out, first = runs["skip"]
     assert (
         " iteration        9 | skipped (--spiky-loss-policy skip, lm loss " in out
         and "training samples [64, 72) consumed without a step" in out
@@ -139,7 +168,7 @@ def test_skip_equals_iterations_to_skip_and_resumes_exactly(corpus, reference, t
     assert len(meta["spike_loss_window"]) == 4  # the window is in the checkpoint
 
     # a resume across the skip: the resumed run writes its own metrics, from iteration 11
-    _, resumed = _train(tmp_path, "resumed", skip, f"--load {ckpt} --save-interval 5")
+    _, resumed = runs["skip_resumed"]
     assert _losses(resumed) == {i: reference[i] for i in (11, 12)}
     _, meta = find_checkpoint(ckpt, 12)
     assert meta["skipped_train_samples"] == [[64, 72]]
@@ -147,30 +176,28 @@ def test_skip_equals_iterations_to_skip_and_resumes_exactly(corpus, reference, t
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_resume_before_the_spike_detects_it_from_the_saved_window(corpus, reference, tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    skip = _flags(corpus, DETECT, "--spiky-loss-policy skip", f"--save {ckpt}")
-    out, first = _train(tmp_path, "first", skip, "--exit-interval 6")
+def test_resume_before_the_spike_detects_it_from_the_saved_window(policy_runs, reference):
+    out, first = policy_runs[1]["before"]
     assert _spike_lines(out) == [] and sorted(_losses(first)) == list(range(1, 7))
     # a fresh window would hold only iterations 7 and 8 at the spike (< --spiky-loss-min-window)
-    out, resumed = _train(tmp_path, "resumed", skip, f"--load {ckpt} --save-interval 100")
+    out, resumed = policy_runs[1]["before_resumed"]
     assert len(_spike_lines(out)) == 1
     assert _losses(resumed) == {i: reference[i] for i in reference if i > 6}
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_rewind_reloads_the_checkpoint_and_skips_the_batch(corpus, reference, tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    rewind = _flags(corpus, DETECT, "--spiky-loss-policy rewind", f"--save {ckpt}")
-    out, metrics = _train(tmp_path, "rewind", rewind, "--save-interval 6")
+def test_rewind_reloads_the_checkpoint_and_skips_the_batch(policy_runs, reference):
+    tmp, runs = policy_runs
+    ckpt = str(tmp / "rewind")
+    out, metrics = runs["rewind"]
     assert "rewound to iteration 6 (--spiky-loss-policy rewind)" in out
     assert f"loaded checkpoint {ckpt}/global_step6 at iteration 6" in out
     assert (
         " iteration        9 | skipped (--spiky-loss-policy rewind): training samples [64, 72)"
         in (out)
     )
-    lines = (tmp_path / "rewind.jsonl").read_text().splitlines()
+    lines = (tmp / "rewind.jsonl").read_text().splitlines()
     trained = [json.loads(x)["iteration"] for x in lines if "lm-loss" in x]
     assert trained == [1, 2, 3, 4, 5, 6, 7, 8, 7, 8, 10, 11, 12]  # 7 and 8 again after the rewind
     assert _losses(metrics) == reference
@@ -180,44 +207,57 @@ def test_rewind_reloads_the_checkpoint_and_skips_the_batch(corpus, reference, tm
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_rewind_without_a_checkpoint_skips(corpus, reference, tmp_path):
-    rewind = _flags(corpus, DETECT, "--spiky-loss-policy rewind", f"--save {tmp_path / 'ckpt'}")
-    out, metrics = _train(tmp_path, "rewind", rewind, "--save-interval 10")
+def test_rewind_without_a_checkpoint_skips(policy_runs, reference):
+    out, metrics = policy_runs[1]["rewind_without"]
     assert "--spiky-loss-policy rewind: no committed checkpoint in --save yet; skipping" in out
     assert _losses(metrics) == reference
 
 
+TWO_RANK_LAYOUTS = {
+    "dp2-zero2": "--zero-stage 2",
+    "pp2": "--pipeline-model-parallel-size 2",
+    "torch-pp2-zbv": "--use-torch-fsdp2 --pipeline-model-parallel-size 2 --num-layers 4 "
+    "--num-virtual-stages-per-pipeline-rank 2 --pipeline-schedule zbv-zero-bubble",
+}
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(corpus, tmp_path_factory) -> dict[tuple[str, str], tuple[str, dict]]:
+    """One two-rank launch of tests/training_multirun.py: at each layout of TWO_RANK_LAYOUTS,
+    with dropout, the --iterations-to-skip run ("ref") and the skip-policy run ("skip"):
+    (layout, name) -> (the run's output, its losses). Each run ends in a barrier on every rank,
+    so its lines come before rank 0's header of the next run."""
+    tmp, runs = tmp_path_factory.mktemp("two_ranks"), {}
+    for layout, flags in TWO_RANK_LAYOUTS.items():
+        layout_flags = f"{flags} --hidden-dropout 0.1 --attention-dropout 0.1"
+        for name, extra in (("ref", f"--iterations-to-skip {SPIKE}"), ("skip", DETECT)):
+            policy = "--spiky-loss-policy skip" if name == "skip" else ""
+            metrics = tmp / f"{layout}-{name}.jsonl"
+            runs[layout, name] = (_flags(corpus, extra, policy, layout_flags), metrics)
+    argvs = [[*flags, "--metrics-file", str(metrics)] for flags, metrics in runs.values()]
+    out = run(multirun_cmd(2, argvs, tmp / "runs.json"), timeout=900)
+    assert out.returncode == 0, out.stdout[-4000:]
+    outputs = multirun_outputs(out.stdout)
+    assert len(outputs) == len(runs), out.stdout[-4000:]
+    return {
+        key: (output, _losses(read_metrics(metrics)))
+        for (key, (_, metrics)), output in zip(runs.items(), outputs, strict=True)
+    }
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize(
-    "layout",
-    [
-        "--zero-stage 2",
-        "--pipeline-model-parallel-size 2",
-        "--use-torch-fsdp2 --pipeline-model-parallel-size 2 --num-layers 4 "
-        "--num-virtual-stages-per-pipeline-rank 2 --pipeline-schedule zbv-zero-bubble",
-    ],
-    ids=["dp2-zero2", "pp2", "torch-pp2-zbv"],
-)
-def test_two_ranks_take_the_same_decision(corpus, tmp_path, layout):
+@pytest.mark.parametrize("layout", sorted(TWO_RANK_LAYOUTS))
+def test_two_ranks_take_the_same_decision(two_rank_runs, layout):
     """Two ranks, with dropout. DP = 2 under ZeRO-2: each rank sees half the batch, the decision
     comes from the DP-averaged loss, DeepSpeed's own step frees the gradient partitions. PP = 2:
     the pipeline engine steps inside train_batch; the judge runs at its optimizer step, on the
-    last stage's loss broadcast to the first. The torch backend's ZBV pipeline: the loss is on
-    rank 0 (the V's last stage), summed over the pipeline to rank 1. Either way the skip run
-    equals the --iterations-to-skip run at the same layout (RNG states put back, too)."""
-    runs, layout = {}, f"{layout} --hidden-dropout 0.1 --attention-dropout 0.1"
-    for name, extra in (("ref", f"--iterations-to-skip {SPIKE}"), ("skip", DETECT)):
-        policy = "--spiky-loss-policy skip" if name == "skip" else ""
-        flags = _flags(corpus, extra, policy, layout)
-        metrics = tmp_path / f"{name}.jsonl"
-        out = run(deepspeed_cmd(2, [*flags, "--metrics-file", str(metrics)]), timeout=600)
-        assert out.returncode == 0, out.stdout[-4000:]
-        runs[name] = _losses(read_metrics(metrics))
-        if name == "skip":
-            lines = _spike_lines(out.stdout)  # warnings come from every rank
-            assert len(lines) == 2 and all("update withheld" in x for x in lines)
-    assert runs["skip"] == runs["ref"] and SPIKE not in runs["skip"]
+    last stage's loss broadcast to the first. Either way the skip run equals the
+    --iterations-to-skip run at the same layout (RNG states put back, too)."""
+    (_, ref), (out, skip) = two_rank_runs[layout, "ref"], two_rank_runs[layout, "skip"]
+    lines = _spike_lines(out)  # warnings come from every rank
+    assert len(lines) == 2 and all("update withheld" in x for x in lines)
+    assert skip == ref and SPIKE not in skip
 
 
 def test_policies_refused_where_they_cannot_work(tmp_path):

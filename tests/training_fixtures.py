@@ -198,6 +198,26 @@ def multirun_cmd(nproc: int, runs: list[list[str]], runs_file: Path) -> list[str
     return deepspeed_cmd(nproc, [str(runs_file)], script="tests/training_multirun.py")
 
 
+def one_rank_multirun(runs: list, runs_file: Path, timeout: float) -> subprocess.CompletedProcess:
+    """tests/training_multirun.py over several runs in one process, a world of one rank."""
+    runs_file.write_text(json.dumps(runs))
+    env = test_env(
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
+    return run([PYTHON, str(REPO / "tests" / "training_multirun.py"), str(runs_file)], timeout, env)
+
+
+def multirun_outputs(output: str) -> list[str]:
+    """The output of each run of a training_multirun.py launch, in order, split at the `multirun:
+    run N` line rank 0 prints before each run (exact at one rank; at several, a run's lines come
+    before the next header when the run ends in a barrier, as pretrain() does)."""
+    return re.split(r"^multirun: run \d+\n", output, flags=re.M)[1:]
+
+
 def torchrun_cmd(nproc: int, args: list[str], *extra: str) -> list[str]:
     return [
         str(BIN / "torchrun"),
