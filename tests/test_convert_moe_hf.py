@@ -1,0 +1,227 @@
+"""Mixture-of-experts models to and from Hugging Face: `MixtralForCausalLM` and `Glm4MoeForCausalLM`
+(DeepSeek-V3's sigmoid router with expert bias, group-limited routing, scaling and shared
+experts, dense first layers), compared with transformers' own classes on the same tokens (fp32).
+
+In one process: our GPTModel with random weights (a random expert bias too) exported through the
+adapter and transformers' `save_pretrained` files equals transformers' logits; models transformers
+initialised itself, saved in its per-expert file layout, import to ours with equal logits; each
+router option changes transformers' logits (so the mapping of each one is checked); what
+cannot be expressed is refused by name. On checkpoints of real training runs (one 4-rank
+launch, EP = 1): TP 2 x PP 2 with whole experts per TP rank and TP 2 x DP 2 with experts split
+over TP merge to the DP 4 run's weights, export with equal logits, and import back at TP 2 x
+PP 2 bit for bit; one --finetune iteration from the import logs the original's loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import transformers
+from convert_fixtures import load_tool
+
+from pretrain.convert.hf_adapter import hf_flavour, to_hf_config, to_hf_state_dict
+from pretrain.convert.hf_folder import SpecialTokens, build_hf_model, read_hf_folder
+from pretrain.convert.state_dict import pad_vocab, trim_vocab
+from pretrain.errors import UserError
+from pretrain.model import GPTModel, ModelConfig
+
+convert_to_hf = load_tool("convert_to_hf")
+convert_from_hf = load_tool("convert_from_hf")
+
+TOL = 1e-5
+LLAMA_BODY = ModelConfig(
+    num_layers=3,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_query_groups=2,
+    vocab_size=100,
+    seq_length=16,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    swiglu=True,
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+    ffn_hidden_size=48,
+    init_method_std=0.2,  # routing far from ties
+)
+MIXTRAL = dataclasses.replace(
+    LLAMA_BODY, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=16
+)
+GLM = dataclasses.replace(
+    MIXTRAL,
+    moe_layer_freq=(0, 1, 1),
+    moe_router_score_function="sigmoid",
+    moe_shared_expert_intermediate_size=32,
+    moe_router_enable_expert_bias=True,
+    moe_router_dtype="fp32",
+)
+GLM_GROUPED = dataclasses.replace(
+    GLM,
+    moe_router_topk=4,
+    moe_router_num_groups=4,
+    moe_router_group_topk=2,
+    moe_router_topk_scaling_factor=2.5,
+    untie_embeddings_and_output_weights=False,
+)
+CONFIGS = {"mixtral": MIXTRAL, "glm": GLM, "glm-grouped-scaled-tied": GLM_GROUPED}
+HF_CLASS = {"mixtral": transformers.MixtralForCausalLM, "glm4_moe": transformers.Glm4MoeForCausalLM}
+
+
+def _our_model(config: ModelConfig, seed: int = 0) -> GPTModel:
+    torch.manual_seed(seed)
+    model = GPTModel(config).eval()
+    for name, buffer in model.named_buffers():
+        if name.endswith("router.expert_bias"):  # a trained bias, so that it changes the picks
+            buffer.copy_(torch.randn_like(buffer) * 0.1)
+    return model
+
+
+def _tokens(config: ModelConfig) -> torch.Tensor:
+    return torch.randint(0, config.vocab_size, (3, 16), generator=torch.Generator().manual_seed(1))
+
+
+def _max_diff(ours: GPTModel, hf, tokens: torch.Tensor) -> float:
+    with torch.no_grad():
+        return (ours(tokens, gather_logits=True) - hf(tokens).logits).abs().max().item()
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_ours_equals_transformers_and_its_files_import_back(name, tmp_path):
+    config = CONFIGS[name]
+    ours = _our_model(config)
+    weights = trim_vocab(ours.state_dict(), config.vocab_size)
+    hf = build_hf_model(weights, config, SpecialTokens(None, None, None), torch.float32)
+    assert type(hf) is HF_CLASS[hf_flavour(config)]
+    assert _max_diff(ours, hf, _tokens(config)) <= TOL
+    hf.save_pretrained(tmp_path)  # transformers writes its per-expert file layout
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert _max_diff(ours, loaded, _tokens(config)) <= TOL
+
+    config_back, weights_back = read_hf_folder(str(tmp_path), seq_length=config.seq_length)
+    assert hf_flavour(config_back) == hf_flavour(config)
+    for field in ("num_moe_experts", "moe_router_topk", "moe_layers", "moe_ffn_size"):
+        assert getattr(config_back, field) == getattr(config, field), field
+    assert weights_back.keys() == weights.keys()
+    for key, tensor in weights.items():
+        assert torch.equal(weights_back[key], tensor), key
+
+
+@pytest.mark.parametrize("name", ["mixtral", "glm4_moe"])
+def test_transformers_models_import_with_equal_logits(name, tmp_path):
+    """Models initialised by transformers (its own init, a random GLM correction bias), saved
+    by it, read from the files by the import."""
+    common = dict(
+        vocab_size=100, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, initializer_range=0.2,
+        num_experts_per_tok=2, rope_parameters={"rope_type": "default", "rope_theta": 5e5},
+    )  # fmt: skip
+    if name == "mixtral":
+        hf_config = transformers.MixtralConfig(intermediate_size=24, num_local_experts=6, **common)
+    else:
+        common["rope_parameters"] |= {"partial_rotary_factor": 1.0}
+        hf_config = transformers.Glm4MoeConfig(
+            intermediate_size=40, moe_intermediate_size=8, n_routed_experts=8,
+            n_shared_experts=2, first_k_dense_replace=1, n_group=2, topk_group=1,
+            routed_scaling_factor=1.8, num_nextn_predict_layers=0, **common,
+        )  # fmt: skip
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    for module in hf.modules():
+        if hasattr(module, "e_score_correction_bias"):
+            module.e_score_correction_bias.copy_(torch.randn(8) * 0.1)
+    hf.save_pretrained(tmp_path)
+
+    config, weights = read_hf_folder(str(tmp_path))
+    assert config.num_moe_experts == (6 if name == "mixtral" else 8)
+    if name == "glm4_moe":
+        assert config.moe_layers == (False, True, True)
+        assert config.moe_shared_expert_intermediate_size == 16
+        assert (config.moe_router_num_groups, config.moe_router_group_topk) == (2, 1)
+    ours = GPTModel(config).eval()
+    ours.load_state_dict(pad_vocab(weights, config.padded_vocab_size()), strict=True)
+    assert _max_diff(ours, hf, _tokens(config)) <= TOL
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"e_score_correction_bias": 0.0},
+        {"routed_scaling_factor": 1.0},
+        {"n_group": 1, "topk_group": 1},
+        {"n_shared_experts": None},
+    ],
+    ids=["expert-bias", "scaling", "group-routing", "shared-expert"],
+)
+def test_each_router_option_changes_transformers_logits(change):
+    """Each GLM option the mapping sets moves transformers' logits far beyond the tolerance, so
+    the equality above checks each one."""
+    config = GLM_GROUPED
+    ours = _our_model(config)
+    weights = trim_vocab(ours.state_dict(), config.vocab_size)
+    hf_weights = to_hf_state_dict(weights, config)
+    variant = to_hf_config(config)
+    for key, value in change.items():
+        if key == "e_score_correction_bias":
+            hf_weights = {
+                k: (torch.zeros_like(v) if k.endswith(key) else v) for k, v in hf_weights.items()
+            }
+        elif key == "n_shared_experts":
+            hf_weights = {
+                k: (torch.zeros_like(v) if ".shared_experts.down_proj" in k else v)
+                for k, v in hf_weights.items()
+            }
+        else:
+            setattr(variant, key, value)
+    model = transformers.AutoModelForCausalLM.from_config(variant).eval()
+    model.load_state_dict(hf_weights, strict=True)
+    assert _max_diff(ours, model, _tokens(config)) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "config, refusal",
+    [
+        (dataclasses.replace(MIXTRAL, moe_expert_capacity_factor=1.0), "drops no tokens"),
+        (dataclasses.replace(MIXTRAL, moe_router_pre_softmax=True), "pre-softmax"),
+        (dataclasses.replace(MIXTRAL, moe_layer_freq=2), "every layer"),
+        (dataclasses.replace(GLM, moe_layer_freq=(1, 0, 1)), "dense layers first"),
+        (dataclasses.replace(GLM, moe_shared_expert_intermediate_size=24), "multiple of"),
+        (
+            dataclasses.replace(GLM, moe_router_topk=4, moe_router_num_groups=4, moe_router_group_topk=1),
+            "top 2",
+        ),
+        (dataclasses.replace(MIXTRAL, normalization="LayerNorm"), "needs RMSNorm"),
+    ],
+    ids=["capacity", "pre-softmax", "every-other-layer", "dense-after-moe", "shared-width",
+         "group-top-4", "layernorm"],
+)  # fmt: skip
+def test_inexpressible_moe_models_are_refused(config, refusal):
+    with pytest.raises(UserError, match=refusal) as err:
+        hf_flavour(config)
+    message = str(err.value)
+    assert "MixtralForCausalLM" in message and "Glm4MoeForCausalLM" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    "hf_config, refusal",
+    [
+        (transformers.Qwen3MoeConfig(num_hidden_layers=1), "qwen3_moe.*q_norm/k_norm"),
+        (transformers.DeepseekV3Config(num_hidden_layers=1), "deepseek_v3.*multi-latent"),
+        (transformers.Qwen2MoeConfig(num_hidden_layers=1), "shared_expert_gate"),
+        (transformers.Glm4MoeConfig(num_hidden_layers=1), "partial_rotary_factor=0.5"),
+        (transformers.MixtralConfig(num_hidden_layers=1, sliding_window=32), "sliding_window"),
+        (transformers.MixtralConfig(num_hidden_layers=1, num_experts_per_tok=1), "weight 1"),
+    ],
+    ids=["qwen3-moe", "deepseek-v3", "qwen2-moe", "glm-partial-rope", "mixtral-window", "top-1"],
+)
+def test_hf_moe_models_we_cannot_run_are_refused_by_name(tmp_path, hf_config, refusal):
+    hf_config.save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(UserError, match=refusal) as err:
+        convert_from_hf.main(["--load", str(tmp_path), "--save", str(tmp_path / "out")])
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "out").exists()
