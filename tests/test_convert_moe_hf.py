@@ -19,13 +19,16 @@ import dataclasses
 import pytest
 import torch
 import transformers
-from convert_fixtures import load_tool
+from convert_fixtures import launch_runs, layout_flags, load_tool, model_flags, train_flags
+from training_fixtures import make_corpus, read_metrics
 
+from pretrain.convert.checkpoint_reader import read_checkpoint
 from pretrain.convert.hf_adapter import hf_flavour, to_hf_config, to_hf_state_dict
 from pretrain.convert.hf_folder import SpecialTokens, build_hf_model, read_hf_folder
 from pretrain.convert.state_dict import pad_vocab, trim_vocab
 from pretrain.errors import UserError
 from pretrain.model import GPTModel, ModelConfig
+from pretrain.model.config import model_flags as flags_of_config
 
 convert_to_hf = load_tool("convert_to_hf")
 convert_from_hf = load_tool("convert_from_hf")
@@ -225,3 +228,134 @@ def test_hf_moe_models_we_cannot_run_are_refused_by_name(tmp_path, hf_config, re
         convert_from_hf.main(["--load", str(tmp_path), "--save", str(tmp_path / "out")])
     assert "\n" not in str(err.value)
     assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- real checkpoints
+
+TRAINED = {
+    "mixtral": ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+                "--moe-aux-loss-coeff", "1e-2", "--moe-grouped-gemm"],
+    "glm": ["--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16",
+            "--moe-layer-freq", "[0,1]", "--moe-router-score-function", "sigmoid",
+            "--moe-shared-expert-intermediate-size", "32", "--moe-router-enable-expert-bias",
+            "--moe-router-bias-update-rate", "0.05", "--moe-router-topk-scaling-factor", "1.5",
+            "--moe-token-dispatcher-type", "alltoall"],
+}  # fmt: skip
+# name -> (TP, PP, ZeRO, expert TP) at 4 ranks: DP 4; TP 2 x PP 2 with whole experts on each TP
+# rank; TP 2 x DP 2 with the experts split over TP
+TRAINED_LAYOUTS = {"dp4": (1, 1, 1, 1), "tp2pp2": (2, 2, 0, 1), "tp2dp2": (2, 1, 2, 2)}
+
+
+def _trained_argv(model: str, layout, corpus: str, save) -> list[str]:
+    tp, pp, zero, etp = layout
+    return (
+        model_flags("llama")
+        + TRAINED[model]
+        + train_flags(corpus, iters=2)
+        + layout_flags(tp, pp, zero)
+        + ["--sequence-parallel", "--expert-tensor-parallel-size", str(etp)]
+        + ["--save", str(save), "--save-interval", "2"]
+    )
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe_convert")
+    corpus = make_corpus(root / "corpus")
+    paths, runs = {}, []
+    for model in TRAINED:
+        for name, layout in TRAINED_LAYOUTS.items():
+            paths[model, name] = root / f"{model}_{name}"
+            runs.append(_trained_argv(model, layout, corpus, paths[model, name]))
+    launch_runs(runs, root, timeout=600)
+    return corpus, paths
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("model", TRAINED)
+def test_moe_checkpoints_merge_and_export_with_equal_logits(trained, tmp_path, capsys, model):
+    """Every layout merges to the DP 4 run's weights (expert shards of TP 2 joined, whole experts
+    under TP taken once, MoE and dense layers placed by the pattern, the trained expert bias);
+    each export is transformers' class with our logits."""
+    _, paths = trained
+    reference = read_checkpoint(str(paths[model, "dp4"]))
+    for name in ("tp2pp2", "tp2dp2"):
+        merged = read_checkpoint(str(paths[model, name]))
+        assert merged.state_dict.keys() == reference.state_dict.keys()
+        for key, tensor in reference.state_dict.items():
+            torch.testing.assert_close(merged.state_dict[key], tensor, rtol=0, atol=1e-5, msg=key)
+        out = tmp_path / name
+        convert_to_hf.main(
+            ["--load", str(paths[model, name]), "--output-dir", str(out), "--verify"]
+        )
+        assert "max abs logit difference" in capsys.readouterr().out
+        hf = transformers.AutoModelForCausalLM.from_pretrained(out, local_files_only=True).eval()
+        assert type(hf) is HF_CLASS[hf_flavour(merged.config)]
+        ours = GPTModel(merged.config).eval()
+        ours.load_state_dict(pad_vocab(merged.state_dict, merged.config.padded_vocab_size()))
+        assert _max_diff(ours, hf, _tokens(merged.config)) <= TOL
+    bias = reference.state_dict.get("layers.1.mlp.router.expert_bias")
+    assert (bias is not None and bias.abs().max() > 0.01) == (model == "glm")  # it was trained
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_moe_round_trip_through_hf_is_identical_and_finetunes_at_the_same_loss(trained, tmp_path):
+    """ours -> HF -> ours at TP 2 x PP 2 (experts split over TP) and TP 2 (whole experts) gives
+    bit-identical weights; one --finetune iteration from each import logs the loss of one from
+    the original checkpoint."""
+    corpus, paths = trained
+    runs, metrics = [], {}
+    for model in TRAINED:
+        source = str(paths[model, "dp4"])
+        original = read_checkpoint(source)
+        hf = tmp_path / f"{model}_hf"
+        convert_to_hf.main(["--load", source, "--output-dir", str(hf)])
+        for target, (tp, pp, etp) in {"tp2pp2": (2, 2, 2), "tp2": (2, 1, 1)}.items():
+            back = tmp_path / f"{model}_{target}"
+            convert_from_hf.main(
+                ["--load", str(hf), "--save", str(back), "--target-tensor-parallel-size", str(tp),
+                 "--target-pipeline-parallel-size", str(pp),
+                 "--target-expert-tensor-parallel-size", str(etp)]
+            )  # fmt: skip
+            imported = read_checkpoint(str(back))
+            assert imported.state_dict.keys() == original.state_dict.keys()
+            for key, tensor in original.state_dict.items():
+                assert torch.equal(imported.state_dict[key], tensor), key
+            metrics[model, target] = tmp_path / f"{model}_{target}.jsonl"
+            runs.append(
+                flags_of_config(imported.config)
+                + train_flags(corpus, iters=1)
+                + layout_flags(tp, pp, 0)
+                + ["--expert-tensor-parallel-size", str(etp)]
+                + ["--load", str(back), "--finetune", "--metrics-file", str(metrics[model, target])]
+            )
+        metrics[model, "original"] = tmp_path / f"{model}_original.jsonl"
+        runs.append(
+            model_flags("llama")
+            + TRAINED[model]
+            + train_flags(corpus, iters=1)
+            + layout_flags(1, 1, 0)
+            + ["--load", source, "--finetune", "--metrics-file", str(metrics[model, "original"])]
+        )
+    launch_runs(runs, tmp_path, timeout=600)
+    for model in TRAINED:
+        expected = read_metrics(metrics[model, "original"])[1]["lm-loss"]
+        for target in ("tp2pp2", "tp2"):
+            got = read_metrics(metrics[model, target])[1]["lm-loss"]
+            assert abs(got - expected) <= 1e-5 * abs(expected), (model, target, got, expected)
+
+
+def test_an_imported_moe_checkpoint_with_a_layer_list_reads_back(tmp_path):
+    """The metadata check of training's --load accepts a layer pattern stored as a JSON list
+    (it raised a TypeError on the tuple type), and the printed flags keep it one argument."""
+    from pretrain.checkpoint.format import read_meta
+    from pretrain.convert.checkpoint_writer import write_checkpoint
+
+    weights = trim_vocab(_our_model(GLM).state_dict(), GLM.vocab_size)
+    write_checkpoint(str(tmp_path / "ck"), weights, GLM)
+    meta = read_meta(str(tmp_path / "ck" / "global_step0"))
+    assert meta["model"]["moe_layer_freq"] == [0, 1, 1]
+    flags = flags_of_config(GLM)
+    assert flags[flags.index("--moe-layer-freq") + 1] == "[0,1,1]"

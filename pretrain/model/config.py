@@ -439,6 +439,6 @@ def model_flags(config: ModelConfig) -> list[str]:
         if isinstance(value, bool):
             flags += [flag] if value != f.default else []
         else:
-            shown = str(list(value)) if isinstance(value, tuple) else str(value)
+            shown = f"[{','.join(map(str, value))}]" if isinstance(value, tuple) else str(value)
             flags += [*f.metadata["after"], flag, shown]
     return flags
