@@ -124,12 +124,12 @@ def _rewrite_args(source, target, **changes) -> None:
 def test_unsupported_and_missing_args_are_listed_in_one_error(megatron, tmp_path):
     source = megatron[0][_name("llama", 1, 2, None, False)][0]
     _rewrite_args(
-        source, tmp_path / "bad", qk_layernorm=True, moe_shared_expert_gate=True, normalization=None
+        source, tmp_path / "bad", qk_l2_norm=True, moe_shared_expert_gate=True, normalization=None
     )
     with pytest.raises(UserError) as err:
         convert_from_megatron.main(["--load", str(tmp_path / "bad"), "--save", str(tmp_path / "o")])
     message = str(err.value)
-    for part in ("normalization missing", "qk_layernorm=True", "moe_shared_expert_gate=True"):
+    for part in ("normalization missing", "qk_l2_norm=True", "moe_shared_expert_gate=True"):
         assert part in message, message
     assert not (tmp_path / "o").exists()
 

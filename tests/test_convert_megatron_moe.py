@@ -10,10 +10,10 @@ weight distinct (the expert bias included), runs megatron-core's forward and sav
 - `--ckpt-format torch_dist` with megatron-core's own `dist_checkpointing.save`: one stacked key
   per expert weight (SequentialMLP and TEGroupedMLP write the same one), dense and MoE layers
   each saved for their own layers.
-Two models: Mixtral-like (softmax top-2 of 4, every layer MoE) and DeepSeek-like (a dense first
-layer, sigmoid top-2 with 2 groups, scaling, expert bias, shared expert). Converted to our
-checkpoint and to Hugging Face, our logits equal megatron-core's within 1e-5 and transformers'
-(Mixtral, GLM-4.5) within 1e-5.
+Three models: Mixtral-like (softmax top-2 of 4, every layer MoE), the same with --qk-layernorm
+(Qwen3-MoE-like) and DeepSeek-like (a dense first layer, sigmoid top-2 with 2 groups, scaling,
+expert bias, shared expert). Converted to our checkpoint and to Hugging Face, our logits equal
+megatron-core's within 1e-5 and transformers' (Mixtral, Qwen3-MoE, GLM-4.5) within 1e-5.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ convert_from_megatron = load_tool("convert_from_megatron")
 
 MOE = {
     "mixtral": dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24),
+    "qwen3": dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, qk_layernorm=True),
     "deepseek": dict(
         num_moe_experts=4,
         moe_router_topk=2,
@@ -55,10 +56,14 @@ MOE = {
 CHECKPOINTS = [
     ("mixtral-tp2-torch-te", "mixtral", 2, 1, "torch", True),
     ("deepseek-pp2-torch", "deepseek", 1, 2, "torch", False),
-    ("mixtral-pp2-dist", "mixtral", 1, 2, "torch_dist", False),
+    ("qwen3-pp2-dist", "qwen3", 1, 2, "torch_dist", False),
     ("deepseek-tp2-dist", "deepseek", 2, 1, "torch_dist", False),
 ]
-HF_CLASS = {"mixtral": transformers.MixtralForCausalLM, "deepseek": transformers.Glm4MoeForCausalLM}
+HF_CLASS = {
+    "mixtral": transformers.MixtralForCausalLM,
+    "qwen3": transformers.Qwen3MoeForCausalLM,
+    "deepseek": transformers.Glm4MoeForCausalLM,
+}
 
 
 def _args(model: str, tp: int, pp: int, ckpt_format: str):

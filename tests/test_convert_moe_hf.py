@@ -69,17 +69,33 @@ GLM_GROUPED = dataclasses.replace(
     moe_router_group_topk=2,
     moe_router_topk_scaling_factor=2.5,
     untie_embeddings_and_output_weights=False,
+    qk_layernorm=True,
 )
-CONFIGS = {"mixtral": MIXTRAL, "glm": GLM, "glm-grouped-scaled-tied": GLM_GROUPED}
-HF_CLASS = {"mixtral": transformers.MixtralForCausalLM, "glm4_moe": transformers.Glm4MoeForCausalLM}
+QWEN3 = dataclasses.replace(MIXTRAL, qk_layernorm=True, moe_layer_freq=(1, 0, 1))
+QWEN3_UNNORMALISED = dataclasses.replace(QWEN3, moe_layer_freq=1, moe_router_pre_softmax=True)
+CONFIGS = {
+    "mixtral": MIXTRAL,
+    "glm": GLM,
+    "glm-grouped-scaled-tied-qknorm": GLM_GROUPED,
+    "qwen3-dense-middle": QWEN3,
+    "qwen3-pre-softmax": QWEN3_UNNORMALISED,
+}
+HF_CLASS = {
+    "mixtral": transformers.MixtralForCausalLM,
+    "glm4_moe": transformers.Glm4MoeForCausalLM,
+    "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+}
 
 
 def _our_model(config: ModelConfig, seed: int = 0) -> GPTModel:
     torch.manual_seed(seed)
     model = GPTModel(config).eval()
-    for name, buffer in model.named_buffers():
-        if name.endswith("router.expert_bias"):  # a trained bias, so that it changes the picks
-            buffer.copy_(torch.randn_like(buffer) * 0.1)
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if name.endswith("router.expert_bias"):  # a trained bias, so that it changes the picks
+                tensor.copy_(torch.randn_like(tensor) * 0.1)
+            if name.endswith("norm.weight"):  # distinct norms (q_norm vs k_norm included)
+                tensor.add_(torch.randn_like(tensor) * 0.2)
     return model
 
 
@@ -113,7 +129,7 @@ def test_ours_equals_transformers_and_its_files_import_back(name, tmp_path):
         assert torch.equal(weights_back[key], tensor), key
 
 
-@pytest.mark.parametrize("name", ["mixtral", "glm4_moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "glm4_moe"])
 def test_transformers_models_import_with_equal_logits(name, tmp_path):
     """Models initialised by transformers (its own init, a random GLM correction bias), saved
     by it, read from the files by the import."""
@@ -124,6 +140,11 @@ def test_transformers_models_import_with_equal_logits(name, tmp_path):
     )  # fmt: skip
     if name == "mixtral":
         hf_config = transformers.MixtralConfig(intermediate_size=24, num_local_experts=6, **common)
+    elif name == "qwen3_moe":
+        hf_config = transformers.Qwen3MoeConfig(
+            intermediate_size=40, moe_intermediate_size=8, num_experts=6, norm_topk_prob=True,
+            mlp_only_layers=[1], **common,
+        )  # fmt: skip
     else:
         common["rope_parameters"] |= {"partial_rotary_factor": 1.0}
         hf_config = transformers.Glm4MoeConfig(
@@ -139,7 +160,9 @@ def test_transformers_models_import_with_equal_logits(name, tmp_path):
     hf.save_pretrained(tmp_path)
 
     config, weights = read_hf_folder(str(tmp_path))
-    assert config.num_moe_experts == (6 if name == "mixtral" else 8)
+    assert config.num_moe_experts == (8 if name == "glm4_moe" else 6)
+    if name == "qwen3_moe":
+        assert config.moe_layers == (True, False, True) and config.qk_layernorm
     if name == "glm4_moe":
         assert config.moe_layers == (False, True, True)
         assert config.moe_shared_expert_intermediate_size == 16
@@ -205,21 +228,21 @@ def test_inexpressible_moe_models_are_refused(config, refusal):
     with pytest.raises(UserError, match=refusal) as err:
         hf_flavour(config)
     message = str(err.value)
-    assert "MixtralForCausalLM" in message and "Glm4MoeForCausalLM" in message
+    assert all(name in message for name in ("Mixtral", "Qwen3Moe", "Glm4Moe"))
     assert "\n" not in message
 
 
 @pytest.mark.parametrize(
     "hf_config, refusal",
     [
-        (transformers.Qwen3MoeConfig(num_hidden_layers=1), "qwen3_moe.*q_norm/k_norm"),
+        (transformers.OlmoeConfig(num_hidden_layers=1), "olmoe.*q_norm/k_norm"),
         (transformers.DeepseekV3Config(num_hidden_layers=1), "deepseek_v3.*multi-latent"),
         (transformers.Qwen2MoeConfig(num_hidden_layers=1), "shared_expert_gate"),
         (transformers.Glm4MoeConfig(num_hidden_layers=1), "partial_rotary_factor=0.5"),
         (transformers.MixtralConfig(num_hidden_layers=1, sliding_window=32), "sliding_window"),
         (transformers.MixtralConfig(num_hidden_layers=1, num_experts_per_tok=1), "weight 1"),
     ],
-    ids=["qwen3-moe", "deepseek-v3", "qwen2-moe", "glm-partial-rope", "mixtral-window", "top-1"],
+    ids=["olmoe", "deepseek-v3", "qwen2-moe", "glm-partial-rope", "mixtral-window", "top-1"],
 )
 def test_hf_moe_models_we_cannot_run_are_refused_by_name(tmp_path, hf_config, refusal):
     hf_config.save_pretrained(tmp_path)

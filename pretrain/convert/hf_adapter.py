@@ -61,7 +61,11 @@ def _gpt2_mismatches(c: ModelConfig) -> list[str]:
         problems.append(f"num_query_groups={c.query_groups} (needs multi-head attention)")
     if c.head_dim * c.num_attention_heads != c.hidden_size:
         problems.append(f"kv_channels={c.head_dim} (needs hidden_size / num_attention_heads)")
-    return problems
+    return problems + _no_qk_norms(c)
+
+
+def _no_qk_norms(c: ModelConfig) -> list[str]:
+    return ["qk_layernorm=True (no q/k norms)"] if c.qk_layernorm else []
 
 
 def hf_flavour(config: ModelConfig) -> str:
@@ -69,7 +73,7 @@ def hf_flavour(config: ModelConfig) -> str:
     computes exactly what `config` computes."""
     if config.is_moe:
         return hf_moe.moe_flavour(config)
-    gpt2, llama = _gpt2_mismatches(config), llama_body_mismatches(config)
+    gpt2, llama = _gpt2_mismatches(config), llama_body_mismatches(config) + _no_qk_norms(config)
     if not gpt2:
         return GPT2
     if not llama:

@@ -1,8 +1,9 @@
 """What every Llama-family Hugging Face class shares with our Llama flavour: the body's checks,
 RoPE parameters, and the per-layer weights of the norms, the attention and a gated MLP.
 
-`LlamaForCausalLM`, `MixtralForCausalLM` and `Glm4MoeForCausalLM` (pretrain/convert/hf_moe.py)
-differ only in their MLPs: their attention is q/k/v/o projections around rotate-half RoPE and
+`LlamaForCausalLM`, `MixtralForCausalLM`, `Qwen3MoeForCausalLM` and `Glm4MoeForCausalLM`
+(pretrain/convert/hf_moe.py) differ only in their MLPs and in per-head q/k RMSNorms (`q_norm`,
+`k_norm`: our --qk-layernorm): their attention is q/k/v/o projections around rotate-half RoPE and
 their norms RMSNorms named `input_layernorm` / `post_attention_layernorm`. Our fused QKV is per
 query group [its q heads; k; v]; our fc1 is [gate; up]. Names: `o` is our layer prefix
 (`layers.<i>.`), `t` the HF one (`model.layers.<i>.`).
@@ -93,6 +94,10 @@ def attention_to_hf(ours: dict, o: str, t: str, c: ModelConfig) -> dict:
         t + "input_layernorm.weight": ours[o + "input_norm.weight"],
         t + "post_attention_layernorm.weight": ours[o + "post_attention_norm.weight"],
     }
+    if c.qk_layernorm:  # Qwen3's per-head RMSNorms
+        out |= {
+            t + f"self_attn.{p}_norm.weight": ours[o + f"attention.{p}_norm.weight"] for p in "qk"
+        }
     for suffix in _suffixes(c):
         qkv = ours[o + "attention.qkv." + suffix]
         rest = qkv.shape[1:]
@@ -113,6 +118,10 @@ def attention_from_hf(hf: dict, t: str, o: str, c: ModelConfig) -> dict:
         o + "input_norm.weight": hf[t + "input_layernorm.weight"],
         o + "post_attention_norm.weight": hf[t + "post_attention_layernorm.weight"],
     }
+    if c.qk_layernorm:
+        out |= {
+            o + f"attention.{p}_norm.weight": hf[t + f"self_attn.{p}_norm.weight"] for p in "qk"
+        }
     for suffix in _suffixes(c):
         q, k, v = (hf[t + f"self_attn.{p}_proj." + suffix] for p in "qkv")
         rest = q.shape[1:]

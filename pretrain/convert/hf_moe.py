@@ -1,24 +1,29 @@
-"""Our mixture-of-experts GPTModel <-> Hugging Face `MixtralForCausalLM` / `Glm4MoeForCausalLM`.
+"""Our mixture-of-experts GPTModel <-> Hugging Face `MixtralForCausalLM`, `Qwen3MoeForCausalLM`,
+`Glm4MoeForCausalLM`.
 
-Both classes have our Llama body (RoPE, RMSNorm, GQA, no biases: pretrain/convert/hf_common.py)
-and differ in their MoE blocks; which one a model maps to follows from its router:
+All have our Llama body (RoPE, RMSNorm, GQA, no biases: pretrain/convert/hf_common.py) and differ
+in their MoE blocks and q/k norms; which one a model maps to follows from its architecture:
 - Mixtral: softmax router, top-k weights renormalised to sum to 1 (= our softmax over the k
-  selected logits, i.e. without --moe-router-pre-softmax), every layer MoE, no shared expert.
+  selected logits, i.e. without --moe-router-pre-softmax), every layer MoE, no shared expert,
+  no q/k norms.
+- Qwen3-MoE: the same router, renormalised (`norm_topk_prob`) or not (= our
+  --moe-router-pre-softmax), per-head q/k RMSNorms (our --qk-layernorm), dense layers anywhere
+  (`mlp_only_layers`), no shared expert.
 - GLM-4.5 (`glm4_moe`, DeepSeek-V3's MoE with plain GQA attention): sigmoid router whose
   `e_score_correction_bias` only picks experts (our expert bias), top-k weights normalised when
   k > 1 (`norm_topk_prob`) and scaled (`routed_scaling_factor`), group-limited routing scoring a
   group by its top 2 (ours by its top k / group_topk), `n_shared_experts` shared experts of
   `moe_intermediate_size` (our one shared MLP of their total width), the first
-  `first_k_dense_replace` layers dense.
+  `first_k_dense_replace` layers dense, optional q/k norms (`use_qk_norm`).
 Expert weights: ours `experts.fc1.weight` [E, 2f, h] ([gate; up]) and `fc2.weight` [E, h, f];
 transformers holds them as `experts.gate_up_proj` / `down_proj` of the same shapes in memory
-and saves them per expert (Mixtral `block_sparse_moe.experts.<e>.w1/w3/w2`, GLM
+and saves them per expert (Mixtral `block_sparse_moe.experts.<e>.w1/w3/w2`, Qwen3 and GLM
 `mlp.experts.<e>.gate_proj/up_proj/down_proj`), which is what an import reads.
 
 Anything the classes cannot express (token dropping, biases, another layer pattern, a router
 option they lack) is a UserError naming it. Models transformers has but our layer cannot run
 (Qwen3-MoE's per-head q/k norms, DeepSeek-V2/V3's multi-latent attention, Qwen2-MoE's gated
-shared expert, ...) are refused by name on import.
+shared expert, OLMoE's whole-projection q/k norms) are refused by name on import.
 """
 
 from __future__ import annotations
@@ -42,14 +47,17 @@ from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
 
 MIXTRAL = "mixtral"
+QWEN3_MOE = "qwen3_moe"
 GLM4_MOE = "glm4_moe"
-HF_CLASSES = {MIXTRAL: "MixtralForCausalLM", GLM4_MOE: "Glm4MoeForCausalLM"}
+HF_CLASSES = {
+    MIXTRAL: "MixtralForCausalLM",
+    QWEN3_MOE: "Qwen3MoeForCausalLM",
+    GLM4_MOE: "Glm4MoeForCausalLM",
+}
 GROUP_TOP = 2  # transformers' DeepSeek-V3/GLM router scores a group by its top 2 experts
 
 # model types transformers has that our MoE layer does not compute, and why
 REFUSED = {
-    "qwen3_moe": "per-head RMSNorms on the queries and keys (q_norm/k_norm; Megatron's "
-    "--qk-layernorm), which our attention does not have",
     "qwen2_moe": "a shared expert scaled by its own sigmoid gate (shared_expert_gate) and "
     "biases on q/k/v only",
     "deepseek_v2": "multi-latent attention (kv_lora_rank), which our attention does not have",
@@ -73,21 +81,36 @@ def _common_mismatches(c: ModelConfig) -> list[str]:
     return problems
 
 
-def _mixtral_mismatches(c: ModelConfig) -> list[str]:
-    problems = _common_mismatches(c)
-    if not all(c.moe_layers):
-        problems.append(f"moe_layer_freq={c.moe_layer_freq} (needs experts in every layer)")
-    if c.moe_router_score_function != "softmax" or c.moe_router_pre_softmax:
-        problems.append(
-            "a router other than softmax over the top-k logits (needs "
-            "--moe-router-score-function softmax without --moe-router-pre-softmax)"
-        )
+def _softmax_router_mismatches(c: ModelConfig) -> list[str]:
+    """What keeps `c` from Mixtral's / Qwen3's router: softmax, no shared expert, no scaling,
+    no groups."""
+    problems = []
+    if c.moe_router_score_function != "softmax":
+        problems.append("moe_router_score_function=sigmoid (needs softmax)")
     if c.moe_shared_expert_intermediate_size is not None:
-        problems.append("a shared expert (Mixtral has none)")
+        problems.append("a shared expert (none in this class)")
     if c.moe_router_topk_scaling_factor not in (None, 1.0):
         problems.append(f"moe_router_topk_scaling_factor={c.moe_router_topk_scaling_factor}")
     if c.moe_router_group_topk:
         problems.append("group-limited routing (--moe-router-group-topk)")
+    return problems
+
+
+def _mixtral_mismatches(c: ModelConfig) -> list[str]:
+    problems = _common_mismatches(c) + _softmax_router_mismatches(c)
+    if not all(c.moe_layers):
+        problems.append(f"moe_layer_freq={c.moe_layer_freq} (needs experts in every layer)")
+    if c.moe_router_pre_softmax:
+        problems.append("--moe-router-pre-softmax (Mixtral renormalises the top-k weights)")
+    if c.qk_layernorm:
+        problems.append("qk_layernorm=True (no q/k norms)")
+    return problems
+
+
+def _qwen3_mismatches(c: ModelConfig) -> list[str]:
+    problems = _common_mismatches(c) + _softmax_router_mismatches(c)
+    if not c.qk_layernorm:
+        problems.append("qk_layernorm=False (needs --qk-layernorm: q_norm/k_norm)")
     return problems
 
 
@@ -120,7 +143,11 @@ def _glm_mismatches(c: ModelConfig) -> list[str]:
     return problems
 
 
-_MISMATCHES = {MIXTRAL: _mixtral_mismatches, GLM4_MOE: _glm_mismatches}
+_MISMATCHES = {
+    MIXTRAL: _mixtral_mismatches,
+    QWEN3_MOE: _qwen3_mismatches,
+    GLM4_MOE: _glm_mismatches,
+}
 
 
 def moe_flavour(config: ModelConfig) -> str:
@@ -167,6 +194,18 @@ def to_hf_config(config: ModelConfig, flavour: str, **specials) -> transformers.
             router_jitter_noise=0.0,
             **common,
         )
+    if flavour == QWEN3_MOE:
+        return transformers.Qwen3MoeConfig(
+            intermediate_size=config.ffn_size,
+            moe_intermediate_size=config.moe_ffn_size,
+            num_experts=config.num_moe_experts,
+            norm_topk_prob=not config.moe_router_pre_softmax,
+            decoder_sparse_step=1,
+            mlp_only_layers=[i for i, moe in enumerate(config.moe_layers) if not moe],
+            attention_bias=False,
+            use_sliding_window=False,
+            **common,
+        )
     grouped = bool(config.moe_router_group_topk)
     common["rope_parameters"] |= {"partial_rotary_factor": 1.0}
     return transformers.Glm4MoeConfig(
@@ -180,7 +219,7 @@ def to_hf_config(config: ModelConfig, flavour: str, **specials) -> transformers.
         n_group=config.moe_router_num_groups if grouped else 1,
         topk_group=config.moe_router_group_topk if grouped else 1,
         attention_bias=False,
-        use_qk_norm=False,
+        use_qk_norm=config.qk_layernorm,
         num_nextn_predict_layers=0,
         **common,
     )
@@ -244,12 +283,39 @@ def _mixtral_config(hf, seq_length: int | None) -> ModelConfig:
     )
 
 
+def _qwen3_config(hf, seq_length: int | None) -> ModelConfig:
+    problems = []
+    if hf.attention_bias:
+        problems.append("attention_bias=True (our MoE models have no biases)")
+    if getattr(hf, "use_sliding_window", False):
+        problems.append("use_sliding_window=True (our attention is full causal)")
+    if hf.num_experts_per_tok == 1 and hf.norm_topk_prob:
+        problems.append(
+            "num_experts_per_tok=1 with norm_topk_prob (weight 1; ours its probability)"
+        )
+    _refuse(QWEN3_MOE, problems)
+    pattern = tuple(
+        int(i not in hf.mlp_only_layers and (i + 1) % hf.decoder_sparse_step == 0)
+        for i in range(hf.num_hidden_layers)
+    )
+    return ModelConfig(
+        **_body(hf, seq_length)
+        | dict(
+            qk_layernorm=True,
+            ffn_hidden_size=hf.intermediate_size,
+            num_moe_experts=hf.num_experts,
+            moe_router_topk=hf.num_experts_per_tok,
+            moe_ffn_hidden_size=hf.moe_intermediate_size,
+            moe_layer_freq=1 if all(pattern) else pattern,
+            moe_router_pre_softmax=not hf.norm_topk_prob,
+        )
+    )
+
+
 def _glm_problems(hf) -> list[str]:
     problems = []
     if hf.attention_bias:
         problems.append("attention_bias=True (biases on q/k/v only; ours are on every linear)")
-    if hf.use_qk_norm:
-        problems.append("use_qk_norm=True (our attention has no q/k norms)")
     partial = rope_parameters(hf).get(
         "partial_rotary_factor", getattr(hf, "partial_rotary_factor", 1.0)
     )
@@ -291,15 +357,17 @@ def _glm_config(hf, seq_length: int | None) -> ModelConfig:
             moe_router_num_groups=hf.n_group if grouped else None,
             moe_router_group_topk=hf.topk_group if grouped else None,
             moe_router_dtype="fp32",
+            qk_layernorm=bool(hf.use_qk_norm),
         )
     )
 
 
-MODEL_TYPES = {MIXTRAL: _mixtral_config, GLM4_MOE: _glm_config}
+MODEL_TYPES = {MIXTRAL: _mixtral_config, QWEN3_MOE: _qwen3_config, GLM4_MOE: _glm_config}
 
 
 def from_hf_config(hf, seq_length: int | None = None) -> ModelConfig:
-    """Our ModelConfig for a transformers Mixtral / GLM-4.5 config; UserError otherwise."""
+    """Our ModelConfig for a transformers Mixtral / Qwen3-MoE / GLM-4.5 config; UserError
+    otherwise."""
     model_type = getattr(hf, "model_type", None)
     if model_type in REFUSED:
         raise UserError(
@@ -327,6 +395,12 @@ def _mixtral_layer_to_hf(ours: dict, o: str, t: str, c: ModelConfig) -> dict:
 
 def _is_moe_layer(o: str, c: ModelConfig) -> bool:
     return c.moe_layers[int(o.split(".")[1])]
+
+
+def _qwen3_layer_to_hf(ours: dict, o: str, t: str, c: ModelConfig) -> dict:
+    if not _is_moe_layer(o, c):
+        return llama_layer_to_hf(ours, o, t, c)
+    return _mixtral_layer_to_hf(ours, o, t, c)
 
 
 def _glm_layer_to_hf(ours: dict, o: str, t: str, c: ModelConfig) -> dict:
@@ -359,23 +433,36 @@ def _mixtral_layer_from_hf(hf: dict, t: str, o: str, c: ModelConfig) -> dict:
     }
 
 
-def _glm_layer_from_hf(hf: dict, t: str, o: str, c: ModelConfig) -> dict:
+def _qwen3_layer_from_hf(hf: dict, t: str, o: str, c: ModelConfig) -> dict:
     if not _is_moe_layer(o, c):
         return llama_layer_from_hf(hf, t, o, c)
     experts = _stacked_experts(hf, t + "mlp.experts.", c, ("gate_proj", "up_proj", "down_proj"))
+    return attention_from_hf(hf, t, o, c) | {
+        o + "mlp.router.weight": hf[t + "mlp.gate.weight"],
+        **{o + "mlp." + k: v for k, v in experts.items()},
+    }
+
+
+def _glm_layer_from_hf(hf: dict, t: str, o: str, c: ModelConfig) -> dict:
+    if not _is_moe_layer(o, c):
+        return llama_layer_from_hf(hf, t, o, c)
     return (
-        attention_from_hf(hf, t, o, c)
-        | {
-            o + "mlp.router.weight": hf[t + "mlp.gate.weight"],
-            o + "mlp.router.expert_bias": hf[t + "mlp.gate.e_score_correction_bias"].float(),
-            **{o + "mlp." + k: v for k, v in experts.items()},
-        }
+        _qwen3_layer_from_hf(hf, t, o, c)
+        | {o + "mlp.router.expert_bias": hf[t + "mlp.gate.e_score_correction_bias"].float()}
         | gated_mlp_from_hf(hf, t + "mlp.shared_experts.", o + "mlp.shared_experts.")
     )
 
 
-LAYER_TO_HF = {MIXTRAL: _mixtral_layer_to_hf, GLM4_MOE: _glm_layer_to_hf}
-LAYER_FROM_HF = {MIXTRAL: _mixtral_layer_from_hf, GLM4_MOE: _glm_layer_from_hf}
+LAYER_TO_HF = {
+    MIXTRAL: _mixtral_layer_to_hf,
+    QWEN3_MOE: _qwen3_layer_to_hf,
+    GLM4_MOE: _glm_layer_to_hf,
+}
+LAYER_FROM_HF = {
+    MIXTRAL: _mixtral_layer_from_hf,
+    QWEN3_MOE: _qwen3_layer_from_hf,
+    GLM4_MOE: _glm_layer_from_hf,
+}
 
 
 def ignored_hf_tensor(name: str, flavour: str, config: ModelConfig) -> bool:

@@ -66,6 +66,8 @@ _LAYER_NAMES = {
     "self_attention.linear_qkv.layer_norm_": "input_norm.",
     "self_attention.linear_qkv.": "attention.qkv.",
     "self_attention.linear_proj.": "attention.proj.",
+    "self_attention.q_layernorm.": "attention.q_norm.",
+    "self_attention.k_layernorm.": "attention.k_norm.",
     "pre_mlp_layernorm.": "post_attention_norm.",
     "mlp.linear_fc1.layer_norm_": "post_attention_norm.",
     "mlp.linear_fc1.": "mlp.fc1.",

@@ -1,7 +1,7 @@
 """Megatron-LM's saved `args` (an argparse.Namespace in every checkpoint) -> our ModelConfig.
 
 Nothing is guessed: every setting that decides the model's shape or computation is read from
-`args`. Missing required keys, and settings our model does not implement (MLA, qk-layernorm,
+`args`. Missing required keys, and settings our model does not implement (MLA, qk-l2-norm,
 partial or interleaved RoPE, squared ReLU, uneven pipeline splits, ...), are listed together in
 one UserError. A setting that older Megatron-LM versions did not have (e.g. `use_rope_scaling`)
 counts as absent = the behaviour those versions had (its neutral value below).
@@ -44,7 +44,6 @@ REQUIRED = (
 # settings our model does not implement: (args key, the value that means "not used")
 NEUTRAL = (
     ("apply_residual_connection_post_layernorm", False),
-    ("qk_layernorm", False),
     ("qk_l2_norm", False),
     ("apply_layernorm_1p", False),
     ("layernorm_zero_centered_gamma", False),
@@ -202,6 +201,7 @@ def model_config_from_args(
         attention_dropout=_value(args, "attention_dropout", 0.1),
         init_method_std=_value(args, "init_method_std", 0.02),
         params_dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32,
+        qk_layernorm=bool(_value(args, "qk_layernorm", False)),
         **moe_fields(args),
     )
     if vocab_size is not None and vocab_size > args.padded_vocab_size:
