@@ -26,7 +26,7 @@ import dataclasses
 import torch
 import transformers
 
-from pretrain.convert import hf_moe
+from pretrain.convert import hf_moe, hf_moe_import
 from pretrain.convert.hf_common import (
     from_hf_rope,
     llama_body_mismatches,
@@ -159,8 +159,11 @@ def default_sizes_as_none(config: ModelConfig) -> ModelConfig:
 def from_hf_config(hf: transformers.PretrainedConfig, seq_length: int | None = None) -> ModelConfig:
     """Our ModelConfig for a transformers GPT-2, Llama, Mixtral or GLM-4.5 config; UserError for
     anything we cannot run."""
-    if getattr(hf, "model_type", None) in hf_moe.MODEL_TYPES.keys() | hf_moe.REFUSED.keys():
-        return default_sizes_as_none(hf_moe.from_hf_config(hf, seq_length))
+    if (
+        getattr(hf, "model_type", None)
+        in hf_moe_import.MODEL_TYPES.keys() | hf_moe_import.REFUSED.keys()
+    ):
+        return default_sizes_as_none(hf_moe_import.from_hf_config(hf, seq_length))
     return default_sizes_as_none(_from_hf_config(hf, seq_length))
 
 
@@ -230,7 +233,7 @@ def _from_hf_config(hf: transformers.PretrainedConfig, seq_length: int | None) -
             attention_dropout=hf.attention_dropout,
             init_method_std=hf.initializer_range,
         )
-    supported = ", ".join(repr(t) for t in (GPT2, LLAMA, *hf_moe.MODEL_TYPES))
+    supported = ", ".join(repr(t) for t in (GPT2, LLAMA, *hf_moe_import.MODEL_TYPES))
     raise UserError(
         f"model_type={model_type!r} is not supported (config.json's model_type must be one of "
         f"{supported})"
