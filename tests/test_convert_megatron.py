@@ -266,10 +266,10 @@ def test_missing_rank_file_and_unknown_tensors(megatron, tmp_path):
     _rewrite_args(megatron[0][_name("gpt2", 1, 1, None, False)][0], tmp_path / "extra")
     path = tmp_path / "extra" / f"iter_{ITERATION:07d}" / "mp_rank_00" / "model_optim_rng.pt"
     checkpoint = safe_load.load(str(path), megatron=True)
-    checkpoint["model"]["decoder.layers.0.self_attention.q_layernorm.weight"] = torch.ones(8)
+    checkpoint["model"]["decoder.layers.0.self_attention.linear_q_down_proj.weight"] = torch.ones(8)
     torch.save(checkpoint, path)
     with pytest.raises(
-        UserError, match=r"does not have: decoder.layers.0.self_attention.q_layernorm"
+        UserError, match=r"does not have: decoder.layers.0.self_attention.linear_q_down_proj"
     ):
         convert_from_megatron.main(
             ["--load", str(tmp_path / "extra"), "--save", str(tmp_path / "o")]
