@@ -1,15 +1,18 @@
-"""Mixture-of-experts models to and from Hugging Face: `MixtralForCausalLM` and `Glm4MoeForCausalLM`
-(DeepSeek-V3's sigmoid router with expert bias, group-limited routing, scaling and shared
-experts, dense first layers), compared with transformers' own classes on the same tokens (fp32).
+"""Mixture-of-experts models to and from Hugging Face: `MixtralForCausalLM`, `Qwen3MoeForCausalLM`
+(--qk-layernorm, dense layers anywhere, renormalised or pre-softmax weights) and
+`Glm4MoeForCausalLM` (DeepSeek-V3's sigmoid router with expert bias, group-limited routing,
+scaling and shared experts, dense first layers), compared with transformers' own classes on the
+same tokens (fp32).
 
-In one process: our GPTModel with random weights (a random expert bias too) exported through the
-adapter and transformers' `save_pretrained` files equals transformers' logits; models transformers
-initialised itself, saved in its per-expert file layout, import to ours with equal logits; each
-router option changes transformers' logits (so the mapping of each one is checked); what
-cannot be expressed is refused by name. On checkpoints of real training runs (one 4-rank
-launch, EP = 1): TP 2 x PP 2 with whole experts per TP rank and TP 2 x DP 2 with experts split
-over TP merge to the DP 4 run's weights, export with equal logits, and import back at TP 2 x
-PP 2 bit for bit; one --finetune iteration from the import logs the original's loss.
+In one process: our GPTModel with random weights (random norms and expert bias too) exported
+through the adapter and transformers' `save_pretrained` files equals transformers' logits; models
+transformers initialised itself, saved in its per-expert file layout, import to ours with equal
+logits; each router option changes transformers' logits (so the mapping of each one is checked);
+what cannot be expressed is refused by name. On checkpoints of real training runs (one 4-rank
+launch, EP = 1; the GLM-like model with --qk-layernorm): TP 2 x PP 2 with whole experts per TP
+rank and TP 2 x DP 2 with experts split over TP merge to the DP 4 run's weights, export with
+equal logits, and import back at TP 2 x PP 2 bit for bit; one --finetune iteration from the
+import logs the original's loss.
 """
 
 from __future__ import annotations
@@ -262,6 +265,7 @@ TRAINED = {
             "--moe-layer-freq", "[0,1]", "--moe-router-score-function", "sigmoid",
             "--moe-shared-expert-intermediate-size", "32", "--moe-router-enable-expert-bias",
             "--moe-router-bias-update-rate", "0.05", "--moe-router-topk-scaling-factor", "1.5",
+            "--qk-layernorm",
             "--moe-token-dispatcher-type", "alltoall"],
 }  # fmt: skip
 # name -> (TP, PP, ZeRO, expert TP) at 4 ranks: DP 4; TP 2 x PP 2 with whole experts on each TP

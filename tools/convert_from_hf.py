@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Import a local Hugging Face GPT-2 or Llama folder as a checkpoint to continue pretraining from.
+"""Import a local Hugging Face folder (GPT-2, Llama, Mixtral, Qwen3-MoE, GLM-4.5) as a checkpoint to
+continue pretraining from.
 
     python tools/convert_from_hf.py --load hf_export/demo --save checkpoints/from_hf \\
         --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
