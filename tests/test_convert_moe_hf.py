@@ -270,6 +270,8 @@ TRAINED = {
 }  # fmt: skip
 # name -> (TP, PP, ZeRO, expert TP) at 4 ranks: DP 4; TP 2 x PP 2 with whole experts on each TP
 # rank; TP 2 x DP 2 with the experts split over TP
+# odd: the expert bias moves by +-rate each iteration, so an odd number of steps cannot cancel
+TRAINED_ITERATIONS = 3
 TRAINED_LAYOUTS = {"dp4": (1, 1, 1, 1), "tp2pp2": (2, 2, 0, 1), "tp2dp2": (2, 1, 2, 2)}
 
 
@@ -278,10 +280,10 @@ def _trained_argv(model: str, layout, corpus: str, save) -> list[str]:
     return (
         model_flags("llama")
         + TRAINED[model]
-        + train_flags(corpus, iters=2)
+        + train_flags(corpus, iters=TRAINED_ITERATIONS)
         + layout_flags(tp, pp, zero)
         + ["--sequence-parallel", "--expert-tensor-parallel-size", str(etp)]
-        + ["--save", str(save), "--save-interval", "2"]
+        + ["--save", str(save), "--save-interval", str(TRAINED_ITERATIONS)]
     )
 
 
