@@ -139,7 +139,8 @@ _MISMATCHES = {
 
 
 def moe_flavour(config: ModelConfig) -> str:
-    """MIXTRAL or GLM4_MOE: the transformers class that computes exactly this MoE model."""
+    """MIXTRAL, QWEN3_MOE or GLM4_MOE: the transformers class that computes exactly this MoE
+    model."""
     found = {flavour: check(config) for flavour, check in _MISMATCHES.items()}
     for flavour, problems in found.items():
         if not problems:
