@@ -123,11 +123,13 @@ def _rewrite_args(source, target, **changes) -> None:
 
 def test_unsupported_and_missing_args_are_listed_in_one_error(megatron, tmp_path):
     source = megatron[0][_name("llama", 1, 2, None, False)][0]
-    _rewrite_args(source, tmp_path / "bad", qk_layernorm=True, num_experts=8, normalization=None)
+    _rewrite_args(
+        source, tmp_path / "bad", qk_l2_norm=True, moe_shared_expert_gate=True, normalization=None
+    )
     with pytest.raises(UserError) as err:
         convert_from_megatron.main(["--load", str(tmp_path / "bad"), "--save", str(tmp_path / "o")])
     message = str(err.value)
-    for part in ("normalization missing", "qk_layernorm=True", "num_experts=8"):
+    for part in ("normalization missing", "qk_l2_norm=True", "moe_shared_expert_gate=True"):
         assert part in message, message
     assert not (tmp_path / "o").exists()
 
@@ -264,10 +266,10 @@ def test_missing_rank_file_and_unknown_tensors(megatron, tmp_path):
     _rewrite_args(megatron[0][_name("gpt2", 1, 1, None, False)][0], tmp_path / "extra")
     path = tmp_path / "extra" / f"iter_{ITERATION:07d}" / "mp_rank_00" / "model_optim_rng.pt"
     checkpoint = safe_load.load(str(path), megatron=True)
-    checkpoint["model"]["decoder.layers.0.self_attention.q_layernorm.weight"] = torch.ones(8)
+    checkpoint["model"]["decoder.layers.0.self_attention.linear_q_down_proj.weight"] = torch.ones(8)
     torch.save(checkpoint, path)
     with pytest.raises(
-        UserError, match=r"does not have: decoder.layers.0.self_attention.q_layernorm"
+        UserError, match=r"does not have: decoder.layers.0.self_attention.linear_q_down_proj"
     ):
         convert_from_megatron.main(
             ["--load", str(tmp_path / "extra"), "--save", str(tmp_path / "o")]

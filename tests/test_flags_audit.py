@@ -136,6 +136,7 @@ def changes(f) -> dict:
         "--num-key-value-heads": ["2"], "--max-position-embeddings": ["32"],
         "--position-embedding-type": ["rope"], "--use-rotary-position-embeddings": [],
         "--rotary-base": ["500000"], "--normalization": ["RMSNorm"], "--norm-epsilon": ["1e-6"],
+        "--qk-layernorm": [],
         "--swiglu": [], "--untie-embeddings-and-output-weights": [], "--disable-bias-linear": [],
         "--attention-dropout": ["0"], "--hidden-dropout": ["0"], "--init-method-std": ["0.01"],
         "--make-vocab-size-divisible-by": ["64"], "--recompute-activations": [],

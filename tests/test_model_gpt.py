@@ -210,6 +210,8 @@ def model_world(rank: int, world: int) -> str:
         for tp in (2, 4):
             check_tp_equivalence(rank, config, tp, with_mask=(tp == 2))
         check_documents_equal_dense_reference(config, tp=2)
+    # --qk-layernorm: each TP rank normalises its own heads with the replicated norms
+    check_tp_equivalence(rank, dataclasses.replace(LLAMA, qk_layernorm=True), 2, with_mask=False)
     check_recompute_and_dropout(rank)
     return "ok"
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Import a local Hugging Face GPT-2 or Llama folder as a checkpoint to continue pretraining from.
+"""Import a local Hugging Face folder (GPT-2, Llama, Mixtral, Qwen3-MoE, GLM-4.5) as a checkpoint to
+continue pretraining from.
 
     python tools/convert_from_hf.py --load hf_export/demo --save checkpoints/from_hf \\
         --target-tensor-parallel-size 2 --target-pipeline-parallel-size 2
@@ -49,6 +50,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="the --pipeline-model-parallel-size of the run that will load it",
     )
     p.add_argument(
+        "--target-expert-tensor-parallel-size",
+        type=int,
+        help="MoE models: the --expert-tensor-parallel-size of that run (1 or the tensor-parallel "
+        "size; default: the tensor-parallel size, as that flag defaults)",
+    )
+    p.add_argument(
         "--make-vocab-size-divisible-by",
         type=int,
         default=128,
@@ -62,10 +69,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def _expert_tp_flags(config, args) -> list[str]:
+    etp = args.target_expert_tensor_parallel_size
+    if not config.is_moe or etp is None:
+        return []
+    return ["--expert-tensor-parallel-size", str(etp)]
+
+
 def main(argv=None) -> None:
     """Read the HF folder, write our checkpoint at the target TP/PP, print the launch flags."""
     args = parse_args(argv)
-    from pretrain.convert.checkpoint_writer import write_checkpoint
+    from pretrain.convert.checkpoint_writer import config_for_layout, write_checkpoint
     from pretrain.convert.hf_folder import hf_folder_tokenizer, read_hf_folder
     from pretrain.model.config import model_flags
 
@@ -74,6 +88,7 @@ def main(argv=None) -> None:
     )
     tokenizer = hf_folder_tokenizer(args.load)
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
+    config = config_for_layout(config, tp)
     write_checkpoint(
         args.save,
         state_dict,
@@ -82,6 +97,7 @@ def main(argv=None) -> None:
         pp=pp,
         source=os.path.abspath(args.load),
         tokenizer=None if tokenizer is None else dataclasses.asdict(tokenizer),
+        expert_tp=args.target_expert_tensor_parallel_size,
     )
     print(
         f"wrote {args.save} (TP={tp}, PP={pp}, {sum(v.numel() for v in state_dict.values()):,} parameters)"
@@ -93,7 +109,7 @@ def main(argv=None) -> None:
         tp,
         "--pipeline-model-parallel-size",
         pp,
-        " ".join(model_flags(config)),
+        " ".join(model_flags(config) + _expert_tp_flags(config, args)),
         "(plus the tokenizer, data and training flags; the tokenizer must have",
         config.vocab_size,
         "tokens)",

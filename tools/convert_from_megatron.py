@@ -93,7 +93,7 @@ def _write_hf(out_dir: str, ck, tok_config, tokenizer, max_shard_size: str) -> N
 def main(argv=None) -> None:
     """Read the Megatron-LM checkpoint, then write the requested outputs."""
     args = parse_args(argv)
-    from pretrain.convert.checkpoint_writer import write_checkpoint
+    from pretrain.convert.checkpoint_writer import config_for_layout, write_checkpoint
     from pretrain.convert.hf_adapter import hf_flavour
     from pretrain.convert.megatron import read_megatron_checkpoint, with_vocab_size
     from pretrain.model.config import model_flags
@@ -112,10 +112,11 @@ def main(argv=None) -> None:
     )
     if args.save:
         ttp, tpp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
+        config = config_for_layout(ck.config, ttp)
         write_checkpoint(
             args.save,
             ck.state_dict,
-            ck.config,
+            config,
             tp=ttp,
             pp=tpp,
             tokenizer=tok_config.record(),
@@ -129,7 +130,7 @@ def main(argv=None) -> None:
             ttp,
             "--pipeline-model-parallel-size",
             tpp,
-            " ".join(model_flags(ck.config)),
+            " ".join(model_flags(config)),
         )
     if args.output_dir:
         _write_hf(args.output_dir, ck, tok_config, tokenizer, args.max_shard_size)

@@ -6,7 +6,8 @@
 The folder gets config.json, model.safetensors (sharded above --max-shard-size),
 generation_config.json and the tokenizer files, so `AutoModelForCausalLM.from_pretrained(OUT)`
 and `AutoTokenizer.from_pretrained(OUT)` work offline. GPT-2-style models become GPT2LMHeadModel,
-Llama-style ones LlamaForCausalLM. Everything is written to a temporary folder next to OUT and
+Llama-style ones LlamaForCausalLM, mixture-of-experts ones MixtralForCausalLM, Qwen3MoeForCausalLM
+or Glm4MoeForCausalLM. Everything is written to a temporary folder next to OUT and
 renamed to OUT only when complete (and, with --verify, verified). docs/CONVERSION.md has details.
 """
 

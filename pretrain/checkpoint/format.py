@@ -237,15 +237,23 @@ _PARALLEL_TYPES = {  # null in a checkpoint of tools/reshard_checkpoint.py (no D
 }
 
 
+def _json_type(hint):
+    """The JSON type a ModelConfig field type is stored as (a torch dtype as its name, a tuple
+    such as an MoE layer pattern as a list)."""
+    if hint is torch.dtype:
+        return str
+    if hint is type(None):
+        return None
+    return list if typing.get_origin(hint) in (tuple, list) else hint
+
+
 def _model_types() -> dict[str, tuple]:
-    """ModelConfig's fields -> their JSON types (a torch dtype is stored as its name)."""
+    """ModelConfig's fields -> their JSON types."""
     hints = typing.get_type_hints(ModelConfig)
     out = {}
     for field in dataclasses.fields(ModelConfig):
         args = typing.get_args(hints[field.name]) or (hints[field.name],)
-        out[field.name] = tuple(
-            str if a is torch.dtype else None if a is type(None) else a for a in args
-        )
+        out[field.name] = tuple(_json_type(a) for a in args)
     return out
 
 

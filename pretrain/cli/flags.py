@@ -95,6 +95,7 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _model("rope_scaling_original_max_position_embeddings", type=int, default=8192, help="Llama 3.x: the context length (tokens) the RoPE frequencies were made for"),
         _model("normalization", type=_normalization, default="LayerNorm", metavar="{LayerNorm,RMSNorm}", help="normalization layer (either spelling case)"),
         _model("norm_epsilon", type=float, default=1e-5, help="epsilon of every LayerNorm/RMSNorm"),
+        _model("qk_layernorm", action="store_true", help="a --normalization norm over each query and key head before RoPE (Qwen3)"),
         _model("swiglu", action="store_true", help="gated SiLU MLP (Llama)"),
         _model("openai_gelu", action="store_true", help="tanh-approximate GELU (OpenAI GPT-2, HF gelu_new)"),
         _model("untie_embeddings_and_output_weights", action="store_true", help="separate LM head (default: tied to the input embedding)"),

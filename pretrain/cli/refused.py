@@ -121,7 +121,6 @@ REFUSED_FLAGS: dict[str, str] = {
     ),
     "--mtp-num-layers": "multi-token prediction is not implemented (drop the MTP flags)",
     "--mtp-loss-scaling-factor": "multi-token prediction is not implemented (drop the MTP flags)",
-    "--qk-layernorm": _NOT_A_MODEL_FLAG,
     "--apply-layernorm-1p": _NOT_A_MODEL_FLAG,
     **dict.fromkeys(
         ("--rotary-scaling-factor", "--mscale", "--mscale-all-dim"),

@@ -48,7 +48,7 @@ from pretrain.checkpoint.full_state import FullState
 from pretrain.checkpoint.integrity import check_finite
 from pretrain.checkpoint.pipeline_layers import layer_name_prefix
 from pretrain.checkpoint.relayout import is_full_state_only
-from pretrain.convert.state_dict import merge_tp, parameter_partitions, trim_vocab
+from pretrain.convert.state_dict import expert_tp_of, merge_tp, parameter_partitions, trim_vocab
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
 from pretrain.tokenizer import TokenizerConfig
@@ -219,7 +219,7 @@ def read_checkpoint(load_dir: str, iteration: int | None = None) -> LoadedCheckp
         shards = _read_zero3(step_dir, tp, dp)
     else:
         shards = _read_data_parallel_module(step_dir, tp)
-    partitions = parameter_partitions(config)
+    partitions = parameter_partitions(config, expert_tp_of(shards[0], config))
     missing, unexpected = partitions.keys() - shards[0].keys(), shards[0].keys() - partitions.keys()
     if missing or unexpected:
         raise UserError(

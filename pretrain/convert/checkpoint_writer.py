@@ -20,6 +20,7 @@ into place when complete.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import json
 import os
@@ -42,6 +43,14 @@ from pretrain.model.config import ModelConfig
 from pretrain.parallel.config import ParallelConfig
 
 ITERATION = 0  # --finetune restarts at iteration 0 whatever the tag says
+
+
+def config_for_layout(config: ModelConfig, tp: int) -> ModelConfig:
+    """`config` as a run at TP `tp` must give it: MoE under TP needs sequence parallelism
+    (Megatron's rule), so the flags printed for the --finetune run include it."""
+    if config.is_moe and tp > 1 and not config.sequence_parallel:
+        return dataclasses.replace(config, sequence_parallel=True)
+    return config
 
 
 def _metadata(config: ModelConfig, tp: int, pp: int, tokenizer: dict | None, source: str) -> dict:
@@ -90,10 +99,11 @@ def _pipeline_layers(
     return layers
 
 
-def _write_step_dir(step_dir: str, full: dict, config: ModelConfig, tp: int, pp: int) -> None:
-    shards = split_tp(
-        pad_vocab(full, config.padded_vocab_size(tp)), parameter_partitions(config), tp
-    )
+def _write_step_dir(
+    step_dir: str, full: dict, config: ModelConfig, tp: int, pp: int, expert_tp: int
+) -> None:
+    partitions = parameter_partitions(config, expert_tp)
+    shards = split_tp(pad_vocab(full, config.padded_vocab_size(tp)), partitions, tp)
     if pp == 1:
         for t, shard in enumerate(shards):
             torch.save(
@@ -121,9 +131,18 @@ def write_checkpoint(
     pp: int = 1,
     tokenizer: dict | None = None,
     source: str = "",
+    expert_tp: int | None = None,
 ) -> str:
-    """Write `full` (unpadded, TP = 1 names) as a --finetune checkpoint at (tp, pp); returns out_dir."""
-    config.validate(tp, pp)
+    """Write `full` (unpadded, TP = 1 names) as a --finetune checkpoint at (tp, pp), MoE experts
+    split over `expert_tp` (1 or tp; None = tp, as --expert-tensor-parallel-size defaults);
+    returns out_dir."""
+    expert_tp = tp if expert_tp is None else expert_tp
+    if expert_tp not in (1, tp):
+        raise UserError(
+            f"--target-expert-tensor-parallel-size {expert_tp}: training supports 1 or the "
+            f"tensor-parallel size {tp}"
+        )
+    config.validate(tp, pp, etp=expert_tp)
     if os.path.exists(out_dir) and os.listdir(out_dir):
         raise UserError(
             f"{out_dir} exists and is not empty (choose a new directory; nothing was written)"
@@ -135,7 +154,7 @@ def write_checkpoint(
         tag = tag_for(ITERATION)
         step_dir = os.path.join(tmp, tag)
         os.makedirs(step_dir)
-        _write_step_dir(step_dir, full, config, tp, pp)
+        _write_step_dir(step_dir, full, config, tp, pp, expert_tp)
         with open(os.path.join(step_dir, META_FILE), "w") as f:
             json.dump(_metadata(config, tp, pp, tokenizer, source), f, indent=2)
         with open(os.path.join(tmp, LATEST_FILE), "w") as f:

@@ -1,4 +1,5 @@
-"""Our GPTModel <-> Hugging Face `GPT2LMHeadModel` / `LlamaForCausalLM`: configs and weights.
+"""Our GPTModel <-> Hugging Face `GPT2LMHeadModel` / `LlamaForCausalLM` (and, through
+pretrain/convert/hf_moe.py, the mixture-of-experts classes): configs and weights.
 
 State dicts on our side are *full* (TP = 1) and *unpadded*: GPTModel names (`embedding.*`,
 `layers.<i>.*`, `head.*`, see pretrain/model/gpt.py), with exactly `vocab_size` rows in the word
@@ -15,6 +16,7 @@ approximation ("gelu_new", our `openai_gelu`); Llama's RoPE is plain ("default")
 scaled one ("llama3", our `use_rope_scaling`). Anything else (e.g. RoPE with LayerNorm, learned
 positions with RMSNorm, biases on some linears only, another activation or rope type) raises a
 UserError naming what does not fit, because a silently different model is worse than none.
+A model with MoE layers is never one of these two: hf_moe.py picks its class or refuses it.
 """
 
 from __future__ import annotations
@@ -24,12 +26,20 @@ import dataclasses
 import torch
 import transformers
 
+from pretrain.convert import hf_moe, hf_moe_import
+from pretrain.convert.hf_common import (
+    from_hf_rope,
+    llama_body_mismatches,
+    llama_layer_from_hf,
+    llama_layer_to_hf,
+    to_hf_rope,
+)
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
 
 GPT2 = "gpt2"
 LLAMA = "llama"
-HF_CLASSES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM"}
+HF_CLASSES = {GPT2: "GPT2LMHeadModel", LLAMA: "LlamaForCausalLM"} | hf_moe.HF_CLASSES
 
 
 # --------------------------------------------------------------------------- architecture checks
@@ -51,23 +61,19 @@ def _gpt2_mismatches(c: ModelConfig) -> list[str]:
         problems.append(f"num_query_groups={c.query_groups} (needs multi-head attention)")
     if c.head_dim * c.num_attention_heads != c.hidden_size:
         problems.append(f"kv_channels={c.head_dim} (needs hidden_size / num_attention_heads)")
-    return problems
+    return problems + _no_qk_norms(c)
 
 
-def _llama_mismatches(c: ModelConfig) -> list[str]:
-    problems = []
-    if c.position_embedding_type != "rope":
-        problems.append(f"position_embedding_type={c.position_embedding_type} (needs rope)")
-    if c.normalization != "RMSNorm":
-        problems.append(f"normalization={c.normalization} (needs RMSNorm)")
-    if not c.swiglu:
-        problems.append("swiglu=False (needs SwiGLU)")
-    return problems
+def _no_qk_norms(c: ModelConfig) -> list[str]:
+    return ["qk_layernorm=True (no q/k norms)"] if c.qk_layernorm else []
 
 
 def hf_flavour(config: ModelConfig) -> str:
-    """GPT2 or LLAMA: the Hugging Face class that computes exactly what `config` computes."""
-    gpt2, llama = _gpt2_mismatches(config), _llama_mismatches(config)
+    """GPT2, LLAMA or an MoE flavour (pretrain/convert/hf_moe.py): the Hugging Face class that
+    computes exactly what `config` computes."""
+    if config.is_moe:
+        return hf_moe.moe_flavour(config)
+    gpt2, llama = _gpt2_mismatches(config), llama_body_mismatches(config) + _no_qk_norms(config)
     if not gpt2:
         return GPT2
     if not llama:
@@ -91,7 +97,10 @@ def to_hf_config(
     """The transformers config of `config` (true vocabulary size, no padding)."""
     tied = not config.untie_embeddings_and_output_weights
     specials = dict(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad)
-    if hf_flavour(config) == GPT2:
+    flavour = hf_flavour(config)
+    if flavour in hf_moe.HF_CLASSES:
+        return hf_moe.to_hf_config(config, flavour, **specials)
+    if flavour == GPT2:
         return transformers.GPT2Config(
             vocab_size=config.vocab_size,
             n_positions=config.max_positions,
@@ -122,61 +131,13 @@ def to_hf_config(
         initializer_range=config.init_method_std,
         rms_norm_eps=config.norm_epsilon,
         tie_word_embeddings=tied,
-        rope_parameters=_to_hf_rope(config),
+        rope_parameters=to_hf_rope(config),
         attention_bias=config.add_bias_linear,
         mlp_bias=config.add_bias_linear,
         attention_dropout=config.attention_dropout,
         architectures=[HF_CLASSES[LLAMA]],
         **specials,
     )
-
-
-def _to_hf_rope(config: ModelConfig) -> dict:
-    """transformers 5's `rope_parameters` (older versions' `rope_scaling` + `rope_theta`)."""
-    params = {"rope_type": "default", "rope_theta": float(config.rotary_base)}
-    if config.use_rope_scaling:
-        params |= {
-            "rope_type": "llama3",
-            "factor": float(config.rope_scaling_factor),
-            "low_freq_factor": float(config.rope_scaling_low_freq_factor),
-            "high_freq_factor": float(config.rope_scaling_high_freq_factor),
-            "original_max_position_embeddings": config.rope_scaling_original_max_position_embeddings,
-        }
-    return params
-
-
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
-
-def _from_hf_rope(hf) -> dict:
-    """Our RoPE fields from `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta`."""
-    params = dict(getattr(hf, "rope_parameters", None) or getattr(hf, "rope_scaling", None) or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise UserError(
-            f"config.json: rope_type={rope_type!r} is not supported by our model (supported: "
-            f"{', '.join(SUPPORTED_ROPE_TYPES)}; 'llama3' is Megatron's --use-rope-scaling)"
-        )
-    theta = params.get("rope_theta", getattr(hf, "rope_theta", None) or 10000.0)
-    fields = {"rotary_base": int(theta) if float(theta).is_integer() else float(theta)}
-    if rope_type == "llama3":
-        missing = [k for k in _LLAMA3_KEYS if k not in params]
-        if missing:
-            raise UserError(
-                f"config.json: rope_type 'llama3' lacks {', '.join(missing)} (a Llama 3.x config "
-                f"sets all of {', '.join(_LLAMA3_KEYS)})"
-            )
-        fields |= {
-            "use_rope_scaling": True,
-            "rope_scaling_factor": float(params["factor"]),
-            "rope_scaling_low_freq_factor": float(params["low_freq_factor"]),
-            "rope_scaling_high_freq_factor": float(params["high_freq_factor"]),
-            "rope_scaling_original_max_position_embeddings": int(
-                params["original_max_position_embeddings"]
-            ),
-        }
-    return fields
 
 
 def default_sizes_as_none(config: ModelConfig) -> ModelConfig:
@@ -196,7 +157,13 @@ def default_sizes_as_none(config: ModelConfig) -> ModelConfig:
 
 
 def from_hf_config(hf: transformers.PretrainedConfig, seq_length: int | None = None) -> ModelConfig:
-    """Our ModelConfig for a transformers GPT-2 or Llama config; UserError for anything we cannot run."""
+    """Our ModelConfig for a transformers GPT-2, Llama, Mixtral or GLM-4.5 config; UserError for
+    anything we cannot run."""
+    if (
+        getattr(hf, "model_type", None)
+        in hf_moe_import.MODEL_TYPES.keys() | hf_moe_import.REFUSED.keys()
+    ):
+        return default_sizes_as_none(hf_moe_import.from_hf_config(hf, seq_length))
     return default_sizes_as_none(_from_hf_config(hf, seq_length))
 
 
@@ -256,7 +223,7 @@ def _from_hf_config(hf: transformers.PretrainedConfig, seq_length: int | None) -
             ffn_hidden_size=hf.intermediate_size,
             kv_channels=head_dim,
             position_embedding_type="rope",
-            **_from_hf_rope(hf),
+            **from_hf_rope(hf),
             normalization="RMSNorm",
             norm_epsilon=hf.rms_norm_eps,
             swiglu=True,
@@ -266,9 +233,10 @@ def _from_hf_config(hf: transformers.PretrainedConfig, seq_length: int | None) -
             attention_dropout=hf.attention_dropout,
             init_method_std=hf.initializer_range,
         )
+    supported = ", ".join(repr(t) for t in (GPT2, LLAMA, *hf_moe_import.MODEL_TYPES))
     raise UserError(
-        f"model_type={model_type!r} is not supported (convert a GPT-2 or Llama model: "
-        f"config.json's model_type must be 'gpt2' or 'llama')"
+        f"model_type={model_type!r} is not supported (config.json's model_type must be one of "
+        f"{supported})"
     )
 
 
@@ -320,73 +288,12 @@ def _gpt2_layer_from_hf(hf: dict, t: str, o: str, c: ModelConfig) -> dict:
     }
 
 
-def _llama_layer_to_hf(ours: dict, o: str, t: str, c: ModelConfig) -> dict:
-    nh, ng, d = c.num_attention_heads, c.query_groups, c.head_dim
-    per_group = nh // ng
-    out = {
-        t + "input_layernorm.weight": ours[o + "input_norm.weight"],
-        t + "post_attention_layernorm.weight": ours[o + "post_attention_norm.weight"],
-    }
-    for suffix in ("weight", "bias") if c.add_bias_linear else ("weight",):
-        qkv = ours[o + "attention.qkv." + suffix]
-        grouped = qkv.reshape(ng, per_group + 2, d, *qkv.shape[1:])  # per group: q heads, k, v
-        gate, up = ours[o + "mlp.fc1." + suffix].chunk(2, dim=0)
-        out.update(
-            {
-                t + "self_attn.q_proj." + suffix: grouped[:, :per_group].reshape(
-                    nh * d, *qkv.shape[1:]
-                ),
-                t + "self_attn.k_proj." + suffix: grouped[:, per_group].reshape(
-                    ng * d, *qkv.shape[1:]
-                ),
-                t + "self_attn.v_proj." + suffix: grouped[:, per_group + 1].reshape(
-                    ng * d, *qkv.shape[1:]
-                ),
-                t + "self_attn.o_proj." + suffix: ours[o + "attention.proj." + suffix],
-                t + "mlp.gate_proj." + suffix: gate,
-                t + "mlp.up_proj." + suffix: up,
-                t + "mlp.down_proj." + suffix: ours[o + "mlp.fc2." + suffix],
-            }
-        )
-    return out
-
-
-def _llama_layer_from_hf(hf: dict, t: str, o: str, c: ModelConfig) -> dict:
-    nh, ng, d = c.num_attention_heads, c.query_groups, c.head_dim
-    out = {
-        o + "input_norm.weight": hf[t + "input_layernorm.weight"],
-        o + "post_attention_norm.weight": hf[t + "post_attention_layernorm.weight"],
-    }
-    for suffix in ("weight", "bias") if c.add_bias_linear else ("weight",):
-        q, k, v = (hf[t + f"self_attn.{p}_proj." + suffix] for p in "qkv")
-        rest = q.shape[1:]
-        qkv = torch.cat(
-            [
-                q.reshape(ng, nh // ng, d, *rest),
-                k.reshape(ng, 1, d, *rest),
-                v.reshape(ng, 1, d, *rest),
-            ],
-            dim=1,
-        ).reshape(-1, *rest)
-        out.update(
-            {
-                o + "attention.qkv." + suffix: qkv,
-                o + "attention.proj." + suffix: hf[t + "self_attn.o_proj." + suffix],
-                o + "mlp.fc1." + suffix: torch.cat(
-                    [hf[t + "mlp.gate_proj." + suffix], hf[t + "mlp.up_proj." + suffix]]
-                ),
-                o + "mlp.fc2." + suffix: hf[t + "mlp.down_proj." + suffix],
-            }
-        )
-    return out
-
-
-_PREFIXES = {
-    GPT2: ("transformer.wte.weight", "transformer.ln_f.", "transformer.h."),
-    LLAMA: ("model.embed_tokens.weight", "model.norm.", "model.layers."),
+_LLAMA_PREFIXES = ("model.embed_tokens.weight", "model.norm.", "model.layers.")
+_PREFIXES = {GPT2: ("transformer.wte.weight", "transformer.ln_f.", "transformer.h.")} | {
+    flavour: _LLAMA_PREFIXES for flavour in (LLAMA, *hf_moe.HF_CLASSES)
 }
-_LAYER_TO_HF = {GPT2: _gpt2_layer_to_hf, LLAMA: _llama_layer_to_hf}
-_LAYER_FROM_HF = {GPT2: _gpt2_layer_from_hf, LLAMA: _llama_layer_from_hf}
+_LAYER_TO_HF = {GPT2: _gpt2_layer_to_hf, LLAMA: llama_layer_to_hf} | hf_moe.LAYER_TO_HF
+_LAYER_FROM_HF = {GPT2: _gpt2_layer_from_hf, LLAMA: llama_layer_from_hf} | hf_moe.LAYER_FROM_HF
 
 
 def to_hf_state_dict(ours: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -433,7 +340,8 @@ _IGNORED_HF_SUFFIXES = (".attn.bias", ".attn.masked_bias")
 
 
 def from_hf_state_dict(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """HF GPT-2 / Llama state dict -> full, unpadded GPTModel state dict."""
+    """HF GPT-2 / Llama / MoE state dict (as saved: MoE experts one by one) -> full, unpadded
+    GPTModel state dict."""
     flavour = hf_flavour(config)
     embed, final_norm, layers = _PREFIXES[flavour]
     hf = _ReadTracker(hf)
@@ -451,7 +359,11 @@ def from_hf_state_dict(hf: dict[str, torch.Tensor], config: ModelConfig) -> dict
         hf.read.add("lm_head.weight")
     for i in range(config.num_layers):
         out.update(_LAYER_FROM_HF[flavour](hf, f"{layers}{i}.", f"layers.{i}.", config))
-    unused = sorted(k for k in hf.keys() - hf.read if not k.endswith(_IGNORED_HF_SUFFIXES))
+    unused = sorted(
+        k
+        for k in hf.keys() - hf.read
+        if not k.endswith(_IGNORED_HF_SUFFIXES) and not hf_moe.ignored_hf_tensor(k, flavour, config)
+    )
     if unused:
         raise UserError(
             f"the Hugging Face weights hold {len(unused)} tensor(s) config.json does not describe, e.g. "

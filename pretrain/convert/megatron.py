@@ -22,6 +22,15 @@ into the following linear (`linear_qkv.layer_norm_weight`, `linear_fc1.layer_nor
 Transformer Engine). The fused QKV (per query group: its query heads, then key, then value) and
 SwiGLU's fc1 (per TP rank [gate_r; up_r]) have exactly our layouts, so TP shards merge with our
 own partition rules. Optimizer state is not read (weights only).
+
+MoE layers: `mlp.router.{weight,bias,expert_bias}` and `mlp.shared_experts.linear_fc{1,2}` are
+renamed; each expert's `linear_fc1` / `linear_fc2` is stacked into our `mlp.experts.fc1` /
+`fc2` [E, ...] from any of megatron-core's three layouts: SequentialMLP's
+`mlp.experts.local_experts.<e>.linear_fc1.weight`, Transformer Engine's grouped GEMM
+`mlp.experts.linear_fc1.weight<e>` (both in the torch format) and torch_dist's
+`mlp.experts.experts.linear_fc1.weight` (both write that one key, the experts on a global axis).
+Expert shards of TP ranks merge like ours (expert TP 1: whole on every rank; = TP: split). The
+torch format at expert-parallel size > 1 (`mp_rank_XX_YYY_ZZZ`) is refused.
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ import torch
 from pretrain.checkpoint import safe_load
 from pretrain.convert import megatron_dist
 from pretrain.convert.megatron_args import model_config_from_args
-from pretrain.convert.state_dict import merge_tp, parameter_partitions, trim_vocab
+from pretrain.convert.state_dict import expert_tp_of, merge_tp, parameter_partitions, trim_vocab
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
 
@@ -46,11 +55,19 @@ MODEL_FILE = "model_optim_rng.pt"
 MIN_CHECKPOINT_VERSION = 2.0  # before 2.0, Megatron ordered the fused QKV rows differently
 _RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(
+    r"^mlp\.experts\.(?:local_experts\.(\d+)\.)?(?:experts\.)?linear_fc([12])\.(weight|bias)(\d*)$"
+)
 _LAYER_NAMES = {
+    "mlp.router.": "mlp.router.",
+    "mlp.shared_experts.linear_fc1.": "mlp.shared_experts.fc1.",
+    "mlp.shared_experts.linear_fc2.": "mlp.shared_experts.fc2.",
     "input_layernorm.": "input_norm.",
     "self_attention.linear_qkv.layer_norm_": "input_norm.",
     "self_attention.linear_qkv.": "attention.qkv.",
     "self_attention.linear_proj.": "attention.proj.",
+    "self_attention.q_layernorm.": "attention.q_norm.",
+    "self_attention.k_layernorm.": "attention.k_norm.",
     "pre_mlp_layernorm.": "post_attention_norm.",
     "mlp.linear_fc1.layer_norm_": "post_attention_norm.",
     "mlp.linear_fc1.": "mlp.fc1.",
@@ -118,7 +135,9 @@ def _rank_files(step_dir: str) -> dict[tuple[int, int], str]:
             continue
         if match.group(3):
             raise UserError(
-                f"{step_dir}/{name}: expert-parallel shards (MoE) are not supported by our model"
+                f"{step_dir}/{name}: expert-parallel shards (--expert-model-parallel-size > 1) of "
+                f"the torch format are not supported (save with --ckpt-format torch_dist, whose "
+                f"tensors are global at any expert-parallel size)"
             )
         files[int(match.group(1)), int(match.group(2) or 0)] = os.path.join(
             step_dir, name, MODEL_FILE
@@ -155,11 +174,16 @@ def _chunks(checkpoint: dict, path: str) -> list[dict]:
 
 def _rename(name: str, offset: int) -> str | None:
     """A megatron-core GPTModel name (local layer numbering) -> ours; None for non-weights."""
-    if name.endswith("._extra_state"):  # Transformer Engine's FP8 metadata, not a weight
+    if "._extra_state" in name:  # Transformer Engine's FP8 metadata, not a weight
         return None
     match = _LAYER.match(name)
     if match:
         layer, rest = int(match.group(1)) + offset, match.group(2)
+        expert = _EXPERT.match(rest)
+        if expert:  # one expert's (`#<e>`, stacked by _stack_experts) or all of them
+            local, fc, kind, grouped = expert.groups()
+            index = local if local is not None else grouped
+            return f"layers.{layer}.mlp.experts.fc{fc}.{kind}" + (f"#{index}" if index else "")
         for theirs, ours in _LAYER_NAMES.items():
             if rest.startswith(theirs):
                 return f"layers.{layer}.{ours}{rest[len(theirs) :]}"
@@ -197,6 +221,7 @@ def _tp_shards(files: dict, checkpoints: dict, config: ModelConfig, tp: int, pp:
                 ):
                     continue  # the last stage's copy of the tied embedding (PP > 1)
                 shards[t][ours] = tensor
+    shards = [_stack_experts(shard, config) for shard in shards]
     if unknown:
         raise UserError(
             f"{os.path.dirname(os.path.dirname(next(iter(files.values()))))}: tensors our model "
@@ -206,14 +231,45 @@ def _tp_shards(files: dict, checkpoints: dict, config: ModelConfig, tp: int, pp:
     return shards
 
 
+def _stack_experts(shard: dict[str, torch.Tensor], config: ModelConfig) -> dict:
+    """Per-expert tensors `<name>#<e>` -> `<name>` stacked [E, ...] (expert order)."""
+    out, experts = {}, {}
+    for name, tensor in shard.items():
+        base, _, index = name.partition("#")
+        if index:
+            experts.setdefault(base, {})[int(index)] = tensor
+        else:
+            out[name] = tensor
+    for base, found in experts.items():
+        if sorted(found) != list(range(config.num_moe_experts or 0)):
+            raise UserError(
+                f"{base}: the checkpoint holds experts {sorted(found)}, but args say "
+                f"num_experts={config.num_moe_experts}"
+            )
+        out[base] = torch.stack([found[e] for e in range(len(found))])
+    return out
+
+
 def _merge(shards: list[dict], config: ModelConfig, step_dir: str) -> dict[str, torch.Tensor]:
-    partitions = parameter_partitions(config)
-    missing = sorted(partitions.keys() - shards[0].keys())
-    if missing:
+    expert_tp = expert_tp_of(shards[0], config)
+    if expert_tp not in (1, len(shards)):
         raise UserError(
-            f"{step_dir}: the weights lack {', '.join(missing[:6])}"
-            f"{' ...' if len(missing) > 6 else ''}, which the model in args has (incomplete "
-            f"checkpoint, or args that do not belong to these weights)"
+            f"{step_dir}: experts split over expert tensor-parallel size {expert_tp} at TP "
+            f"{len(shards)} cannot be merged from the torch format (only 1 or the TP size; save "
+            f"with --ckpt-format torch_dist)"
+        )
+    partitions = parameter_partitions(config, expert_tp)
+    missing = sorted(partitions.keys() - shards[0].keys())
+    extra = sorted(shards[0].keys() - partitions.keys())
+    if missing or extra:
+        listed = ", ".join(missing[:6]) + (" ..." if len(missing) > 6 else "")
+        raise UserError(
+            f"{step_dir}: the weights "
+            + (f"lack {listed}, which the model in args has" if missing else "")
+            + (" and " if missing and extra else "")
+            + (f"hold {', '.join(extra[:6])}, which it has not" if extra else "")
+            + " (incomplete checkpoint, or args that do not belong to these weights, e.g. "
+            "another --moe-layer-freq)"
         )
     return trim_vocab(merge_tp(shards, partitions), config.vocab_size)
 

@@ -1,10 +1,16 @@
 """Megatron-LM's saved `args` (an argparse.Namespace in every checkpoint) -> our ModelConfig.
 
 Nothing is guessed: every setting that decides the model's shape or computation is read from
-`args`. Missing required keys, and settings our model does not implement (MoE, MLA, qk-layernorm,
+`args`. Missing required keys, and settings our model does not implement (MLA, qk-l2-norm,
 partial or interleaved RoPE, squared ReLU, uneven pipeline splits, ...), are listed together in
 one UserError. A setting that older Megatron-LM versions did not have (e.g. `use_rope_scaling`)
 counts as absent = the behaviour those versions had (its neutral value below).
+
+Mixture of experts (`num_experts`): the `moe_*` args have our ModelConfig's names (megatron-core's
+TransformerConfig fields); settings our MoE layer does not compute (a gated shared expert,
+probabilities applied on the input, legacy GroupedMLP weights, forced balancing, a latent
+projection, several load-balancing losses at once) are refused with the others. The token
+dispatcher does not change what is computed: `flex` becomes `alltoall`.
 """
 
 from __future__ import annotations
@@ -38,11 +44,9 @@ REQUIRED = (
 # settings our model does not implement: (args key, the value that means "not used")
 NEUTRAL = (
     ("apply_residual_connection_post_layernorm", False),
-    ("qk_layernorm", False),
     ("qk_l2_norm", False),
     ("apply_layernorm_1p", False),
     ("layernorm_zero_centered_gamma", False),
-    ("num_experts", None),
     ("multi_latent_attention", False),
     ("rotary_percent", 1.0),
     ("rotary_interleaved", False),
@@ -60,7 +64,30 @@ NEUTRAL = (
     ("account_for_embedding_in_pipeline_split", False),
     ("account_for_loss_in_pipeline_split", False),
     ("heterogeneous_layers_config_path", None),
-    ("expert_model_parallel_size", 1),
+    ("moe_shared_expert_gate", False),
+    ("moe_apply_probs_on_input", False),
+    ("moe_use_legacy_grouped_gemm", False),
+    ("moe_router_force_load_balancing", False),
+    ("moe_latent_size", None),
+)
+# MoE args copied as they are (megatron-core's names are ours), with their neutral value
+MOE_FIELDS = (
+    ("moe_router_topk", 2),
+    ("moe_shared_expert_intermediate_size", None),
+    ("moe_router_score_function", "softmax"),
+    ("moe_router_pre_softmax", False),
+    ("moe_router_topk_scaling_factor", None),
+    ("moe_router_num_groups", None),
+    ("moe_router_group_topk", None),
+    ("moe_aux_loss_coeff", 0.0),
+    ("moe_z_loss_coeff", None),
+    ("moe_router_enable_expert_bias", False),
+    ("moe_router_bias_update_rate", 1e-3),
+    ("moe_expert_capacity_factor", None),
+    ("moe_token_drop_policy", "probs"),
+    ("moe_pad_expert_input_to_capacity", False),
+    ("moe_grouped_gemm", False),
+    ("moe_router_dtype", None),
 )
 # the norm epsilon's key: `norm_epsilon` up to core_v0.15, `layernorm_epsilon` on main (its flags
 # come from TransformerConfig's fields; the flag is still --norm-epsilon)
@@ -89,11 +116,45 @@ def _problems(args: argparse.Namespace) -> list[str]:
         )
     if _value(args, "normalization") not in (None, *NORMALIZATIONS):
         problems.append(f"normalization={args.normalization!r} (supported: LayerNorm, RMSNorm)")
+    problems += _moe_problems(args)
     if _value(args, "add_qkv_bias", False) and not _value(args, "add_bias_linear", True):
         problems.append(
             "add_qkv_bias=True with add_bias_linear=False (our biases are on every linear or none)"
         )
     return problems
+
+
+def _single(value):
+    """Megatron-LM main allows a list of load-balancing types (and coefficients); one is ours."""
+    return value[0] if isinstance(value, list | tuple) and len(value) == 1 else value
+
+
+def _moe_problems(args: argparse.Namespace) -> list[str]:
+    if _value(args, "num_experts") is None:
+        return []
+    kinds = _value(args, "moe_router_load_balancing_type", "aux_loss")
+    if isinstance(_single(kinds), list | tuple):
+        return [f"moe_router_load_balancing_type={kinds!r} (one loss type is supported)"]
+    return []
+
+
+def moe_fields(args: argparse.Namespace) -> dict:
+    """Our ModelConfig's MoE fields from Megatron's args ({} for a dense model)."""
+    if _value(args, "num_experts") is None:
+        return {}
+    dispatcher = _value(args, "moe_token_dispatcher_type", "allgather")
+    freq = _value(args, "moe_layer_freq", 1)
+    return {key: _single(_value(args, key, neutral)) for key, neutral in MOE_FIELDS} | dict(
+        num_moe_experts=args.num_experts,
+        moe_ffn_hidden_size=_value(args, "moe_ffn_hidden_size") or args.ffn_hidden_size,
+        moe_layer_freq=freq if isinstance(freq, int) else tuple(freq),
+        moe_router_load_balancing_type=_single(
+            _value(args, "moe_router_load_balancing_type", "aux_loss")
+        ),
+        moe_token_dispatcher_type="allgather" if dispatcher == "allgather" else "alltoall",
+        # our training runs MoE under TP with sequence parallelism only; it changes no value
+        sequence_parallel=args.tensor_model_parallel_size > 1,
+    )
 
 
 def _norm_epsilon(args: argparse.Namespace) -> float:
@@ -140,11 +201,17 @@ def model_config_from_args(
         attention_dropout=_value(args, "attention_dropout", 0.1),
         init_method_std=_value(args, "init_method_std", 0.02),
         params_dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32,
+        qk_layernorm=bool(_value(args, "qk_layernorm", False)),
+        **moe_fields(args),
     )
     if vocab_size is not None and vocab_size > args.padded_vocab_size:
         raise UserError(
             f"vocabulary size {vocab_size} is larger than the checkpoint's padded vocabulary "
             f"({args.padded_vocab_size}); give the tokenizer's size with --vocab-size"
         )
-    config.validate(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    config.validate(
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        etp=_value(args, "expert_tensor_parallel_size") or args.tensor_model_parallel_size,
+    )
     return default_sizes_as_none(config)

@@ -34,11 +34,13 @@ class Partition:
 
 
 def _structural_twin(config: ModelConfig) -> ModelConfig:
-    """The same architecture (same parameter names and split rules) at toy sizes."""
+    """The same architecture (same parameter names and split rules) at toy sizes: one layer, or
+    with MoE two (a dense one, then an MoE one)."""
     gqa = config.query_groups != config.num_attention_heads
+    shared = config.moe_shared_expert_intermediate_size
     return dataclasses.replace(
         config,
-        num_layers=1,
+        num_layers=2 if config.is_moe else 1,
         hidden_size=8,
         num_attention_heads=2,
         num_query_groups=1 if gqa else None,
@@ -49,28 +51,53 @@ def _structural_twin(config: ModelConfig) -> ModelConfig:
         max_position_embeddings=4,
         make_vocab_size_divisible_by=8,
         params_dtype=torch.float32,
+        moe_layer_freq=(0, 1) if config.is_moe else config.moe_layer_freq,
+        moe_ffn_hidden_size=None,
+        moe_shared_expert_intermediate_size=None if shared is None else 8,
+        moe_grouped_gemm=False,
     )
 
 
-def parameter_partitions(config: ModelConfig) -> dict[str, Partition | None]:
-    """Every full-model parameter name -> its TP split (None: replicated on every TP rank)."""
+def _partition(param: torch.nn.Parameter, expert_tp: int) -> Partition | None:
+    if hasattr(param, "expert_tensor_partition_dim"):  # an expert matrix: split over expert TP
+        if expert_tp == 1:
+            return None
+        return Partition(param.expert_tensor_partition_dim, param.partition_stride)
+    if getattr(param, "tensor_model_parallel", False):
+        return Partition(param.partition_dim, param.partition_stride)
+    return None
+
+
+def parameter_partitions(config: ModelConfig, expert_tp: int = 1) -> dict[str, Partition | None]:
+    """Every full-model state-dict name (parameters and persistent buffers such as the expert
+    bias) -> its TP split (None: replicated on every TP rank). Expert matrices are split when the
+    experts' tensor-parallel size `expert_tp` (1 or the TP size) is above 1."""
     twin = GPTModel(_structural_twin(config))
+    params = dict(twin.named_parameters())
     per_template = {
-        name: (
-            Partition(p.partition_dim, p.partition_stride)
-            if getattr(p, "tensor_model_parallel", False)
-            else None
-        )
-        for name, p in twin.named_parameters()
+        name: _partition(params[name], expert_tp) if name in params else None
+        for name in twin.state_dict()
     }
+    templates = ("layers.1.", "layers.0.") if config.is_moe else ("layers.0.",)
     out = {}
     for template, partition in per_template.items():
-        if template.startswith("layers.0."):
-            for i in range(config.num_layers):
-                out[f"layers.{i}." + template[len("layers.0.") :]] = partition
-        else:
+        if not template.startswith("layers."):
             out[template] = partition
+            continue
+        for i, moe in enumerate(config.moe_layers):
+            prefix = templates[0] if moe else templates[-1]
+            if template.startswith(prefix):
+                out[f"layers.{i}." + template[len(prefix) :]] = partition
     return out
+
+
+def expert_tp_of(shard: dict[str, torch.Tensor], config: ModelConfig) -> int:
+    """The experts' tensor-parallel size one TP rank's state dict was saved at (1 when its
+    experts are whole), read from the width of an expert fc2."""
+    for name, tensor in shard.items():
+        if name.endswith("mlp.experts.fc2.weight"):
+            return config.moe_ffn_size // tensor.shape[-1]
+    return 1
 
 
 def trim_vocab(state_dict: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:

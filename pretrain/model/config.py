@@ -96,6 +96,8 @@ class ModelConfig:
     """"LayerNorm" or "RMSNorm"."""
     norm_epsilon: float = field(default=1e-5, metadata=_flag("--norm-epsilon"))
     """Epsilon of every norm."""
+    qk_layernorm: bool = field(default=False, metadata=_flag("--qk-layernorm"))
+    """A norm of the --normalization type over each query and key head before RoPE (Qwen3)."""
     swiglu: bool = field(default=False, metadata=_flag("--swiglu"))
     """Gated SiLU MLP (Llama)."""
     openai_gelu: bool = field(default=False, metadata=_flag("--openai-gelu"))
@@ -396,6 +398,7 @@ SHAPE_ATTRIBUTES = (
     ("head_dim", "kv_channels"),
     ("position_embedding_type", "position_embedding_type"),
     ("normalization", "normalization"),
+    ("qk_layernorm", "qk_layernorm"),
     ("swiglu", "swiglu"),
     ("add_bias_linear", "add_bias_linear"),
     ("untie_embeddings_and_output_weights", "untie_embeddings_and_output_weights"),
@@ -439,6 +442,6 @@ def model_flags(config: ModelConfig) -> list[str]:
         if isinstance(value, bool):
             flags += [flag] if value != f.default else []
         else:
-            shown = str(list(value)) if isinstance(value, tuple) else str(value)
+            shown = f"[{','.join(map(str, value))}]" if isinstance(value, tuple) else str(value)
             flags += [*f.metadata["after"], flag, shown]
     return flags

@@ -22,6 +22,7 @@ shapes are TP=1's, TP shards split the dimension noted by `partition_dim`):
     layers.<i>.input_norm.{weight,bias}     [h]                       bias: LayerNorm only
     layers.<i>.attention.qkv.{weight,bias}  [(nh + 2 ng) d, h]        bias: add_bias_linear
     layers.<i>.attention.proj.{weight,bias} [h, nh d]
+    layers.<i>.attention.{q,k}_norm.weight  [d]                       qk_layernorm only (before RoPE)
     layers.<i>.post_attention_norm.{weight,bias}
     layers.<i>.mlp.fc1.{weight,bias}        [2f or f, h]
     layers.<i>.mlp.fc2.{weight,bias}        [h, f]
@@ -118,17 +119,19 @@ class _SequenceParallelRMSNorm(nn.RMSNorm):
         return F.rms_norm(x, self.normalized_shape, weight, self.eps)
 
 
-def build_norm(config: ModelConfig) -> nn.Module:
-    """LayerNorm or RMSNorm over the hidden size, as configured (the sequence-parallel variant,
-    same parameters and names, under sequence parallelism)."""
-    sequence_parallel = uses_sequence_parallel(config)
+def build_norm(config: ModelConfig, size: int | None = None, summed: bool | None = None):
+    """LayerNorm or RMSNorm over the hidden size (or `size`), as configured. Its gradient is summed
+    over TP when `summed` (default: under sequence parallelism, where each TP rank normalises its
+    own sequence chunk); the variant that sums has the same parameters and names."""
+    summed = uses_sequence_parallel(config) if summed is None else summed
     if config.normalization == "RMSNorm":
-        kind = _SequenceParallelRMSNorm if sequence_parallel else nn.RMSNorm
+        kind = _SequenceParallelRMSNorm if summed else nn.RMSNorm
     else:
-        kind = _SequenceParallelLayerNorm if sequence_parallel else nn.LayerNorm
-    norm = kind(config.hidden_size, eps=config.norm_epsilon, dtype=config.params_dtype)
+        kind = _SequenceParallelLayerNorm if summed else nn.LayerNorm
+    size = config.hidden_size if size is None else size
+    norm = kind(size, eps=config.norm_epsilon, dtype=config.params_dtype)
     for param in norm.parameters():
-        param.sequence_parallel = sequence_parallel
+        param.sequence_parallel = summed
     return norm
 
 
@@ -235,6 +238,10 @@ class Attention(nn.Module):
             dtype=config.params_dtype,
             sequence_parallel=sequence_parallel,
         )
+        self.q_norm = self.k_norm = None
+        if config.qk_layernorm:  # replicated; each TP rank normalises its own heads with it
+            self.q_norm = build_norm(config, config.head_dim, summed=tp > 1)
+            self.k_norm = build_norm(config, config.head_dim, summed=tp > 1)
 
     def forward(
         self,
@@ -254,6 +261,8 @@ class Attention(nn.Module):
         )
         k = mixed[:, :, :, self.heads_per_group].transpose(1, 2)  # [b, groups, s, d]
         v = mixed[:, :, :, self.heads_per_group + 1].transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rotary is not None:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         if self.selective_recompute and recomputing(self):
