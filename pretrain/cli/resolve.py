@@ -158,25 +158,38 @@ def model_config(ns: argparse.Namespace, vocab_size: int) -> ModelConfig:
     )
 
 
-def check_moe_training(model: ModelConfig, parallel: ParallelConfig) -> None:
-    """The expert layouts pretrain_gpt.py trains at (the MoE layer itself runs at any)."""
-    if not model.is_moe:
-        if parallel.expert_model_parallel_size > 1:
-            raise UserError(
-                f"--expert-model-parallel-size {parallel.expert_model_parallel_size} needs an MoE "
-                f"model (--num-experts)"
-            )
-        return
+def check_moe_training(model: ModelConfig, parallel: ParallelConfig, bf16: bool = False) -> None:
+    """The expert layouts pretrain_gpt.py trains at (the MoE layer itself runs at any): expert TP
+    1 or TP; at EP > 1 DeepSpeed's non-partitioned optimizer (ZeRO-0), whose gradient reduction
+    leaves the experts to the expert-data-parallel group, and not its bf16 pipeline optimizer."""
     ep, etp, tp = (
         parallel.expert_model_parallel_size,
         parallel.expert_tp,
         parallel.tensor_model_parallel_size,
     )
-    if ep > 1 or etp not in (1, tp):
+    if not model.is_moe:
+        if ep > 1:
+            raise UserError(f"--expert-model-parallel-size {ep} needs an MoE model (--num-experts)")
+        return
+    if etp not in (1, tp):
         raise UserError(
-            f"--expert-model-parallel-size {ep} --expert-tensor-parallel-size {etp}: training "
-            f"runs at expert-parallel size 1 and expert TP 1 or --tensor-model-parallel-size "
-            f"({tp}) for now (the MoE layer itself runs at any: docs/MOE.md)"
+            f"--expert-tensor-parallel-size {etp}: training runs at expert TP 1 or "
+            f"--tensor-model-parallel-size ({tp}) for now (the MoE layer itself runs at any: "
+            f"docs/MOE.md)"
+        )
+    if ep > 1 and parallel.zero_stage > 0:
+        raise UserError(
+            f"--zero-stage {parallel.zero_stage} with --expert-model-parallel-size {ep}: ZeRO "
+            f"partitions every parameter over the whole data-parallel group, whose ranks hold "
+            f"different experts at EP > 1 (DeepSpeed's expert groups need its own MoE classes); "
+            f"use --zero-stage 0 (docs/MOE.md)"
+        )
+    if ep > 1 and bf16 and parallel.pipeline_model_parallel_size > 1:
+        raise UserError(
+            f"--bf16 with --pipeline-model-parallel-size {parallel.pipeline_model_parallel_size} "
+            f"and --expert-model-parallel-size {ep}: DeepSpeed's bf16 pipeline optimizer reduces "
+            f"every gradient over the data-parallel group; use --fp16 or fp32, or "
+            f"--expert-model-parallel-size 1"
         )
 
 

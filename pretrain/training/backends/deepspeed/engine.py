@@ -26,8 +26,8 @@ from pretrain.model.gpt import GPTModel
 from pretrain.parallel import state
 from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.random import seed_everything
+from pretrain.training.backends.deepspeed import experts, full_state, steps
 from pretrain.training.backends.deepspeed import files as checkpoint_files
-from pretrain.training.backends.deepspeed import full_state, steps
 from pretrain.training.backends.deepspeed.comm import init_deepspeed_comm
 from pretrain.training.backends.deepspeed.config import build_deepspeed_config, we_clip_gradients
 from pretrain.training.backends.deepspeed.pipeline import build_pipeline_model
@@ -229,7 +229,13 @@ def _does_nothing(obj, method: str):
             setattr(obj, method, saved)
 
 
-PARALLEL_MARKS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared")
+PARALLEL_MARKS = (
+    "tensor_model_parallel",
+    "partition_dim",
+    "partition_stride",
+    "shared",
+    "expert_parallel",
+)
 
 
 def _mark_master_copies(ds_optimizer) -> None:
@@ -259,19 +265,33 @@ def _undo_warmup_step(ds_optimizer) -> None:
 
 
 def _count_parameters(model: torch.nn.Module) -> int:
-    """Elements of the full model: TP shards summed over TP, tied copies and TP replicas once."""
+    """Elements of the full model: TP shards summed over TP, tied copies and TP replicas once,
+    experts once (summed over expert TP x EP)."""
     tp_rank0 = state.get_tensor_model_parallel_rank() == 0
-    local = sum(
+    dense = sum(
         p.numel()
         for p in model.parameters()
         if not getattr(p, "shared", False)
+        and not getattr(p, "expert_parallel", False)
         and (tp_rank0 or getattr(p, "tensor_model_parallel", False))
     )
-    count = torch.tensor([local], dtype=torch.int64, device=collective_device())
-    group = state.get_model_parallel_group()
-    if torch.distributed.is_initialized() and group is not None:
-        torch.distributed.all_reduce(count, group=group)
-    return int(count.item())
+    expert = sum(p.numel() for p in model.parameters() if getattr(p, "expert_parallel", False))
+    return _summed(dense, [state.get_model_parallel_group()]) + _summed(
+        expert,
+        [
+            state.get_expert_tensor_and_model_parallel_group(),
+            state.get_pipeline_model_parallel_group(),
+        ],
+    )
+
+
+def _summed(count: int, groups: list) -> int:
+    """`count` summed over each of `groups` in turn (every rank calls it alike)."""
+    total = torch.tensor([count], dtype=torch.int64, device=collective_device())
+    for group in groups:
+        if torch.distributed.is_initialized() and group is not None:
+            torch.distributed.all_reduce(total, group=group)
+    return int(total.item())
 
 
 def build_deepspeed_engine(
@@ -309,6 +329,8 @@ def build_deepspeed_engine(
     )
     scheduler = SampleLRScheduler(optimizer, schedule, global_batch_size=global_batch_size)
     params_total = _count_parameters(model)
+    local_experts = experts.expert_parameters(model)
+    experts.keep_local(local_experts)
     ds_config = build_deepspeed_config(
         global_batch_size=global_batch_size,
         micro_batch_size=micro_batch_size,
@@ -326,6 +348,7 @@ def build_deepspeed_engine(
         config=ds_config,
         mpu=None if pipeline else state.mpu,
     )
+    experts.reduce_over_expert_data_parallel(ds_engine, local_experts)
     _mark_master_copies(ds_engine.optimizer)
     _undo_warmup_step(ds_engine.optimizer)
     return DeepSpeedEngine(
