@@ -16,6 +16,7 @@ rank routes its own sequence chunk), so they run at the TP 1 layouts.
 """
 
 import pytest
+import torch
 from training_fixtures import (
     layout_flags,
     make_corpus,
@@ -55,12 +56,13 @@ def _layouts(model: str) -> list[tuple]:
     return [x for x in LAYOUTS if model != "capacity" or x[1] == 1]
 
 
-def _argv(model: str, corpus: str, layout, metrics) -> list[str]:
+def _argv(model: str, corpus: str, layout, metrics, iters: int = ITERATIONS) -> list[str]:
     ep, tp, pp, etp = layout
     return (
         model_flags("llama")
         + MODELS[model]
-        + train_flags(corpus, iters=ITERATIONS)
+        + train_flags(corpus, iters=iters)
+        + ["--lr-decay-iters", "4"]  # one LR schedule for runs of 2, 3 and 4 iterations
         + layout_flags(tp, pp, 0)
         + ["--expert-model-parallel-size", str(ep), "--expert-tensor-parallel-size", str(etp)]
         + (["--sequence-parallel"] if tp > 1 else [])
@@ -68,20 +70,44 @@ def _argv(model: str, corpus: str, layout, metrics) -> list[str]:
     )
 
 
+REFERENCE = (1, 1, 1, 1)
+# name -> (world, layout, --load, --save, train iters): DeepSeek-like, saving every iteration
+RESUMES = {
+    "ep2": (4, (2, 1, 1, 1), None, "ckpt_ep2", 2),
+    "ep4": (4, (4, 1, 1, 1), "ckpt_ep2", "ckpt_ep4", 3),
+    "tp2_pp2_ep2": (4, (2, 2, 2, 1), "ckpt_ep2", None, 4),
+    "ep1": (1, REFERENCE, "ckpt_ep4", None, 4),
+}
+
+
+def _resume_argv(tmp, corpus: str, name: str) -> list[str]:
+    _, layout, load, save, iters = RESUMES[name]
+    argv = _argv("deepseek", corpus, layout, tmp / f"resume_{name}.jsonl", iters)
+    argv += ["--load", str(tmp / load)] if load else []
+    return argv + (["--save", str(tmp / save), "--save-interval", "1"] if save else [])
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe_ep")
     corpus = make_corpus(tmp / "corpus")
     files = {}
-    for world in (1, 4):
+    for world in (4, 1):
         argvs = []
         for model in MODELS:
-            for layout in [(1, 1, 1, 1)] if world == 1 else _layouts(model):
+            for layout in [REFERENCE] if world == 1 else _layouts(model):
                 files[model, layout] = tmp / f"{model}_{'_'.join(map(str, layout))}.jsonl"
                 argvs.append(_argv(model, corpus, layout, files[model, layout]))
+                if model == "deepseek" and world == 1:  # the resumes' reference: 4 iterations
+                    argvs[-1] = _argv(model, corpus, layout, files[model, layout], 4)
+                    argvs[-1] += ["--save", str(tmp / "ckpt_reference"), "--save-interval", "3"]
+        argvs += [_resume_argv(tmp, corpus, n) for n, r in RESUMES.items() if r[0] == world]
         result = run(multirun_cmd(world, argvs, tmp / f"runs_{world}.json"), timeout=1100)
         assert result.returncode == 0, f"world {world} failed:\n{result.stdout[-8000:]}"
-    return {key: read_metrics(path) for key, path in files.items()}
+    out = {key: read_metrics(path) for key, path in files.items()}
+    out.update({name: read_metrics(tmp / f"resume_{name}.jsonl") for name in RESUMES})
+    out["checkpoints"] = tmp
+    return out
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -104,3 +130,36 @@ def test_expert_parallel_training_matches_one_process(runs, model):
     assert all(reference[it]["grad-norm"] > 0.05 for it in reference)
     dropped = [reference[it]["moe/dropped_fraction"] for it in reference]
     assert all(d > 0 for d in dropped) if model == "capacity" else not any(dropped)
+
+
+def _close(got: float, expected: float) -> bool:
+    return abs(got - expected) <= RTOL * abs(expected)
+
+
+def test_resume_at_another_expert_layout_continues(runs):
+    reference = runs["deepseek", REFERENCE]
+    assert reference[4]["grad-norm"] > 0.05
+    for name, (_, _, load, _, iters) in RESUMES.items():
+        got = runs[name]
+        first = 1 if load is None else {"ckpt_ep2": 3, "ckpt_ep4": 4}[load]
+        assert sorted(got) == list(range(first, iters + 1)), name  # resumed after its checkpoint
+        for it in got:
+            for key in ("lm-loss", "grad-norm", "seq_load_balancing_loss", "moe/max_share"):
+                assert _close(got[it][key], reference[it][key]), (name, it, key)
+
+
+def test_the_reader_gives_every_expert_of_an_expert_parallel_checkpoint(runs, tmp_path):
+    from pretrain.convert.checkpoint_reader import read_checkpoint
+    from tools.reshard_checkpoint import main as reshard
+
+    folder = runs["checkpoints"]
+    whole = read_checkpoint(str(folder / "ckpt_reference"), 3).state_dict
+    assert whole["layers.1.mlp.experts.fc1.weight"].shape[0] == 8
+    assert whole["layers.1.mlp.router.expert_bias"].abs().sum() > 0  # it moved and is there
+    args = ["--load", str(folder / "ckpt_ep4"), "--iteration", "3", "--save", str(tmp_path / "r")]
+    reshard(args + ["--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2"])
+    for source in (folder / "ckpt_ep4", tmp_path / "r"):  # saved at EP 4; resharded to TP 2 PP 2
+        split = read_checkpoint(str(source), 3).state_dict
+        assert split.keys() == whole.keys()
+        for name, tensor in whole.items():
+            torch.testing.assert_close(split[name].float(), tensor.float(), rtol=1e-5, atol=1e-6)

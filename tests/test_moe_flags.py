@@ -128,5 +128,9 @@ def test_expert_layouts_training_refuses_are_one_line(layout, bf16, message):
         check_moe_training(moe, parallel, bf16=bf16)
     assert "\n" not in str(error.value)
     dense = _config([])[1]
+    with pytest.raises(UserError, match="drop --no-save-full-state"):
+        check_moe_training(
+            moe, ParallelConfig(world_size=8, expert_model_parallel_size=2), False, False
+        )
     with pytest.raises(UserError, match="needs an MoE model"):
         check_moe_training(dense, ParallelConfig(world_size=8, expert_model_parallel_size=2))

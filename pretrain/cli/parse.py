@@ -210,7 +210,12 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
     check_position_embedding(ns, model.position_embedding_type)
     check_script_flags(ns, model.num_layers, pp)
     model.validate(tp, pp, parallel.expert_model_parallel_size, parallel.expert_tp)
-    check_moe_training(model, parallel, bf16=bool(ns.precision__bf16))
+    check_moe_training(
+        model,
+        parallel,
+        bf16=bool(ns.precision__bf16),
+        full_state=not ns.checkpoint__no_save_full_state,
+    )
     data = DataConfig.from_args(ns)
     if data.data_schedule is not None and batches.varies:
         raise UserError(

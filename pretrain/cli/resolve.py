@@ -158,10 +158,13 @@ def model_config(ns: argparse.Namespace, vocab_size: int) -> ModelConfig:
     )
 
 
-def check_moe_training(model: ModelConfig, parallel: ParallelConfig, bf16: bool = False) -> None:
+def check_moe_training(
+    model: ModelConfig, parallel: ParallelConfig, bf16: bool = False, full_state: bool = True
+) -> None:
     """The expert layouts pretrain_gpt.py trains at (the MoE layer itself runs at any): expert TP
     1 or TP; at EP > 1 DeepSpeed's non-partitioned optimizer (ZeRO-0), whose gradient reduction
-    leaves the experts to the expert-data-parallel group, and not its bf16 pipeline optimizer."""
+    leaves the experts to the expert-data-parallel group, not its bf16 pipeline optimizer, and
+    with the full-state checkpoint (`full_state`; DeepSpeed's files hold one rank's experts)."""
     ep, etp, tp = (
         parallel.expert_model_parallel_size,
         parallel.expert_tp,
@@ -183,6 +186,12 @@ def check_moe_training(model: ModelConfig, parallel: ParallelConfig, bf16: bool 
             f"partitions every parameter over the whole data-parallel group, whose ranks hold "
             f"different experts at EP > 1 (DeepSpeed's expert groups need its own MoE classes); "
             f"use --zero-stage 0 (docs/MOE.md)"
+        )
+    if ep > 1 and not full_state:
+        raise UserError(
+            f"--no-save-full-state with --expert-model-parallel-size {ep}: DeepSpeed's files "
+            f"hold data-parallel rank 0's experts only, the checkpoint resumes through its "
+            f"layout-independent state; drop --no-save-full-state"
         )
     if ep > 1 and bf16 and parallel.pipeline_model_parallel_size > 1:
         raise UserError(

@@ -10,6 +10,11 @@ What pretrain_gpt.py writes (pretrain/training/checkpointing.py, docs/CHECKPOINT
     PP > 1:            layer_<idx:02>-model_<tp:02>-model_states.pt    one per pipeline layer
     resharded offline: full_state_tp<t:02>_pp<p:02>.pt                 fp32 master weights
                        (tools/reshard_checkpoint.py; pretrain.checkpoint.full_state)
+    MoE at expert-parallel size > 1: the full_state files too (DeepSpeed's files hold data-
+                       parallel rank 0's experts only; the full state holds every expert)
+
+An MoE model's state dict has its routers' expert bias (a persistent buffer) besides the
+parameters, under the names of docs/MOE.md.
 
 Pipeline layer indices map to GPTModel names through `pretrain.checkpoint.pipeline_layers.layer_name_prefix`
 (0 = embedding, 1..L = layers.0..L-1, L+1 = head; with tied embeddings L+2 is the last stage's
@@ -197,13 +202,17 @@ def read_checkpoint(load_dir: str, iteration: int | None = None) -> LoadedCheckp
             par["zero_stage"],
         )
         dp = par["data_parallel_size"]
+        ep = par.get("expert_model_parallel_size") or 1
         tokenizer = TokenizerConfig(**meta["tokenizer"])
     except (KeyError, TypeError) as err:
         raise UserError(
             f"{os.path.join(step_dir, META_FILE)}: missing or bad entry {err} (not written by this "
             f"version of pretrain_gpt.py?)"
         ) from None
-    if is_full_state_only(meta):  # tools/reshard_checkpoint.py: fp32 master weights only
+    # tools/reshard_checkpoint.py's (fp32 master weights only), or experts split over EP
+    # (DeepSpeed's files hold data-parallel rank 0's): the full state, every expert in it
+    from_full_state = is_full_state_only(meta) or ep > 1
+    if from_full_state:
         state = FullState(step_dir, config.vocab_size)
         shards = [{name: state.entry(name).param for name in state.names()}]
     elif pp > 1:
@@ -219,7 +228,7 @@ def read_checkpoint(load_dir: str, iteration: int | None = None) -> LoadedCheckp
             f"{step_dir}: the weights do not match the model in {META_FILE}: missing "
             f"{sorted(missing)[:4]}, unexpected {sorted(unexpected)[:4]}"
         )
-    if is_full_state_only(meta):
+    if from_full_state:
         full = shards[0]
     else:
         full = trim_vocab(merge_tp(shards, partitions), config.vocab_size)

@@ -34,11 +34,12 @@ class Partition:
 
 
 def _structural_twin(config: ModelConfig) -> ModelConfig:
-    """The same architecture (same parameter names and split rules) at toy sizes."""
+    """The same architecture (same parameter names and split rules) at toy sizes: one layer,
+    or every layer of an MoE model (its layers differ: `moe_layer_freq`)."""
     gqa = config.query_groups != config.num_attention_heads
     return dataclasses.replace(
         config,
-        num_layers=1,
+        num_layers=config.num_layers if config.is_moe else 1,
         hidden_size=8,
         num_attention_heads=2,
         num_query_groups=1 if gqa else None,
@@ -53,7 +54,8 @@ def _structural_twin(config: ModelConfig) -> ModelConfig:
 
 
 def parameter_partitions(config: ModelConfig) -> dict[str, Partition | None]:
-    """Every full-model parameter name -> its TP split (None: replicated on every TP rank)."""
+    """Every full-model parameter (and persistent buffer: an MoE router's expert bias) name ->
+    its TP split (None: replicated on every TP rank)."""
     twin = GPTModel(_structural_twin(config))
     per_template = {
         name: (
@@ -61,8 +63,10 @@ def parameter_partitions(config: ModelConfig) -> dict[str, Partition | None]:
             if getattr(p, "tensor_model_parallel", False)
             else None
         )
-        for name, p in twin.named_parameters()
+        for name, p in twin.state_dict(keep_vars=True).items()
     }
+    if config.is_moe:  # the twin has every layer
+        return per_template
     out = {}
     for template, partition in per_template.items():
         if template.startswith("layers.0."):

@@ -99,10 +99,20 @@ def _check_precision(meta: dict, precision: str | None, finetune: bool, path: st
 
 
 def _same_layout(saved: dict, parallel: ParallelConfig) -> bool:
+    """True when DeepSpeed's own files resume here: the same TP/PP/DP/ZeRO and the experts
+    whole on every data-parallel rank on both sides (at expert-parallel size > 1 DeepSpeed's
+    files hold data-parallel rank 0's experts only: the full state resumes it)."""
     keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
-    return all(saved[k] == getattr(parallel, k) for k in keys) and saved["zero_stage"] == (
-        parallel.zero_stage
+    return (
+        all(saved[k] == getattr(parallel, k) for k in keys)
+        and saved["zero_stage"] == parallel.zero_stage
+        and _saved_ep(saved) == parallel.expert_model_parallel_size == 1
     )
+
+
+def _saved_ep(saved: dict) -> int:
+    """The expert-parallel size a checkpoint was written at (1 before MoE)."""
+    return saved.get("expert_model_parallel_size") or 1
 
 
 def saved_precision(meta: dict) -> str | None:
@@ -161,6 +171,13 @@ def check_compatible(
         return
     _check_precision(meta, precision, config.finetune, path)
     saved = meta["parallel"]
+    if max(_saved_ep(saved), parallel.expert_model_parallel_size) > 1:
+        raise UserError(
+            f"--load {path}: the checkpoint was written with --expert-model-parallel-size "
+            f"{_saved_ep(saved)}, this run uses {parallel.expert_model_parallel_size}"
+            f"{_without_full_state(meta)}; DeepSpeed's files hold data-parallel rank 0's experts "
+            f"only, so it resumes only through its layout-independent state"
+        )
     for key, flag in (
         ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
         ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
