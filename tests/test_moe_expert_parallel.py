@@ -80,6 +80,21 @@ RESUMES = {
 }
 
 
+EVAL_ITERS, GBS = 2, 8
+
+
+def _blend_argv(tmp, layout) -> list[str]:
+    """DeepSeek-like on an unweighted blend of two sources, validated per source at iteration
+    2, saved there."""
+    argv = _argv("deepseek", "", layout, tmp / "blend.jsonl", 2)
+    i = argv.index("--data-path")
+    argv[i + 1 : i + 2] = [str(tmp / "alpha"), str(tmp / "beta")]
+    argv[argv.index("--split") + 1] = "80,20,0"
+    argv[argv.index("--eval-interval") + 1] = "2"
+    argv[argv.index("--eval-iters") + 1] = str(EVAL_ITERS)
+    return argv + ["--save", str(tmp / "ckpt_blend"), "--save-interval", "2"]
+
+
 def _resume_argv(tmp, corpus: str, name: str) -> list[str]:
     _, layout, load, save, iters = RESUMES[name]
     argv = _argv("deepseek", corpus, layout, tmp / f"resume_{name}.jsonl", iters)
@@ -91,6 +106,7 @@ def _resume_argv(tmp, corpus: str, name: str) -> list[str]:
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe_ep")
     corpus = make_corpus(tmp / "corpus")
+    make_corpus(tmp / "alpha", seed=0), make_corpus(tmp / "beta", seed=1)
     files = {}
     for world in (4, 1):
         argvs = []
@@ -102,6 +118,7 @@ def runs(tmp_path_factory):
                     argvs[-1] = _argv(model, corpus, layout, files[model, layout], 4)
                     argvs[-1] += ["--save", str(tmp / "ckpt_reference"), "--save-interval", "3"]
         argvs += [_resume_argv(tmp, corpus, n) for n, r in RESUMES.items() if r[0] == world]
+        argvs += [_blend_argv(tmp, (2, 1, 1, 1))] if world == 4 else []
         result = run(multirun_cmd(world, argvs, tmp / f"runs_{world}.json"), timeout=1100)
         assert result.returncode == 0, f"world {world} failed:\n{result.stdout[-8000:]}"
     out = {key: read_metrics(path) for key, path in files.items()}
@@ -163,3 +180,30 @@ def test_the_reader_gives_every_expert_of_an_expert_parallel_checkpoint(runs, tm
         assert split.keys() == whole.keys()
         for name, tensor in whole.items():
             torch.testing.assert_close(split[name].float(), tensor.float(), rtol=1e-5, atol=1e-6)
+
+
+def test_per_source_validation_and_explain_batch_of_an_moe_run(runs):
+    import json
+
+    from test_validation_per_source import _validation_samples
+    from training_fixtures import PYTHON, REPO, checkpointed_model, token_losses
+
+    tmp = runs["checkpoints"]
+    records = [json.loads(x) for x in (tmp / "blend.jsonl").read_text().splitlines()]
+    a, b = str(tmp / "alpha"), str(tmp / "beta")
+    logged = next(r for r in records if f"validation-loss/{a}" in r)
+    one_process = _blend_argv(tmp, REFERENCE)  # the same samples, parsed here
+    batch = _validation_samples(one_process, EVAL_ITERS * GBS)
+    assert set(batch["dataset_id"].tolist()) == {0, 1}
+    model = checkpointed_model(str(tmp / "ckpt_blend"))  # saved at EP 2: every expert
+    per_token, mask = token_losses(model, batch)
+    for source, prefix in enumerate((a, b)):
+        rows = batch["dataset_id"] == source
+        expected = (per_token[rows] * mask[rows]).sum() / mask[rows].sum()
+        assert abs(logged[f"validation-loss/{prefix}"] - float(expected)) <= 1e-5 * float(expected)
+    tool = [PYTHON, str(REPO / "tools" / "explain_batch.py"), *_blend_argv(tmp, (2, 1, 1, 1))]
+    result = run([*tool, "--load", str(tmp / "ckpt_blend"), "--iteration", "2", "--json"], 300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    rows = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["sample"] for r in rows) == list(range(GBS, 2 * GBS))
+    assert {r["dataset"] for r in rows} <= {a, b} and all(r["documents"] for r in rows)

@@ -245,6 +245,7 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _flag("--metrics-file", field="logging.metrics_file", help="append one JSON line per iteration (full-precision loss, grad norm, lr)"),
         _flag("--log-throughput", action="store_true", help="accepted for Megatron scripts (always on)"),
         _flag("--log-validation-ppl-to-tensorboard", action="store_true", help="no-op: validation and test perplexity are always written"),
+        _flag("--moe-per-layer-logging", action="store_true", help="no-op: each MoE layer's router losses and token shares are always written to the dashboards at log iterations (moe/<loss>_layer_<i>; docs/MOE.md)"),
         _flag("--log-timers-to-tensorboard", action="store_true", help="accepted: there are no per-phase timers; iteration-time is always written"),
         _flag("--log-batch-size-to-tensorboard", action="store_true", help="accepted: not written (the global batch size is in every log line)"),
         _flag("--log-optimizer-states-to-tensorboard", action="store_true", help="accepted: optimizer-state norms are not written"),
