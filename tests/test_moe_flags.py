@@ -109,8 +109,23 @@ def test_a_layer_pattern_read_back_from_json_is_the_same_config():
     "layout, bf16, message",
     [
         (dict(expert_model_parallel_size=2), False, None),
-        (dict(expert_model_parallel_size=2, zero_stage=1), False, "--zero-stage 1 with --expert"),
-        (dict(expert_model_parallel_size=4, zero_stage=2), False, "use --zero-stage 0"),
+        (dict(expert_model_parallel_size=4, zero_stage=2), False, None),
+        (dict(expert_model_parallel_size=2, zero_stage=3), False, "use --zero-stage 0-2"),
+        (
+            dict(
+                expert_model_parallel_size=2,
+                zero_stage=1,
+                tensor_model_parallel_size=2,
+                expert_tensor_parallel_size=1,
+            ),
+            False,
+            "use --zero-stage 0 or --expert-tensor-parallel-size 2",
+        ),
+        (
+            dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2, zero_stage=1),
+            False,
+            "--zero-stage 1 with --pipeline-model-parallel-size 2",
+        ),
         (dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2), True, "--bf16 with"),
         (dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2), False, None),
         (dict(tensor_model_parallel_size=4, expert_tensor_parallel_size=2), False, "expert TP 1"),

@@ -12,8 +12,10 @@ Layouts (EP, TP, PP, expert TP, ZeRO) at 4 ranks, sequence parallelism under TP 
 needs it): at EP 1, DP 4 ZeRO-1, TP 2 x DP 2 with expert TP 2 (ZeRO-2) and TP 2 x PP 2 with
 expert TP 1 (every TP rank holds whole experts, their gradients summed over TP); at EP > 1
 (ZeRO-0): EP 2 and 4 over DP 4 (expert DP 2 and 1), EP 2 over the TP peers (TP 2, expert TP 1),
-TP 2 x EP 2 with expert TP 2 (no expert DP) and PP 2 x EP 2. Every layout reproduces the
-one-process lm loss and grad norm of each iteration within 1e-5: the aux losses reach the
+TP 2 x EP 2 with expert TP 2 (no expert DP) and PP 2 x EP 2; at EP > 1 with ZeRO-1 (EP 2 x DP
+4) and ZeRO-2 (TP 2 x EP 2, expert TP 2), where DeepSpeed's ZeRO partitions the experts over
+their expert-data-parallel group. Every layout reproduces the one-process lm loss and grad norm
+of each iteration within 1e-5: the aux losses reach the
 gradients with the loss's own scale (a wrong scale moves the grad norm: tried, 1.6e-4 off at DP
 4), expert gradients are summed over their expert-data-parallel group (skipping it: tried, grad
 norm 7e-5 off at EP 2), the global norm counts every expert once (a norm clipped at 0.05 feeds
@@ -23,9 +25,9 @@ shares, dropped fraction) are the same at every layout. Capacity runs keep each 
 expert at TP 1 only (each TP rank routes its own sequence chunk), so they run at TP 1 layouts.
 
 Checkpoints (DeepSeek-like: experts, shared expert, expert bias): a run at EP 2 (DP 4) saves at
-iteration 2; one resumes it at EP 4 and saves at 3, one at TP 2 x PP 2 x EP 2; one process (EP
-1) resumes the EP 4 checkpoint. Each continues the one-process run within 1e-5 from the
-iteration after its checkpoint (the expert bias, moving by 0.05 an iteration, must come back
+iteration 2 (ZeRO-0); one resumes it at EP 4 with ZeRO-2 and saves at 3, one at TP 2 x PP 2 x EP
+2; one process (EP 1) resumes the EP 4 ZeRO-2 checkpoint. Each continues the one-process run
+within 1e-5 from the iteration after its checkpoint (the expert bias, moving by 0.05 an iteration, must come back
 too), and the converter's reader gives the same full state dict (all 8 experts, expert bias)
 from the EP 4 checkpoint as from the one-process run's at the same iteration, and from that
 checkpoint resharded offline to TP 2 x PP 2.
@@ -74,6 +76,8 @@ LAYOUTS = [
     (2, 2, 1, 1, 0),
     (2, 2, 1, 2, 0),
     (2, 1, 2, 1, 0),
+    (2, 1, 1, 1, 1),
+    (2, 2, 1, 2, 2),
 ]
 CAPACITY_LAYOUTS = [(1, 1, 1, 1, 1), (4, 1, 1, 1, 0), (2, 1, 2, 1, 0)]
 LOGGED = ("lm-loss", "grad-norm", "moe/min_share", "moe/max_share", "moe/dropped_fraction")
@@ -104,7 +108,7 @@ REFERENCE = (1, 1, 1, 1, 0)
 # name -> (world, layout, --load, --save, train iters): DeepSeek-like, saving every iteration
 RESUMES = {
     "ep2": (4, (2, 1, 1, 1, 0), None, "ckpt_ep2", 2),
-    "ep4": (4, (4, 1, 1, 1, 0), "ckpt_ep2", "ckpt_ep4", 3),
+    "ep4": (4, (4, 1, 1, 1, 2), "ckpt_ep2", "ckpt_ep4", 3),
     "tp2_pp2_ep2": (4, (2, 2, 2, 1, 0), "ckpt_ep2", None, 4),
     "ep1": (1, REFERENCE, "ckpt_ep4", None, 4),
 }

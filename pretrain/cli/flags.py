@@ -210,7 +210,7 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _flag("--dist-ckpt-strictness", metavar="MODE", help="accepted: applies to torch_dist checkpoints, which are not read here"),
     )),
     ("moe", (
-        _flag("--expert-model-parallel-size", field="parallel.expert_model_parallel_size", type=int, default=1, metavar="N", help="experts split over this many ranks of each stage's TP x DP ranks (Megatron's order: expert TP, EP, expert DP); > 1 trains at --zero-stage 0 (docs/MOE.md)"),
+        _flag("--expert-model-parallel-size", field="parallel.expert_model_parallel_size", type=int, default=1, metavar="N", help="experts split over this many ranks of each stage's TP x DP ranks (Megatron's order: expert TP, EP, expert DP); > 1 trains at ZeRO 0-2 (docs/MOE.md)"),
         _flag("--expert-tensor-parallel-size", field="parallel.expert_tensor_parallel_size", type=int, metavar="N", help="expert TP: ranks that split each expert's weights [default: --tensor-model-parallel-size]"),
         _model("num_moe_experts", type=int, metavar="N", help="experts per MoE layer [default: none, a dense model]"),
         _model("moe_layer_freq", type=_layer_freq, default=1, metavar="N|LIST", help="MoE layers: every N-th layer from layer 0, or a list of 0/1 per layer such as '([1]*3+[0])*2'"),

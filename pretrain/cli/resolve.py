@@ -162,9 +162,10 @@ def check_moe_training(
     model: ModelConfig, parallel: ParallelConfig, bf16: bool = False, full_state: bool = True
 ) -> None:
     """The expert layouts pretrain_gpt.py trains at (the MoE layer itself runs at any): expert TP
-    1 or TP; at EP > 1 DeepSpeed's non-partitioned optimizer (ZeRO-0), whose gradient reduction
-    leaves the experts to the expert-data-parallel group, not its bf16 pipeline optimizer, and
-    with the full-state checkpoint (`full_state`; DeepSpeed's files hold one rank's experts)."""
+    1 or TP; at EP > 1 ZeRO 0-2 (ZeRO 1-2 with expert TP = TP and PP 1:
+    backends/deepspeed/experts.py),
+    not DeepSpeed's bf16 pipeline optimizer, and with the full-state checkpoint (`full_state`;
+    DeepSpeed's files hold one rank's experts)."""
     ep, etp, tp = (
         parallel.expert_model_parallel_size,
         parallel.expert_tp,
@@ -180,12 +181,26 @@ def check_moe_training(
             f"--tensor-model-parallel-size ({tp}) for now (the MoE layer itself runs at any: "
             f"docs/MOE.md)"
         )
-    if ep > 1 and parallel.zero_stage > 0:
+    if ep > 1 and parallel.zero_stage == 3:
         raise UserError(
-            f"--zero-stage {parallel.zero_stage} with --expert-model-parallel-size {ep}: ZeRO "
-            f"partitions every parameter over the whole data-parallel group, whose ranks hold "
-            f"different experts at EP > 1 (DeepSpeed's expert groups need its own MoE classes); "
-            f"use --zero-stage 0 (docs/MOE.md)"
+            f"--zero-stage 3 with --expert-model-parallel-size {ep}: ZeRO-3 partitions every "
+            f"parameter over the whole data-parallel group, whose ranks hold different experts "
+            f"at EP > 1; use --zero-stage 0-2 (docs/MOE.md)"
+        )
+    if ep > 1 and parallel.zero_stage > 0 and etp != tp:
+        raise UserError(
+            f"--zero-stage {parallel.zero_stage} with --expert-model-parallel-size {ep} and "
+            f"--expert-tensor-parallel-size {etp} under --tensor-model-parallel-size {tp}: "
+            f"DeepSpeed's ZeRO counts the expert gradient norm over the data-parallel group, "
+            f"which holds every expert only when expert TP = TP; use --zero-stage 0 or "
+            f"--expert-tensor-parallel-size {tp}"
+        )
+    if ep > 1 and parallel.zero_stage > 0 and parallel.pipeline_model_parallel_size > 1:
+        raise UserError(
+            f"--zero-stage {parallel.zero_stage} with --pipeline-model-parallel-size "
+            f"{parallel.pipeline_model_parallel_size} and --expert-model-parallel-size {ep}: "
+            f"DeepSpeed's ZeRO takes its expert groups per stage (a stage without MoE layers "
+            f"has none) and hangs; use --zero-stage 0"
         )
     if ep > 1 and not full_state:
         raise UserError(
@@ -193,7 +208,7 @@ def check_moe_training(
             f"hold data-parallel rank 0's experts only, the checkpoint resumes through its "
             f"layout-independent state; drop --no-save-full-state"
         )
-    if ep > 1 and bf16 and parallel.pipeline_model_parallel_size > 1:
+    if ep > 1 and bf16 and parallel.pipeline_model_parallel_size > 1 and parallel.zero_stage == 0:
         raise UserError(
             f"--bf16 with --pipeline-model-parallel-size {parallel.pipeline_model_parallel_size} "
             f"and --expert-model-parallel-size {ep}: DeepSpeed's bf16 pipeline optimizer reduces "

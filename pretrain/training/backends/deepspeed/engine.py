@@ -327,10 +327,12 @@ def build_deepspeed_engine(
         we_clip=we_clip_gradients(parallel, precision),
         model_parallel_group=state.get_model_parallel_group(),
     )
-    scheduler = SampleLRScheduler(optimizer, schedule, global_batch_size=global_batch_size)
-    params_total = _count_parameters(model)
     local_experts = experts.expert_parameters(model)
     experts.keep_local(local_experts)
+    if local_experts and parallel.zero_stage > 0:  # before the scheduler reads the groups
+        experts.use_expert_groups(model, optimizer, local_experts, model_config.num_moe_experts)
+    scheduler = SampleLRScheduler(optimizer, schedule, global_batch_size=global_batch_size)
+    params_total = _count_parameters(model)
     ds_config = build_deepspeed_config(
         global_batch_size=global_batch_size,
         micro_batch_size=micro_batch_size,
@@ -348,7 +350,9 @@ def build_deepspeed_engine(
         config=ds_config,
         mpu=None if pipeline else state.mpu,
     )
-    experts.reduce_over_expert_data_parallel(ds_engine, local_experts)
+    experts.finish(ds_engine, model)
+    if parallel.zero_stage == 0:
+        experts.reduce_over_expert_data_parallel(ds_engine, local_experts)
     _mark_master_copies(ds_engine.optimizer)
     _undo_warmup_step(ds_engine.optimizer)
     return DeepSpeedEngine(
