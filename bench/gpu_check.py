@@ -9,7 +9,10 @@ Checks, in order of value (each one's figures go into the --json report as soon 
    random-token corpus; tokens/s, TFLOP/s (the log's formula), MFU; beside it a plain PyTorch
    step of the same model (torch modules, SDPA is_causal, fused AdamW, bf16 autocast), "ratio" =
    ours / plain tokens/s.
-4. `torch_backend`: the 124M model on the torch backend (`--use-torch-fsdp2 --bf16`: FSDP2's
+4. `moe_training` (after the export, before the 1.3B): `pretrain_gpt.py --bf16` of a Mixtral-like
+   MoE (8 experts, top-2, grouped GEMM, all-to-all dispatcher, aux loss) on one GPU; tokens/s,
+   the log's TFLOP/s, the last load_balancing_loss and largest expert share, losses finite.
+5. `torch_backend` (last): the 124M model on the torch backend (`--use-torch-fsdp2 --bf16`: FSDP2's
    bf16 MixedPrecisionPolicy over fp32 masters, one rank); tokens/s, TFLOP/s, MFU, and
    "vs_deepspeed" = its tokens/s / the DeepSpeed run's (check 3's gpt2_124m).
 A check starts only when elapsed + its estimate fits the budget; otherwise, or when a check it
@@ -90,6 +93,12 @@ FLEX_FLAGS = ("--reset-attention-mask",)
 # the torch backend (FSDP2, bf16 mixed precision) on the 124M shape
 TORCH_BACKEND = Shape("torch_backend", 12, 768, 12, 1024, 16)
 TORCH_FLAGS = ("--use-torch-fsdp2",)
+MOE = Shape("moe_training", 4, 512, 8, 1024, 8)
+MOE_FLAGS = (
+    *("--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "512"),
+    *("--moe-grouped-gemm", "--moe-token-dispatcher-type", "alltoall"),
+    *("--moe-aux-loss-coeff", "1e-2"),
+)
 
 
 def parse_args(argv=None):
@@ -271,6 +280,23 @@ def logged_figures(shape: Shape, metrics: Path, warmup: int, peak) -> dict:
     }
 
 
+def moe_figures(metrics: Path, warmup: int) -> dict:
+    """The MoE run's logged throughput after `warmup` (its own FLOP count: active parameters),
+    its router statistics at the end; its losses, finite."""
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps = [r for r in records if "iteration-time" in r and r["iteration"] > warmup]
+    if not steps or not all(math.isfinite(r["lm-loss"]) for r in steps):
+        raise CheckFailed(f"training {MOE.name}: no finite losses logged after the warmup")
+    seconds = statistics.median(r["iteration-time"] for r in steps)
+    return {
+        "tokens_per_s": round(MOE.micro_batch * MOE.seq / seconds, 1),
+        "logged_tflops": round(statistics.median(r["tflops-per-device"] for r in steps), 2),
+        "last_loss": round(steps[-1]["lm-loss"], 4),
+        "load_balancing_loss": round(steps[-1]["load_balancing_loss"], 4),
+        "max_expert_share": round(steps[-1]["moe/max_share"], 4),
+    }
+
+
 @dataclass(frozen=True)
 class Check:
     """One planned step: its command (run in the repo with the check's env), its time estimate."""
@@ -295,6 +321,8 @@ def plan(args, corpus: str, work: Path) -> list[Check]:
         checks.append(Check(name, [py, "pretrain_gpt.py", *argv], estimate, SHAPES[name]))
         if name == EXPORTED:
             checks.append(Check("hf_export", export_cmd(work), 60, needs=EXPORTED))
+            moe = training_argv(MOE, corpus, args.iters, work, save=False)
+            checks.append(Check("moe_training", [py, "pretrain_gpt.py", *moe, *MOE_FLAGS], 30, MOE))
     torch_backend = training_argv(TORCH_BACKEND, corpus, args.iters, work, save=False)
     checks.append(
         Check(
@@ -355,6 +383,8 @@ def run_check(
         return {"summary": summary}
     if check.name == "hf_export":
         return {"model": EXPORTED, "dtype": "bf16", "verified": True}
+    if check.shape is MOE:
+        return moe_figures(work / f"{MOE.name}.jsonl", args.warmup)
     ours = logged_figures(check.shape, work / f"{check.shape.name}.jsonl", args.warmup, peak)
     if check.shape is FLEX:
         return {"ours": ours}

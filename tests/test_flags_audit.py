@@ -167,6 +167,7 @@ def changes(f) -> dict:
         # mixture of experts
         "--num-experts": ["4"],
         "--expert-tensor-parallel-size": (moe_tp2, moe_tp2 + ["--expert-tensor-parallel-size", "1"], TWO_RANKS),
+        "--expert-model-parallel-size": (moe, moe + ["--expert-model-parallel-size", "2"], TWO_RANKS),
         "--moe-layer-freq": (moe, moe + ["--moe-layer-freq", "2"], None),
         "--moe-ffn-hidden-size": (moe, moe + ["--moe-ffn-hidden-size", "16"], None),
         "--moe-shared-expert-intermediate-size": (no_bias, no_bias + ["--moe-shared-expert-intermediate-size", "16"], None),
@@ -262,7 +263,6 @@ NOOP_VALUES = {
     # launch-script flags accepted with the value that describes this project
     "--context-parallel-size": ["1"],
     "--ds-sequence-parallel-size": ["1"],
-    "--expert-model-parallel-size": ["1"],
     "--DDP-impl": ["local"],
     "--ckpt-format": ["torch"],
     "--dist-ckpt-strictness": ["log_all"],

@@ -41,7 +41,7 @@ def test_dry_run_writes_each_planned_command_and_env(tmp_path):
     line = _gpu_check().parse_result_line(result.stdout)
     assert json.loads(report.read_text()) == line  # the file holds what the run reported
     assert line["dry_run"] is True and line["budget_s"] == 480
-    # the order of value: GPU tests, FlexAttention training, 124M and its export, then 1.3B,
+    # the order of value: GPU tests, FlexAttention training, 124M and its export, MoE, then 1.3B,
     # then the torch backend's 124M
     checks = line["checks"]
     assert list(checks) == [
@@ -49,6 +49,7 @@ def test_dry_run_writes_each_planned_command_and_env(tmp_path):
         "flex_training",
         "gpt2_124m",
         "hf_export",
+        "moe_training",
         "gpt_1_3b",
         "torch_backend",
     ]
@@ -65,6 +66,8 @@ def test_dry_run_writes_each_planned_command_and_env(tmp_path):
         flex[flex.index("--num-attention-heads") + 1]
     )
     assert seq % 128 == 0 and head_dim == 64 and flex[flex.index("--attention-dropout") + 1] == "0"
+    moe = checks["moe_training"]["cmd"]
+    assert moe[moe.index("--num-experts") + 1] == "8" and "--moe-grouped-gemm" in moe
     assert checks["hf_export"]["cmd"][1] == "tools/convert_to_hf.py"
     assert "--verify" in checks["hf_export"]["cmd"]
     assert line["dry_run_plain"]["tokens_per_s"] > 0

@@ -103,3 +103,51 @@ def test_a_layer_pattern_read_back_from_json_is_the_same_config():
 
     config = _config(DEEPSEEK)[1]
     assert model_config_from_meta(json_safe(dataclasses.asdict(config))) == config
+
+
+@pytest.mark.parametrize(
+    "layout, bf16, message",
+    [
+        (dict(expert_model_parallel_size=2), False, None),
+        (dict(expert_model_parallel_size=4, zero_stage=2), False, None),
+        (dict(expert_model_parallel_size=2, zero_stage=3), False, "use --zero-stage 0-2"),
+        (
+            dict(
+                expert_model_parallel_size=2,
+                zero_stage=1,
+                tensor_model_parallel_size=2,
+                expert_tensor_parallel_size=1,
+            ),
+            False,
+            "use --zero-stage 0 or --expert-tensor-parallel-size 2",
+        ),
+        (
+            dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2, zero_stage=1),
+            False,
+            "--zero-stage 1 with --pipeline-model-parallel-size 2",
+        ),
+        (dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2), True, "--bf16 with"),
+        (dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2), False, None),
+        (dict(tensor_model_parallel_size=4, expert_tensor_parallel_size=2), False, "expert TP 1"),
+        (dict(expert_model_parallel_size=2, use_torch_fsdp2=True), False, "drop --use-torch-fsdp2"),
+        (dict(use_torch_fsdp2=True), False, "drop --use-torch-fsdp2"),
+    ],
+)
+def test_expert_layouts_training_refuses_are_one_line(layout, bf16, message):
+    from pretrain.cli.resolve import check_moe_training
+
+    moe = _config(DEEPSEEK)[1]
+    parallel = ParallelConfig(world_size=8, **layout)
+    if message is None:
+        check_moe_training(moe, parallel, bf16=bf16)
+        return
+    with pytest.raises(UserError, match=message) as error:
+        check_moe_training(moe, parallel, bf16=bf16)
+    assert "\n" not in str(error.value)
+    dense = _config([])[1]
+    with pytest.raises(UserError, match="drop --no-save-full-state"):
+        check_moe_training(
+            moe, ParallelConfig(world_size=8, expert_model_parallel_size=2), False, False
+        )
+    with pytest.raises(UserError, match="needs an MoE model"):
+        check_moe_training(dense, ParallelConfig(world_size=8, expert_model_parallel_size=2))

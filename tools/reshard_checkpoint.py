@@ -8,7 +8,8 @@
 every job merges its parameters from all the saved TP shards. This tool does that work once: the
 output holds the same training state (fp32 master weights, Adam moments and steps, LR schedule,
 data position) cut into one file per target (TP rank, pipeline stage), so each rank of a job at
-the target TP/PP reads only its own file. Data parallelism and the ZeRO stage stay free at launch.
+the target TP/PP reads only its own file. Data parallelism, the ZeRO stage and an MoE model's
+expert parallelism stay free at launch.
 Resume with `pretrain_gpt.py --load NEW --tensor-model-parallel-size T
 --pipeline-model-parallel-size P ...` (the run's other flags unchanged). The output is written
 under a temporary name and renamed when complete. docs/CHECKPOINTS.md has details.

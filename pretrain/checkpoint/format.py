@@ -91,6 +91,7 @@ def parallel_record(parallel: ParallelConfig, pipeline_engine: bool) -> dict:
         "zero_stage": parallel.zero_stage,
         "pipeline_engine": pipeline_engine,
         "backend": parallel.backend,
+        "expert_model_parallel_size": parallel.expert_model_parallel_size,
     }
 
 
@@ -234,6 +235,7 @@ _PARALLEL_TYPES = {  # null in a checkpoint of tools/reshard_checkpoint.py (no D
     "world_size": (int, None),
     "zero_stage": (int, None),
     "pipeline_engine": (bool,),
+    "expert_model_parallel_size": (int, None),  # absent before MoE: 1
 }
 
 
@@ -255,6 +257,17 @@ def _model_types() -> dict[str, tuple]:
         args = typing.get_args(hints[field.name]) or (hints[field.name],)
         out[field.name] = tuple(_json_type(a) for a in args)
     return out
+
+
+def _json_type(annotation) -> type | None:
+    """The JSON type a field annotated `annotation` is stored as (a dtype by its name, a tuple
+    such as `tuple[int, ...]` as a list; None for None)."""
+    if annotation is torch.dtype:
+        return str
+    if annotation is type(None):
+        return None
+    origin = typing.get_origin(annotation)
+    return list if origin in (tuple, list) else origin or annotation
 
 
 def _check_types(meta: dict, path: str) -> None:

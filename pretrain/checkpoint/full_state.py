@@ -24,7 +24,13 @@ every file of a TP rank by parameter name, whatever the split:
                iteration and consumed samples (pretrain.checkpoint.agreement.position_stamp)},
      "entries": {name: {"partition": [dim, stride] | None,   # None: replicated over TP
                         "param": fp32 master weight, "exp_avg": ..., "exp_avg_sq": ...,
-                        "step": int}}}                       # moments/step absent: no optimizer
+                        "step": int,                         # moments/step absent: no optimizer
+                        "buffer": true}}}                    # only for a persistent buffer
+
+Persistent buffers (the MoE routers' `router.expert_bias`) are entries with `"buffer": true` and a
+"param" only (no optimizer state). Experts are complete over expert parallelism (the engine
+gathers them over EP): a file holds every expert of its TP rank, so EP is chosen at launch like
+DP.
 
 `read_full_state` merges the TP shards into full tensors and drops the padded vocabulary rows
 (they depend on TP: Megatron pads to a multiple of divisible_by * TP; they are zero and never in
@@ -66,6 +72,8 @@ class FullEntry:
     """Adam's second moment."""
     step: int | None = None
     """Adam's step count for this parameter (bias correction)."""
+    buffer: bool = False
+    """A persistent buffer (no optimizer state), not a parameter."""
 
 
 def shard_file(step_dir: str, tp_rank: int, pp_stage: int, dp_rank: int = 0) -> str:
@@ -127,6 +135,8 @@ def _storable(entry: dict) -> dict:
             out[key] = _standalone(entry[key].detach().to("cpu", torch.float32).contiguous())
     if entry.get("step") is not None:
         out["step"] = int(entry["step"])
+    if entry.get("buffer"):
+        out["buffer"] = True
     return out
 
 
@@ -201,12 +211,17 @@ class FullState:
         return len(self._per_rank)
 
     def names(self) -> list[str]:
-        """Every parameter's GPTModel name."""
+        """Every parameter's and persistent buffer's GPTModel name."""
         return list(self._per_rank[0])
+
+    def is_buffer(self, name: str) -> bool:
+        """True for a persistent buffer (no optimizer state)."""
+        return bool(self._per_rank[0][name].get("buffer"))
 
     def has_optimizer(self) -> bool:
         """True when every parameter carries Adam moments and a step count."""
-        return all("step" in e and "exp_avg" in e for e in self._per_rank[0].values())
+        entries = self._per_rank[0].values()
+        return all("step" in e and "exp_avg" in e for e in entries if not e.get("buffer"))
 
     def entry(self, name: str) -> FullEntry:
         """`name` at TP = 1 without vocabulary padding."""
@@ -221,7 +236,9 @@ class FullState:
             else:
                 tensor = merge_shards([r[name][key] for r in self._per_rank], *partition)
             tensors[key] = tensor[: self.vocab_size] if name in VOCAB_PARAMS else tensor
-        return FullEntry(partition=partition, step=first.get("step"), **tensors)
+        return FullEntry(
+            partition=partition, step=first.get("step"), buffer=self.is_buffer(name), **tensors
+        )
 
     def local(
         self, name: str, *, tp_rank: int, tp_size: int, padded_vocab_size: int

@@ -20,6 +20,7 @@ Everything is written into a hidden sibling folder and renamed to `<save>` when 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -87,6 +88,7 @@ def _files(
                 local = state.local(name, tp_rank=rank, tp_size=tp, padded_vocab_size=padded)
                 entries[name] = {
                     "partition": state.partition(name),
+                    "buffer": state.is_buffer(name),
                     "step": state.step(name),
                     **local,
                 }
@@ -94,9 +96,12 @@ def _files(
 
 
 def _check_target(config: ModelConfig, target: TargetLayout) -> None:
-    """Refuse (one line naming the flag) a layout the model cannot be split into."""
+    """Refuse (one line naming the flag) a layout the model cannot be split into (sequence
+    parallelism, a launch choice that MoE needs under TP, assumed where TP > 1)."""
+    tp = target.tensor_parallel_size
+    config = dataclasses.replace(config, sequence_parallel=config.sequence_parallel or tp > 1)
     try:
-        config.validate(tp=target.tensor_parallel_size, pp=target.pipeline_parallel_size)
+        config.validate(tp=tp, pp=target.pipeline_parallel_size)
     except UserError as err:
         message = str(err).replace("--tensor-model-parallel-size", "--target-tensor-parallel-size")
         message = message.replace(

@@ -215,7 +215,7 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _flag("--dist-ckpt-strictness", metavar="MODE", help="accepted: applies to torch_dist checkpoints, which are not read here"),
     )),
     ("moe", (
-        _flag("--expert-model-parallel-size", field="parallel.expert_model_parallel_size", type=int, default=1, metavar="N", help="accepted with 1 only for now: training at expert-parallel size > 1 is not implemented yet (the MoE layer itself runs at any EP; >1 is refused)"),
+        _flag("--expert-model-parallel-size", field="parallel.expert_model_parallel_size", type=int, default=1, metavar="N", help="experts split over this many ranks of each stage's TP x DP ranks (Megatron's order: expert TP, EP, expert DP); > 1 trains at ZeRO 0-2 (docs/MOE.md)"),
         _flag("--expert-tensor-parallel-size", field="parallel.expert_tensor_parallel_size", type=int, metavar="N", help="expert TP: ranks that split each expert's weights [default: --tensor-model-parallel-size]"),
         _model("num_moe_experts", type=int, metavar="N", help="experts per MoE layer [default: none, a dense model]"),
         _model("moe_layer_freq", type=_layer_freq, default=1, metavar="N|LIST", help="MoE layers: every N-th layer from layer 0, or a list of 0/1 per layer such as '([1]*3+[0])*2'"),
@@ -250,6 +250,7 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _flag("--metrics-file", field="logging.metrics_file", help="append one JSON line per iteration (full-precision loss, grad norm, lr)"),
         _flag("--log-throughput", action="store_true", help="accepted for Megatron scripts (always on)"),
         _flag("--log-validation-ppl-to-tensorboard", action="store_true", help="no-op: validation and test perplexity are always written"),
+        _flag("--moe-per-layer-logging", action="store_true", help="no-op: each MoE layer's router losses and token shares are always written to the dashboards at log iterations (moe/<loss>_layer_<i>; docs/MOE.md)"),
         _flag("--log-timers-to-tensorboard", action="store_true", help="accepted: there are no per-phase timers; iteration-time is always written"),
         _flag("--log-batch-size-to-tensorboard", action="store_true", help="accepted: not written (the global batch size is in every log line)"),
         _flag("--log-optimizer-states-to-tensorboard", action="store_true", help="accepted: optimizer-state norms are not written"),

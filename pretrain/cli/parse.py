@@ -233,7 +233,12 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
     check_position_embedding(ns, model.position_embedding_type)
     check_script_flags(ns)
     model.validate(tp, pp, parallel.expert_model_parallel_size, parallel.expert_tp)
-    check_moe_training(model, parallel)
+    check_moe_training(
+        model,
+        parallel,
+        bf16=bool(ns.precision__bf16),
+        full_state=not ns.checkpoint__no_save_full_state,
+    )
     pipeline = resolve_pipeline_flags(
         schedule=ns.pipeline_schedule,
         layers_per_chunk=ns.num_layers_per_virtual_pipeline_stage,

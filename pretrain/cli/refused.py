@@ -32,10 +32,6 @@ REFUSED_FLAGS: dict[str, str] = {
         "the flex dispatcher (DeepEP/HybridEP) is not implemented (use "
         "--moe-token-dispatcher-type alltoall)"
     ),
-    "--moe-per-layer-logging": (
-        "not implemented: the log line has each MoE loss averaged over the MoE layers (drop the "
-        "flag)"
-    ),
     "--moe-router-force-load-balancing": (
         "not implemented: routing always follows the router (drop the flag)"
     ),

@@ -158,25 +158,69 @@ def model_config(ns: argparse.Namespace, vocab_size: int) -> ModelConfig:
     )
 
 
-def check_moe_training(model: ModelConfig, parallel: ParallelConfig) -> None:
-    """The expert layouts pretrain_gpt.py trains at (the MoE layer itself runs at any)."""
-    if not model.is_moe:
-        if parallel.expert_model_parallel_size > 1:
-            raise UserError(
-                f"--expert-model-parallel-size {parallel.expert_model_parallel_size} needs an MoE "
-                f"model (--num-experts)"
-            )
-        return
+def check_moe_training(
+    model: ModelConfig, parallel: ParallelConfig, bf16: bool = False, full_state: bool = True
+) -> None:
+    """The expert layouts pretrain_gpt.py trains at (the MoE layer itself runs at any): expert TP
+    1 or TP; at EP > 1 ZeRO 0-2 (ZeRO 1-2 with expert TP = TP and PP 1:
+    backends/deepspeed/experts.py),
+    not DeepSpeed's bf16 pipeline optimizer, and with the full-state checkpoint (`full_state`;
+    DeepSpeed's files hold one rank's experts)."""
     ep, etp, tp = (
         parallel.expert_model_parallel_size,
         parallel.expert_tp,
         parallel.tensor_model_parallel_size,
     )
-    if ep > 1 or etp not in (1, tp):
+    if not model.is_moe:
+        if ep > 1:
+            raise UserError(f"--expert-model-parallel-size {ep} needs an MoE model (--num-experts)")
+        return
+    if etp not in (1, tp):
         raise UserError(
-            f"--expert-model-parallel-size {ep} --expert-tensor-parallel-size {etp}: training "
-            f"runs at expert-parallel size 1 and expert TP 1 or --tensor-model-parallel-size "
-            f"({tp}) for now (the MoE layer itself runs at any: docs/MOE.md)"
+            f"--expert-tensor-parallel-size {etp}: training runs at expert TP 1 or "
+            f"--tensor-model-parallel-size ({tp}) for now (the MoE layer itself runs at any: "
+            f"docs/MOE.md)"
+        )
+    if parallel.backend == "torch":
+        raise UserError(
+            "--use-torch-fsdp2 with --num-experts: the torch backend trains dense models for now "
+            "(its full state does not carry the routers' expert bias and FSDP2 would shard "
+            "different experts as one parameter); drop --use-torch-fsdp2 (the DeepSpeed backend "
+            "trains MoE at any expert-parallel size)"
+        )
+    if ep > 1 and parallel.zero_stage == 3:
+        raise UserError(
+            f"--zero-stage 3 with --expert-model-parallel-size {ep}: ZeRO-3 partitions every "
+            f"parameter over the whole data-parallel group, whose ranks hold different experts "
+            f"at EP > 1; use --zero-stage 0-2 (docs/MOE.md)"
+        )
+    if ep > 1 and parallel.zero_stage > 0 and etp != tp:
+        raise UserError(
+            f"--zero-stage {parallel.zero_stage} with --expert-model-parallel-size {ep} and "
+            f"--expert-tensor-parallel-size {etp} under --tensor-model-parallel-size {tp}: "
+            f"DeepSpeed's ZeRO counts the expert gradient norm over the data-parallel group, "
+            f"which holds every expert only when expert TP = TP; use --zero-stage 0 or "
+            f"--expert-tensor-parallel-size {tp}"
+        )
+    if ep > 1 and parallel.zero_stage > 0 and parallel.pipeline_model_parallel_size > 1:
+        raise UserError(
+            f"--zero-stage {parallel.zero_stage} with --pipeline-model-parallel-size "
+            f"{parallel.pipeline_model_parallel_size} and --expert-model-parallel-size {ep}: "
+            f"DeepSpeed's ZeRO takes its expert groups per stage (a stage without MoE layers "
+            f"has none) and hangs; use --zero-stage 0"
+        )
+    if ep > 1 and not full_state:
+        raise UserError(
+            f"--no-save-full-state with --expert-model-parallel-size {ep}: DeepSpeed's files "
+            f"hold data-parallel rank 0's experts only, the checkpoint resumes through its "
+            f"layout-independent state; drop --no-save-full-state"
+        )
+    if ep > 1 and bf16 and parallel.pipeline_model_parallel_size > 1 and parallel.zero_stage == 0:
+        raise UserError(
+            f"--bf16 with --pipeline-model-parallel-size {parallel.pipeline_model_parallel_size} "
+            f"and --expert-model-parallel-size {ep}: DeepSpeed's bf16 pipeline optimizer reduces "
+            f"every gradient over the data-parallel group; use --fp16 or fp32, or "
+            f"--expert-model-parallel-size 1"
         )
 
 

@@ -13,6 +13,11 @@ What pretrain_gpt.py writes (pretrain/training/checkpointing.py, docs/CHECKPOINT
     torch backend:     .metadata + __<rank>_0.distcp (DCP), read through the same full_state
                        files beside them (--use-torch-fsdp2; a checkpoint saved with
                        --no-save-full-state there is refused: it has none)
+    MoE at expert-parallel size > 1: the full_state files too (DeepSpeed's files hold data-
+                       parallel rank 0's experts only; the full state holds every expert)
+
+An MoE model's state dict has its routers' expert bias (a persistent buffer) besides the
+parameters, under the names of docs/MOE.md.
 
 Pipeline layer indices map to GPTModel names through `pretrain.checkpoint.pipeline_layers.layer_name_prefix`
 (0 = embedding, 1..L = layers.0..L-1, L+1 = head; with tied embeddings L+2 is the last stage's
@@ -201,15 +206,17 @@ def read_checkpoint(load_dir: str, iteration: int | None = None) -> LoadedCheckp
             par["zero_stage"],
         )
         dp = par["data_parallel_size"]
+        ep = par.get("expert_model_parallel_size") or 1
         tokenizer = TokenizerConfig(**meta["tokenizer"])
     except (KeyError, TypeError) as err:
         raise UserError(
             f"{os.path.join(step_dir, META_FILE)}: missing or bad entry {err} (not written by this "
             f"version of pretrain_gpt.py?)"
         ) from None
-    # tools/reshard_checkpoint.py's output (fp32 master weights only) and the torch backend's
-    # checkpoints (DCP files, read here through their layout-independent state)
-    from_full_state = is_full_state_only(meta) or saved_backend(meta) == "torch"
+    # tools/reshard_checkpoint.py's output (fp32 master weights only), the torch backend's
+    # checkpoints (DCP files, read here through their layout-independent state), and experts
+    # split over EP (DeepSpeed's files hold data-parallel rank 0's): the full state
+    from_full_state = is_full_state_only(meta) or saved_backend(meta) == "torch" or ep > 1
     if from_full_state:
         state = FullState(step_dir, config.vocab_size)
         shards = [{name: state.entry(name).param for name in state.names()}]

@@ -192,19 +192,33 @@ class Engine(abc.ABC):
 
 
 def count_parameters(model: torch.nn.Module) -> int:
-    """Elements of the full model: TP shards summed over TP, tied copies and TP replicas once."""
+    """Elements of the full model: TP shards summed over TP, tied copies and TP replicas once,
+    experts once (summed over expert TP x EP)."""
     tp_rank0 = state.get_tensor_model_parallel_rank() == 0
-    local = sum(
+    dense = sum(
         p.numel()
         for p in model.parameters()
         if not getattr(p, "shared", False)
+        and not getattr(p, "expert_parallel", False)
         and (tp_rank0 or getattr(p, "tensor_model_parallel", False))
     )
-    count = torch.tensor([local], dtype=torch.int64, device=collective_device())
-    group = state.get_model_parallel_group()
-    if torch.distributed.is_initialized() and group is not None:
-        torch.distributed.all_reduce(count, group=group)
-    return int(count.item())
+    expert = sum(p.numel() for p in model.parameters() if getattr(p, "expert_parallel", False))
+    return _summed(dense, [state.get_model_parallel_group()]) + _summed(
+        expert,
+        [
+            state.get_expert_tensor_and_model_parallel_group(),
+            state.get_pipeline_model_parallel_group(),
+        ],
+    )
+
+
+def _summed(count: int, groups: list) -> int:
+    """`count` summed over each of `groups` in turn (every rank calls it alike)."""
+    total = torch.tensor([count], dtype=torch.int64, device=collective_device())
+    for group in groups:
+        if torch.distributed.is_initialized() and group is not None:
+            torch.distributed.all_reduce(total, group=group)
+    return int(total.item())
 
 
 def build_engine(**kwargs) -> Engine:

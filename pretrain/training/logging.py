@@ -2,7 +2,11 @@
 
 Only global rank 0 logs at INFO; other ranks log warnings and errors only. The iteration line is
 Megatron-LM's, field for field (`iteration N/ M | consumed samples: ... | lm loss: 1.234567E+00 |
-...`), so existing log parsers keep working; our throughput fields come after Megatron's.
+...`), so existing log parsers keep working; our throughput fields come after Megatron's. An MoE
+run adds Megatron's router losses after `lm loss` (`load_balancing_loss: ...`, `z_loss: ...`:
+averages over the interval, summed over MoE layers / MoE layers) and, after the throughput,
+`expert token share min/max` (the smallest and largest share of routed tokens any expert of any
+layer got; ideal 1/experts) and `dropped tokens` (fraction of assignments over capacity).
 """
 
 from __future__ import annotations
@@ -12,7 +16,10 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
+
+from pretrain.model.moe.metrics import MoEMetrics
 
 logger = logging.getLogger("pretrain")
 
@@ -92,6 +99,7 @@ class IterationStats:
     tflops_per_device: float
     mfu: float | None  # fraction of peak, None when the peak is unknown
     source_tokens: dict[str, int] | None = None  # training tokens read per data source
+    moe: MoEMetrics | None = None  # an MoE model's router statistics over the interval
 
 
 def format_iteration_line(s: IterationStats) -> str:
@@ -103,6 +111,8 @@ def format_iteration_line(s: IterationStats) -> str:
     line += f" learning rate: {s.learning_rate:.6E} |"
     line += f" global batch size: {s.global_batch_size:5d} |"
     line += f" lm loss: {s.lm_loss:.6E} |"
+    for name, value in (s.moe.total_losses if s.moe else {}).items():
+        line += f" {name}: {value:.6E} |"
     line += f" loss scale: {s.loss_scale:.1f} |"
     if s.grad_norm is not None:
         line += f" grad norm: {s.grad_norm:.3f} |"
@@ -111,9 +121,26 @@ def format_iteration_line(s: IterationStats) -> str:
     line += f" tokens per second: {s.tokens_per_second:.1f} |"
     if s.mfu is not None:
         line += f" MFU: {100 * s.mfu:.2f}% |"
+    if s.moe is not None:
+        line += f" expert token share min/max: {min(s.moe.min_share):.4f}/"
+        line += f"{max(s.moe.max_share):.4f} |"
+        line += f" dropped tokens: {s.moe.dropped_fraction:.4f} |"
     for prefix, tokens in shown_sources(s.source_tokens).items():
         line += f" {SOURCE_FIELD}{prefix}: {tokens} |"
     return line
+
+
+def moe_scalars(m: MoEMetrics) -> dict[str, float]:
+    """The dashboards' MoE scalars: Megatron's loss names (total) and `moe/<name>_layer_<i>` per
+    MoE layer, and the token shares and dropped fraction."""
+    scalars = dict(m.total_losses)
+    for name, values in m.losses.items():
+        scalars.update({f"moe/{name}_layer_{i}": v for i, v in enumerate(values)})
+    for i, (low, high) in enumerate(zip(m.min_share, m.max_share, strict=True)):
+        scalars[f"moe/min_share_layer_{i}"], scalars[f"moe/max_share_layer_{i}"] = low, high
+    scalars["moe/min_share"], scalars["moe/max_share"] = min(m.min_share), max(m.max_share)
+    scalars["moe/dropped_fraction"] = m.dropped_fraction
+    return scalars
 
 
 SOURCE_FIELD = "consumed tokens "  # iteration-line field of one data source: "consumed tokens P"
@@ -264,8 +291,12 @@ class MetricsLogger:
         train_iters: int,
         global_batch_size: int,
         skipped_steps_at_start: int,
+        moe: Callable[[], MoEMetrics] | None = None,
     ):
+        """`moe`: an MoE model's `pretrain.model.moe.metrics.collect` (a collective: every rank
+        records every iteration, so every rank calls it at the same log iterations)."""
         self.config, self.writer, self.throughput = config, writer, throughput
+        self.moe = moe
         self.train_iters, self.global_batch_size = train_iters, global_batch_size
         self._skipped_before = skipped_steps_at_start
         self._reset_interval()
@@ -322,9 +353,13 @@ class MetricsLogger:
         }
         for prefix, tokens in shown_sources(source_tokens).items():
             scalars[f"consumed-tokens/{prefix}"] = tokens
+        log_line = iteration % self.config.log_interval == 0
+        moe = self.moe() if log_line and self.moe is not None else None
+        if moe is not None:
+            scalars.update(moe_scalars(moe))
         dashboards = iteration % self.config.tensorboard_log_interval == 0
-        self.writer.write(iteration, scalars, dashboards=dashboards)
-        if iteration % self.config.log_interval != 0:
+        self.writer.write(iteration, scalars, dashboards=dashboards or moe is not None)
+        if not log_line:
             return
         per_iteration = self._seconds / self._iterations
         # seconds per iteration of the run's global batch: throughput over batches that vary
@@ -345,6 +380,7 @@ class MetricsLogger:
             tflops_per_device=self.throughput.tflops_per_device(per_full_batch),
             mfu=self.throughput.mfu(per_full_batch),
             source_tokens=source_tokens,
+            moe=moe,
         )
         logger.info(format_iteration_line(stats))
         self._skipped_before = skipped_steps

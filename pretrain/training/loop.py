@@ -133,7 +133,7 @@ def train(
             continue
         step_start = time.perf_counter()
         spikes.before_step()
-        with model_iteration(engine, num_microbatches):
+        with model_iteration(engine, num_microbatches, lambda: spikes.applied):
             loss = engine.train_step(
                 train_batches, num_microbatches, use_document_ids, device, spikes.judge
             )

@@ -117,13 +117,22 @@ def _check_backend(meta: dict, parallel: ParallelConfig, path: str) -> None:
 
 
 def _same_layout(meta: dict, parallel: ParallelConfig) -> bool:
+    """True when the backend's own files resume here: the same backend, TP/PP/DP/ZeRO and the
+    experts whole on every data-parallel rank on both sides (at expert-parallel size > 1
+    DeepSpeed's files hold data-parallel rank 0's experts only: the full state resumes it)."""
     saved = meta["parallel"]
     keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
     return (
         all(saved[k] == getattr(parallel, k) for k in keys)
         and saved["zero_stage"] == parallel.zero_stage
         and saved_backend(meta) == parallel.backend
+        and _saved_ep(saved) == parallel.expert_model_parallel_size == 1
     )
+
+
+def _saved_ep(saved: dict) -> int:
+    """The expert-parallel size a checkpoint was written at (1 before MoE)."""
+    return saved.get("expert_model_parallel_size") or 1
 
 
 def saved_precision(meta: dict) -> str | None:
@@ -183,6 +192,13 @@ def check_compatible(
     _check_backend(meta, parallel, path)
     _check_precision(meta, precision, config.finetune, path)
     saved = meta["parallel"]
+    if max(_saved_ep(saved), parallel.expert_model_parallel_size) > 1:
+        raise UserError(
+            f"--load {path}: the checkpoint was written with --expert-model-parallel-size "
+            f"{_saved_ep(saved)}, this run uses {parallel.expert_model_parallel_size}"
+            f"{_without_full_state(meta)}; DeepSpeed's files hold data-parallel rank 0's experts "
+            f"only, so it resumes only through its layout-independent state"
+        )
     for key, flag in (
         ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
         ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),

@@ -49,6 +49,7 @@ from pretrain.training.resume import check_before_launch, load_checkpoint, resto
 from pretrain.training.resume_changes import check_tokenizer, data_changes
 from pretrain.training.save_lock import hold_save_lock
 from pretrain.training.state import TrainState
+from pretrain.training.step import moe_collector
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -340,6 +341,7 @@ def _train(
         train_iters=t.train_iters,
         global_batch_size=t.global_batch_size,
         skipped_steps_at_start=engine.skipped_steps,
+        moe=moe_collector(engine, cfg.model),
     )
     evaluator = Evaluator(
         cfg.evaluation,

@@ -26,14 +26,26 @@ if TYPE_CHECKING:
 
 
 @contextlib.contextmanager
-def model_iteration(engine: Engine, num_microbatches: int):
+def model_iteration(
+    engine: Engine, num_microbatches: int, applied: Callable[[], bool] = lambda: True
+):
     """Around one training iteration (`Engine.train_step`): the MoE routers' auxiliary losses get
     the gradient scale every backend gives the loss (the fp16 loss scale over the micro-batches);
-    after it, the expert biases are updated from the iteration's token counts."""
+    after it, the expert biases are updated from the iteration's token counts if `applied()`
+    (the step's update was made: a withheld one changes no model state)."""
     moe_losses.set_backward_scale(engine.loss_scale() / num_microbatches)
     yield
     for part in engine.model_parts():
-        moe_metrics.finish_iteration(part)
+        moe_metrics.finish_iteration(part, applied())
+
+
+def moe_collector(engine: Engine, config) -> Callable[[], moe_metrics.MoEMetrics] | None:
+    """For an MoE model (built from `config`): the log line's `moe_metrics.collect` over the
+    engine's model parts (a collective); None for a dense one."""
+    if not config.is_moe:
+        return None
+    parts = torch.nn.ModuleList(engine.model_parts())
+    return lambda: moe_metrics.collect(parts, config)
 
 
 def micro_batch_loss(

@@ -11,7 +11,8 @@ micro-batches since the last call: call it at every log line) and starts over; i
 updates the expert biases from the iteration's token counts summed over the pipeline stage's
 TP x DP ranks (so the update is the global batch's, at any DP size) and resets the
 global-aux-loss counts; the training step calls it once per iteration, after the last backward
-(Megatron does it in finalize_model_grads).
+(Megatron does it in finalize_model_grads); an iteration whose update is withheld (a loss spike,
+`pretrain.training.spikes`) leaves the biases as they were.
 """
 
 from __future__ import annotations
@@ -141,19 +142,21 @@ def collect(model: torch.nn.Module, config) -> MoEMetrics:
 
 
 @torch.no_grad()
-def finish_iteration(model: torch.nn.Module) -> None:
-    """After an iteration's backward: update every expert bias from the iteration's kept tokens
-    per expert summed over the stage's TP x DP ranks (bias += rate x sign(mean count - count),
-    DeepSeek-V3's rule, Megatron's), zero the counts, reset the global-aux-loss counts."""
+def finish_iteration(model: torch.nn.Module, applied: bool = True) -> None:
+    """After an iteration's backward: if `applied` (its update was made; the same on every rank)
+    update every expert bias from the iteration's kept tokens per expert summed over the stage's
+    TP x DP ranks (bias += rate x sign(mean count - count), DeepSeek-V3's rule, Megatron's); zero
+    the counts, reset the global-aux-loss counts."""
     local = routers(model)
     biased = [r for r in local if r.expert_bias is not None]
-    if biased:
+    if biased and applied:
         counts = torch.stack([r.local_tokens_per_expert for r in biased])
         counts = all_reduce(counts, state.get_tensor_and_data_parallel_group())
         offset = counts.mean(dim=-1, keepdim=True) - counts
         steps = torch.sign(offset) * biased[0].config.moe_router_bias_update_rate
         for router, step in zip(biased, steps, strict=True):
             router.expert_bias += step
-            router.local_tokens_per_expert.zero_()
+    for router in biased:
+        router.local_tokens_per_expert.zero_()
     for router in local:
         router.finish_iteration()

@@ -26,8 +26,8 @@ from pretrain.model.gpt import GPTModel
 from pretrain.parallel import state
 from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.random import seed_everything
+from pretrain.training.backends.deepspeed import experts, full_state, steps
 from pretrain.training.backends.deepspeed import files as checkpoint_files
-from pretrain.training.backends.deepspeed import full_state, steps
 from pretrain.training.backends.deepspeed.comm import init_deepspeed_comm
 from pretrain.training.backends.deepspeed.config import build_deepspeed_config, we_clip_gradients
 from pretrain.training.backends.deepspeed.pipeline import build_pipeline_model
@@ -228,7 +228,13 @@ def _does_nothing(obj, method: str):
             setattr(obj, method, saved)
 
 
-PARALLEL_MARKS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared")
+PARALLEL_MARKS = (
+    "tensor_model_parallel",
+    "partition_dim",
+    "partition_stride",
+    "shared",
+    "expert_parallel",
+)
 
 
 def _mark_master_copies(ds_optimizer) -> None:
@@ -290,6 +296,10 @@ def build_deepspeed_engine(
         we_clip=we_clip_gradients(parallel, precision),
         model_parallel_group=state.get_model_parallel_group(),
     )
+    local_experts = experts.expert_parameters(model)
+    experts.keep_local(local_experts)
+    if local_experts and parallel.zero_stage > 0:  # before the scheduler reads the groups
+        experts.use_expert_groups(model, optimizer, local_experts, model_config.num_moe_experts)
     scheduler = SampleLRScheduler(optimizer, schedule, global_batch_size=global_batch_size)
     params_total = count_parameters(model)
     ds_config = build_deepspeed_config(
@@ -309,6 +319,9 @@ def build_deepspeed_engine(
         config=ds_config,
         mpu=None if pipeline else state.mpu,
     )
+    experts.finish(ds_engine, model)
+    if parallel.zero_stage == 0:
+        experts.reduce_over_expert_data_parallel(ds_engine, local_experts)
     _mark_master_copies(ds_engine.optimizer)
     _undo_warmup_step(ds_engine.optimizer)
     return DeepSpeedEngine(

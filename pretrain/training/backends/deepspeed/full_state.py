@@ -11,7 +11,10 @@ the fp32 master and the optimizer state.
 
 Any TP, PP, DP and ZeRO stage 0-3 on either side (under the pipeline engine DeepSpeed allows
 ZeRO 0-1), in fp32, bf16 or fp16; `resume.relayout_possible` chooses this path over DeepSpeed's
-own load.
+own load. MoE: at expert-parallel size > 1 each expert tensor (weight and moments) is gathered
+over the EP group along `expert_partition_dim` at save, so the state holds every expert and
+any EP resumes it, each rank cutting its own experts at load; persistent buffers (the routers'
+expert bias, replicated on every rank) are saved and set with the parameters.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import TYPE_CHECKING
 import deepspeed
 import torch
 
-from pretrain.checkpoint.full_state import FullState, write_shard
+from pretrain.checkpoint.full_state import TENSOR_KEYS, FullState, write_shard
 from pretrain.checkpoint.pipeline_layers import TIED_KEY, layer_name_prefix
 from pretrain.errors import UserError
 from pretrain.parallel import state
@@ -44,15 +47,29 @@ def _partition(param: torch.Tensor) -> tuple[int, int] | None:
 
 
 def _named_parameters(engine: Engine, owned: bool = False) -> dict[str, torch.nn.Parameter]:
-    """This rank's parameters by GPTModel name. Under the pipeline engine DeepSpeed names them
-    `<pipeline layer index>.<rest>`, the tied embedding `tied_modules.embed.<rest>`: on the first
-    stage it is the embedding; on the last stage a copy (its word embedding kept equal to the
-    first stage's, its position embedding unused), left out when `owned`."""
-    named = dict(engine.ds.module.named_parameters())
+    """This rank's parameters by GPTModel name (`_gpt_names`)."""
+    return _gpt_names(engine, dict(engine.ds.module.named_parameters()), owned)
+
+
+def _named_buffers(engine: Engine) -> dict[str, torch.Tensor]:
+    """This rank's persistent buffers (in the state dict, not parameters) by GPTModel name."""
+    module = engine.ds.module
+    params = dict(module.named_parameters())
+    buffers = {k: v for k, v in module.state_dict(keep_vars=True).items() if k not in params}
+    return _gpt_names(engine, buffers, owned=True)
+
+
+def _gpt_names(engine: Engine, named: dict, owned: bool) -> dict:
+    """`named` (the module's names) by GPTModel name. Under the pipeline engine DeepSpeed names
+    them `<pipeline layer index>.<rest>`, the tied embedding `tied_modules.embed.<rest>`: on the
+    first stage it is the embedding; on the last stage a copy (its word embedding kept equal to
+    the first stage's, its position embedding unused), left out when `owned`."""
     if not engine.pipeline:
         return named
     tied = f"tied_modules.{TIED_KEY}."
-    num_layers = engine.ds.module._num_layers - (3 if any(n.startswith(tied) for n in named) else 2)
+    module = engine.ds.module
+    with_tied = any(n.startswith(tied) for n in module.state_dict(keep_vars=True))
+    num_layers = module._num_layers - (3 if with_tied else 2)
     out = {}
     for name, param in named.items():
         if name.startswith(tied):
@@ -64,21 +81,51 @@ def _named_parameters(engine: Engine, owned: bool = False) -> dict[str, torch.nn
     return out
 
 
+def _split_over_ep(param: torch.Tensor) -> bool:
+    """True for an expert parameter whose experts are split over EP ranks."""
+    return getattr(param, "expert_parallel", False) and (
+        state.get_expert_model_parallel_world_size() > 1
+    )
+
+
+def _all_experts(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's experts -> every expert: all-gathered over EP along dim 0 (a collective)."""
+    parts = [torch.empty_like(tensor) for _ in range(state.get_expert_model_parallel_world_size())]
+    torch.distributed.all_gather(
+        parts, tensor.contiguous(), group=state.get_expert_model_parallel_group()
+    )
+    return torch.cat(parts)
+
+
+def _local_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every expert -> this EP rank's (`pretrain.model.moe.experts`: rank r holds experts
+    [r E/ep, (r+1) E/ep))."""
+    ep, rank = state.get_expert_model_parallel_world_size(), state.get_expert_model_parallel_rank()
+    return {k: v.chunk(ep)[rank] for k, v in tensors.items()}
+
+
 def _collect(engine: Engine, keep: Callable[[int], bool]) -> dict[str, dict]:
-    """The entries (fp32 master, moments) of the parameters `keep(i)` selects (i: position in
-    this rank's parameter order), on the CPU. Every rank gathers every parameter (ZeRO's gathers
-    are collectives over DP), one at a time, and drops at once what it does not keep: the device
-    holds one full parameter at a time, the CPU this rank's share."""
+    """The entries (fp32 master, moments) of the parameters, then the persistent buffers, that
+    `keep(i)` selects (i: position in this rank's order), on the CPU. Every rank gathers every
+    parameter (ZeRO's gathers are collectives over DP, the experts' over EP), one at a time, and
+    drops at once what it does not keep: the device holds one full parameter at a time, the CPU
+    this rank's share."""
     source = masters(engine)
     source.prepare_get()
     entries = {}
-    for i, (name, param) in enumerate(_named_parameters(engine, owned=True).items()):
+    params = _named_parameters(engine, owned=True)
+    for i, (name, param) in enumerate(params.items()):
         entry = {"partition": _partition(param), **source.get(param)}
+        if _split_over_ep(param):
+            entry.update({k: _all_experts(entry[k]) for k in TENSOR_KEYS if k in entry})
         if keep(i):
             entries[name] = {
                 k: v.detach().to("cpu", torch.float32, copy=True) if torch.is_tensor(v) else v
                 for k, v in entry.items()
             }
+    for i, (name, buffer) in enumerate(_named_buffers(engine).items(), start=len(params)):
+        if keep(i):
+            entries[name] = {"partition": None, "param": buffer.detach().cpu(), "buffer": True}
     return entries
 
 
@@ -121,6 +168,16 @@ def _set_module_weight(engine: Engine, param: torch.nn.Parameter, value: torch.T
         param.copy_(value.to(param.dtype))
 
 
+@torch.no_grad()
+def _set_buffers(engine: Engine, full: FullState) -> None:
+    """Set this rank's persistent buffers from `full`; a state saved before buffers were part
+    of it leaves them as they are (the expert bias then restarts at 0)."""
+    saved = set(full.names())
+    for name, buffer in _named_buffers(engine).items():
+        if name in saved:
+            buffer.copy_(full.entry(name).param)
+
+
 def load_full_state(
     engine: Engine, step_dir: str, *, vocab_size: int, with_optimizer: bool, with_schedule: bool
 ) -> Carried:
@@ -144,8 +201,11 @@ def load_full_state(
         local = full.local(
             name, tp_rank=tp_rank, tp_size=tp, padded_vocab_size=engine.padded_vocab_size
         )
+        if _split_over_ep(param):
+            local = _local_experts(local)
         _set_module_weight(engine, param, local["param"])
         target.set(param, local, with_optimizer)
+    _set_buffers(engine, full)
     if with_schedule:
         engine.scheduler.load_state_dict(full.extra["lr_scheduler"])
     return Carried(
