@@ -11,14 +11,16 @@ import logging
 import math
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
-from pretrain.data.blended_dataset import BlendedDataset, normalize
+from pretrain.data.blend_build import BlendRequest, build_blend_split
+from pretrain.data.blended_dataset import normalize
+from pretrain.data.cache import load_or_build
 from pretrain.data.config import Blend, DataConfig, Split
 from pretrain.data.fingerprint import PrefixFiles
-from pretrain.data.gpt_dataset import GPTDataset, split_ranges
+from pretrain.data.gpt_dataset import GPTDataset, IndexSpec, index_spec, split_ranges
 from pretrain.data.indexed_dataset import IndexedDataset
 from pretrain.data.mock import build_mock_datasets
+from pretrain.data.notices import Notices
 from pretrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -41,7 +43,7 @@ def sizes_per_dataset(
 
 def _open(files: PrefixFiles, prefix: str) -> IndexedDataset:
     """`prefix`'s dataset from `files`, or one line saying that the pair does not exist."""
-    if not IndexedDataset.exists(prefix):
+    if not files.exists(prefix):
         raise UserError(
             f"{prefix}: no {prefix}.bin/{prefix}.idx pair (check the --data-path prefix; "
             "tools/preprocess_data.py writes PREFIX_text_document.bin/.idx)"
@@ -65,26 +67,47 @@ class _Builder:
     def indexed(self, prefix: str) -> IndexedDataset:
         return _open(self.files, prefix)
 
-    def gpt(self, prefix: str, matrix, split: int, num_samples: int | None) -> GPTDataset | None:
-        if matrix[split] is None:
-            return None
+    def spec(
+        self, prefix: str, matrix, split: int, num_samples: int | None, empty: Notices
+    ) -> IndexSpec | None:
+        """`prefix`'s dataset in `split`, or None (noted in `empty`) when it gets no sequence."""
         indexed = self.indexed(prefix)
         indices = split_ranges(len(indexed), matrix)[split]
         if len(indices) == 0:
             # Megatron loops forever here (no tokens can never reach the requested samples)
-            # info, not warning: every rank reaches this, and only rank 0 logs at info
-            log.info(
-                "%s: the %s split gets 0 of %d sequences with --split %s; it is not built",
-                prefix,
-                Split(split).name,
-                len(indexed),
-                self.cfg.split,
-            )
+            empty.add(prefix, f"{len(indexed):,} sequences", len(indexed))
             self.progress(f"{Split(split).name} {prefix} (empty)")
             return None
-        ds = GPTDataset(
+        return index_spec(
             indexed, prefix, indices, num_samples, Split(split).name, self.cfg, self.tokenizer
         )
+
+    def say_empty(self, empty: Notices, split: int, of: int) -> None:
+        """One line for the prefixes `split` gets no sequence from (of `of`)."""
+        # info, not warning: every rank reaches this, and only rank 0 logs at info
+        name, flag = Split(split).name, f"--split {self.cfg.split}"
+        if of == 1 and len(empty) == 1:
+            _, prefix, count = empty.items[0]
+            log.info(
+                "%s: the %s split gets 0 of %s with %s; it is not built", prefix, name, count, flag
+            )
+            return
+        empty.log(
+            log,
+            logging.INFO,
+            f"the {name} split gets no sequence from {len(empty):,} of {of:,} prefixes with "
+            f"{flag}; it is not built from them",
+        )
+
+    def gpt(self, prefix: str, matrix, split: int, num_samples: int | None) -> GPTDataset | None:
+        if matrix[split] is None:
+            return None
+        empty = Notices()
+        spec = self.spec(prefix, matrix, split, num_samples, empty)
+        self.say_empty(empty, split, 1)
+        if spec is None:
+            return None
+        ds = GPTDataset.from_spec(spec, load_or_build(spec.cache_request(spec.default_cache_dir())))
         self.progress(f"{Split(split).name} {prefix}")
         return ds
 
@@ -99,59 +122,28 @@ class _Builder:
             targets = sizes_per_dataset(weights, sizes)
             buffered = sizes_per_dataset(weights, sizes, self.cfg.mid_level_dataset_surplus)
         else:
-            buffered = [[None] * len(Split) for _ in prefixes]
-        threads = max(1, self.cfg.num_dataset_builder_threads)
-        with ThreadPoolExecutor(threads) as pool:
-            per_prefix = list(
-                pool.map(
-                    lambda pb: self.gpt_splits(pb[0], matrix, pb[1]),
-                    zip(prefixes, buffered, strict=False),
-                )
-            )
+            targets, buffered = None, [[None] * len(Split) for _ in prefixes]
         out = []
-        for i in Split:
-            present = [p for p in range(len(prefixes)) if per_prefix[p][i] is not None]
-            if not present:  # the split is empty in the split string, or in every prefix
+        for split in Split:
+            if matrix[split] is None:
                 out.append(None)
                 continue
-            if weights is None:
-                # blended by size: a prefix whose split holds no full sample adds nothing
-                present = [p for p in present if len(per_prefix[p][i]) > 0] or present
-            datasets = [per_prefix[p][i] for p in present]
-            if weights is not None:
-                if sizes[i] is None:
-                    raise ValueError(
-                        "a weighted blend needs a sample count for every split it builds"
-                    )
-                w, size = [weights[p] for p in present], sum(targets[p][i] for p in present)
-            else:
-                w = [len(d) for d in datasets]
-                # None: every sample once
-                size = None if sizes[i] is None else min(sizes[i], sum(w))
-            out.append(self.blended(datasets, w, size, [prefixes[p] for p in present], matrix, i))
+            empty = Notices()
+            specs = [
+                self.spec(prefix, matrix, split, buffered[p][split], empty)
+                for p, prefix in enumerate(prefixes)
+            ]
+            self.say_empty(empty, split, len(prefixes))
+            request = BlendRequest(
+                split=Split(split).name,
+                prefixes=list(prefixes),
+                specs=specs,
+                weights=weights,
+                targets=None if targets is None else [t[split] for t in targets],
+                size=sizes[split],
+            )
+            out.append(build_blend_split(request, self.cfg, self.progress))
         return out
-
-    def blended(self, datasets, weights, size, prefixes, matrix, split: int) -> BlendedDataset:
-        blended = BlendedDataset(datasets, weights, size, self.cfg.data_cache_path)
-        short = blended.oversampled()
-        if short:
-            # Megatron raises IndexError here (issues #705, PR #1007). The blend's indices depend only
-            # on the weights and size, so building the short datasets a little longer fixes it.
-            for p, needed in short.items():
-                log.warning(
-                    "%s split: the blend takes %d samples from %s, which has %d; building it with "
-                    "%d samples",
-                    Split(split).name,
-                    needed,
-                    prefixes[p],
-                    len(datasets[p]),
-                    needed,
-                )
-                datasets[p] = self.gpt(prefixes[p], matrix, split, needed)
-            blended = BlendedDataset(datasets, weights, size, self.cfg.data_cache_path)
-            assert not blended.oversampled()
-        self.progress(f"{Split(split).name} blend of {len(datasets)}")
-        return blended
 
 
 def build_train_valid_test_datasets(

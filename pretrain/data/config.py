@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import functools
 import json
 import math
 import re
@@ -272,10 +273,18 @@ def parse_split(split: str) -> list[float]:
 
 def split_matrix(split: str) -> list[tuple[float, float] | None]:
     """Bookends (lo, hi) per split from the int 0 (None where the split is empty), as Megatron."""
+    return list(_split_matrix(split))
+
+
+@functools.cache
+def _split_matrix(split: str) -> tuple[tuple[float, float] | None, ...]:
+    """`split_matrix`, computed once per split string (every dataset of a blend asks)."""
     bounds = [0]
     for p in parse_split(split):
         bounds.append(bounds[-1] + p)
-    return [(lo, hi) if hi > lo else None for lo, hi in zip(bounds[:-1], bounds[1:], strict=False)]
+    return tuple(
+        (lo, hi) if hi > lo else None for lo, hi in zip(bounds[:-1], bounds[1:], strict=False)
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

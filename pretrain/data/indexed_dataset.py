@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import errno
 import glob
+import mmap
 import os
 import socket
 import struct
@@ -37,6 +38,7 @@ TMP_SUFFIX = ".tmp"
 # errors that mean "the disk (or the file-size limit) cannot hold the output", not a bug
 _NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 _CHUNK = 1 << 22  # sequences per step of the O(S) passes, so no S-sized temporary is needed
+_READ_INDEX_BELOW = 1 << 20  # bytes: a smaller .idx is read, a larger one memory-mapped
 
 
 class DType(enum.IntEnum):
@@ -82,16 +84,10 @@ def get_idx_path(prefix: str) -> str:
     return prefix + ".idx"
 
 
-def _read_header(idx_path: str) -> tuple[np.dtype, int, int]:
-    """Validate the `.idx` header and size; return (dtype, sequence count, document count)."""
-    try:
-        size = os.path.getsize(idx_path)
-        with open(idx_path, "rb") as f:
-            raw = f.read(HEADER_SIZE)
-    except OSError as err:
-        raise UserError(
-            f"{idx_path}: cannot read index file ({err.strerror}; check the prefix)"
-        ) from None
+def _read_header(idx_path: str, f, size: int) -> tuple[np.dtype, int, int]:
+    """Validate the `.idx` header (read from the open file `f`) against its `size`; return
+    (dtype, sequence count, document count)."""
+    raw = f.read(HEADER_SIZE)
     fix = "the file is not a Megatron index or is damaged; re-run tools/preprocess_data.py"
     if len(raw) < HEADER_SIZE:
         raise UserError(
@@ -113,6 +109,26 @@ def _read_header(idx_path: str) -> tuple[np.dtype, int, int]:
             f"indices) needs {expected} ({fix})"
         )
     return dtype, n_seq, n_doc
+
+
+def _read_index(idx_path: str) -> tuple[np.dtype, int, int, float, object]:
+    """(dtype, sequence count, document count, mtime, the whole file as a buffer) with one open:
+    a small `.idx` is read into memory (no mapping per prefix: blends of thousands of prefixes
+    stay far from the kernel's limit on mappings), a large one memory-mapped."""
+    try:
+        with open(idx_path, "rb") as f:
+            st = os.fstat(f.fileno())
+            dtype, n_seq, n_doc = _read_header(idx_path, f, st.st_size)
+            if st.st_size <= _READ_INDEX_BELOW:
+                f.seek(0)
+                buffer = f.read()
+            else:
+                buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    except OSError as err:
+        raise UserError(
+            f"{idx_path}: cannot read index file ({err.strerror}; check the prefix)"
+        ) from None
+    return dtype, n_seq, n_doc, st.st_mtime, buffer
 
 
 def _check_document_indices(idx_path: str, doc: np.ndarray, n_seq: int, fix: str) -> None:
@@ -164,28 +180,19 @@ class IndexedDataset:
     def __init__(self, prefix: str):
         self.prefix = prefix
         idx_path, bin_path = get_idx_path(prefix), get_bin_path(prefix)
-        self.dtype, n_seq, n_doc = _read_header(idx_path)
-        self._idx_mmap = np.memmap(idx_path, mode="r", dtype=np.uint8)
+        self.dtype, n_seq, n_doc, self.idx_modified, buffer = _read_index(idx_path)
         offset = HEADER_SIZE
-        self.sequence_lengths = np.frombuffer(self._idx_mmap, np.int32, n_seq, offset)
+        self.sequence_lengths = np.frombuffer(buffer, np.int32, n_seq, offset)
         offset += 4 * n_seq
-        self.sequence_pointers = np.frombuffer(self._idx_mmap, np.int64, n_seq, offset)
+        self.sequence_pointers = np.frombuffer(buffer, np.int64, n_seq, offset)
         offset += 8 * n_seq
-        self.document_indices = np.frombuffer(self._idx_mmap, np.int64, n_doc, offset)
+        self.document_indices = np.frombuffer(buffer, np.int64, n_doc, offset)
         offset += 8 * n_doc
-        has_modes = len(self._idx_mmap) > offset
-        self.sequence_modes = (
-            np.frombuffer(self._idx_mmap, np.int8, n_seq, offset) if has_modes else None
-        )
+        has_modes = len(buffer) > offset
+        self.sequence_modes = np.frombuffer(buffer, np.int8, n_seq, offset) if has_modes else None
         self._fingerprint: str | None = None
-        self.idx_modified = os.path.getmtime(idx_path)  # index caches older than this are suspect
+        self._tokens: np.ndarray | None = None  # the .bin, mapped on first use
         self._validate(idx_path, bin_path)
-        # numpy cannot memory-map an empty file; an empty dataset has an empty .bin
-        self._bin = (
-            np.memmap(bin_path, mode="r", dtype=self.dtype)
-            if self.bin_bytes
-            else np.empty(0, self.dtype)
-        )
 
     def _validate(self, idx_path: str, bin_path: str) -> None:
         """Check the whole index and the `.bin` size; a `UserError` names the file and the problem.
@@ -200,9 +207,10 @@ class IndexedDataset:
         needed = _check_lengths_and_pointers(
             idx_path, self.sequence_lengths, self.sequence_pointers, self.dtype.itemsize, fix
         )
-        if not os.path.exists(bin_path):
-            raise UserError(f"{bin_path}: missing; the .idx has no matching .bin ({fix})")
-        actual = os.path.getsize(bin_path)
+        try:
+            actual = os.stat(bin_path).st_size
+        except FileNotFoundError:
+            raise UserError(f"{bin_path}: missing; the .idx has no matching .bin ({fix})") from None
         if actual < needed:
             raise UserError(
                 f"{bin_path}: truncated, {actual} bytes but {idx_path} points to {needed} ({fix})"
@@ -231,6 +239,19 @@ class IndexedDataset:
             self._fingerprint = h.hexdigest()
         return self._fingerprint
 
+    @property
+    def tokens(self) -> np.ndarray:
+        """Every token of the `.bin`, exactly the validated bytes, memory-mapped on first use (a
+        blend opens the `.bin` of a prefix only when a sample reads it)."""
+        if self._tokens is None:
+            if self.bin_bytes == 0:  # an empty file cannot be mapped
+                self._tokens = np.empty(0, self.dtype)
+            else:
+                with open(get_bin_path(self.prefix), "rb") as f:
+                    mapped = mmap.mmap(f.fileno(), self.bin_bytes, access=mmap.ACCESS_READ)
+                self._tokens = np.frombuffer(mapped, self.dtype)
+        return self._tokens
+
     @staticmethod
     def exists(prefix: str) -> bool:
         return os.path.exists(get_idx_path(prefix)) and os.path.exists(get_bin_path(prefix))
@@ -248,7 +269,7 @@ class IndexedDataset:
         if length is None:
             length = seq_len - offset
         start = int(self.sequence_pointers[idx]) // self.dtype.itemsize + offset
-        return self._bin[start : start + length]
+        return self.tokens[start : start + length]
 
     def __getitem__(self, idx):
         if isinstance(idx, (int, np.integer)):
@@ -436,7 +457,7 @@ class IndexedDatasetBuilder:
         # exactly the validated bytes, never "to the end of the file": a .bin that grew since it
         # was opened must not shift the datasets after it
         step = 16 * 1024 * 1024 // other.dtype.itemsize
-        tokens = other._bin
+        tokens = other.tokens
         for i in range(0, len(tokens), step):
             self._write_bin(np.ascontiguousarray(tokens[i : i + step]))
 

@@ -22,7 +22,6 @@ from pretrain.data.blended_dataset import normalize
 from pretrain.data.config import SPLIT_NAMES, Blend, DataConfig
 from pretrain.data.fingerprint import PrefixFiles
 from pretrain.data.gpt_dataset import split_ranges
-from pretrain.data.indexed_dataset import IndexedDataset
 from pretrain.errors import UserError
 
 DEFAULT_MAX_EPOCHS = 4.0
@@ -75,7 +74,7 @@ class _Sources:
         self._files = files
 
     def lengths(self, prefix: str) -> np.ndarray:
-        if not IndexedDataset.exists(prefix):
+        if not self._files.exists(prefix):
             raise UserError(
                 f"{prefix}: no {prefix}.bin/{prefix}.idx pair (check the --data-path prefix)"
             )
