@@ -42,6 +42,7 @@ from pretrain.data.config import (  # noqa: E402
 from pretrain.data.fingerprint import PrefixFiles, check_data  # noqa: E402
 from pretrain.errors import exit_on_user_error  # noqa: E402
 from pretrain.tokenizer import TokenizerConfig, build_tokenizer  # noqa: E402
+from pretrain.training.logging import rank0_level  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,7 +63,7 @@ def main(argv=None) -> int:
     if hasattr(signal, "SIGXFSZ"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     ns = parse_data_tool_args(build_parser(), argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=rank0_level(ns.logging_level), format="%(message)s")
     cfg = DataConfig.from_args(ns)
     if ns.plan:
         run_plan(ns, cfg)

@@ -312,11 +312,29 @@ def check_splits_before_launch(
             _check_split(cfg, split, eval_iters, warn, files)
 
 
+def _short_why(indexed: IndexedDataset, in_split: int, tokens: int) -> str:
+    """`_why_empty` in a few words, for a summary naming many prefixes."""
+    if indexed.num_documents == 0:
+        return "0 documents"
+    if len(indexed) == 0 or not indexed.sequence_lengths.any():
+        return "0 tokens"
+    if in_split == 0:
+        return f"0 of {len(indexed):,} sequences"
+    return f"{tokens} token(s), too few for one sample"
+
+
+def _joined(reasons: list[str], few: int = 3) -> str:
+    """The first `few` reasons, and how many more there are."""
+    more = f"; and {len(reasons) - few:,} more" if len(reasons) > few else ""
+    return "; ".join(reasons[:few]) + more
+
+
 def _check_split(cfg: DataConfig, split: int, eval_iters: int, warn, files: PrefixFiles) -> None:
     """`check_splits_before_launch` for one split that the run draws from."""
     prefixes, matrix, why = _split_blend(cfg, split)
     reasons = [why] if why else []
     empty_parts = []  # (prefix, why) of the parts that give this split no data
+    empty = Notices()  # the same, in a few words
     total = 0
     for prefix in prefixes:
         indexed = _open(files, prefix)
@@ -329,26 +347,39 @@ def _check_split(cfg: DataConfig, split: int, eval_iters: int, warn, files: Pref
         total += tokens
         if tokens <= 1:  # a sample needs seq_length + 1 tokens, cycled over epochs: 2 suffice
             empty_parts.append((prefix, _why_empty(prefix, indexed, len(ids), tokens, cfg)))
+            empty.add(prefix, _short_why(indexed, len(ids), tokens), len(indexed))
     reasons += [reason for _, reason in empty_parts]
     name = Split(split).name
     if total <= 1:
         if split == Split.train:
-            raise UserError(f"the train split is empty: {'; '.join(reasons)}")
+            raise UserError(f"the train split is empty: {_joined(reasons)}")
         if split == Split.valid and warn is not None:
             warn(
-                f"no validation data ({'; '.join(reasons)}): evaluation is skipped although "
+                f"no validation data ({_joined(reasons)}): evaluation is skipped although "
                 f"--eval-iters is {eval_iters} (pass --eval-iters 0 to say so)"
             )
         return
     flag = _blend_flag(cfg, split)
-    for prefix, reason in empty_parts:
-        if split == Split.train:
-            raise UserError(
-                f"the train split of blend part {prefix} is empty: {reason}; every part of a "
-                f"blend must feed training (drop {prefix} from {flag}, or change --split)"
-            )
-        if warn is not None:
-            warn(
-                f"the {name} split of blend part {prefix} is empty: {reason}; the {name} split "
-                f"is drawn from the other parts of {flag} only"
-            )
+    if split == Split.train and empty_parts:
+        prefix, reason = empty_parts[0]
+        raise UserError(
+            f"the train split of blend part {prefix} is empty: {reason}; every part of a "
+            f"blend must feed training (drop {prefix} from {flag}, or change --split)"
+        )
+    if warn is None or not empty_parts:
+        return
+    if len(empty_parts) == 1:
+        prefix, reason = empty_parts[0]
+        warn(
+            f"the {name} split of blend part {prefix} is empty: {reason}; the {name} split "
+            f"is drawn from the other parts of {flag} only"
+        )
+        return
+    by_split = f" (--split {cfg.split})" if cfg.blend is not None else ""
+    warn(
+        empty.line(
+            f"the {name} split of {len(empty):,} of {len(prefixes):,} blend parts is "
+            f"empty{by_split}; it is drawn from the other parts of {flag} only",
+            rest=None,
+        )
+    )

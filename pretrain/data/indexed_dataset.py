@@ -111,6 +111,17 @@ def _read_header(idx_path: str, f, size: int) -> tuple[np.dtype, int, int]:
     return dtype, n_seq, n_doc
 
 
+def read_index_header(idx_path: str) -> tuple[np.dtype, int, int]:
+    """(dtype, sequence count, document count) from the validated `.idx` header alone."""
+    try:
+        with open(idx_path, "rb") as f:
+            return _read_header(idx_path, f, os.fstat(f.fileno()).st_size)
+    except OSError as err:
+        raise UserError(
+            f"{idx_path}: cannot read index file ({err.strerror}; check the prefix)"
+        ) from None
+
+
 def _read_index(idx_path: str) -> tuple[np.dtype, int, int, float, object]:
     """(dtype, sequence count, document count, mtime, the whole file as a buffer) with one open:
     a small `.idx` is read into memory (no mapping per prefix: blends of thousands of prefixes

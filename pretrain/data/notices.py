@@ -34,9 +34,10 @@ class Notices:
         rest = len(self.items) - len(shown)
         return ", ".join(shown) + (f" and {rest:,} more" if rest > 0 else "")
 
-    def line(self, headline: str, few: int = SHOWN) -> str:
-        """`headline` with the worst few named (and where the rest are, when there are more)."""
-        hint = f"; {DEBUG_HINT}" if len(self.items) > few else ""
+    def line(self, headline: str, few: int = SHOWN, rest: str | None = DEBUG_HINT) -> str:
+        """`headline` with the worst few named, and `rest` (where the others are) when there
+        are more."""
+        hint = f"; {rest}" if rest and len(self.items) > few else ""
         return f"{headline}: {self.named(few)}{hint}"
 
     def details(self, headline: str) -> list[str]:
