@@ -14,10 +14,12 @@ Cold, each in a fresh process and a fresh cache folder, on the same files and fl
     build).
 
 Each side is timed inside its process from the parsed arguments to the written caches (imports
-excluded; the whole process's wall time is printed too). After both, every GPTDataset and the
+excluded), in wall and CPU seconds (CPU time is what a busy machine does not distort; file
+creation under contention is not in it); the whole process's wall time (imports included) too. After both, every GPTDataset and the
 BlendedDataset cache of both folders are compared array by array (same file names, dtypes,
 values). The last line is one JSON object; "ratio" = megatron seconds / our seconds (> 1: we are
-faster), the median of `--repeats` alternating runs.
+faster), the median of `--repeats` alternating runs; "cpu_ratio" and "process_ratio" the same
+for CPU seconds and whole processes.
 
     .venv/bin/python bench/large_blend.py --prefixes 2000 [--repeats 3] [--data /tmp/blend2000]
 """
@@ -90,7 +92,7 @@ class View:  # our NullTokenizer as megatron reads it (same unique_identifiers: 
         self.eod, self.pad, self.vocab_size = tok.eod, -1, tok.vocab_size
         self.unique_identifiers = tok.unique_identifiers
 
-t = time.perf_counter()
+t, cpu = time.perf_counter(), time.process_time()
 words = open({args!r}).read().split()
 blend = (words[1::2], [float(w) for w in words[0::2]])
 cfg = GPTDatasetConfig(
@@ -99,7 +101,7 @@ cfg = GPTDatasetConfig(
     reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
 )
 BlendedMegatronDatasetBuilder(GPTDataset, [{samples}, 0, 0], lambda: True, cfg).build()
-print(json.dumps({{"seconds": time.perf_counter() - t}}))
+print(json.dumps({{"seconds": time.perf_counter() - t, "cpu": time.process_time() - cpu}}))
 """
 
 OURS = """
@@ -107,11 +109,11 @@ import contextlib, io, json, sys, time
 sys.path.insert(0, {root!r}); sys.path.insert(0, {tools!r})
 import build_data_cache
 argv = {argv!r}
-t = time.perf_counter()
+t, cpu = time.perf_counter(), time.process_time()
 with contextlib.redirect_stdout(io.StringIO()):
     status = build_data_cache.main(argv)
 assert status == 0, status
-print(json.dumps({{"seconds": time.perf_counter() - t}}))
+print(json.dumps({{"seconds": time.perf_counter() - t, "cpu": time.process_time() - cpu}}))
 """
 
 
@@ -138,15 +140,17 @@ def our_argv(args_file: str, cache: str) -> list[str]:
     ]
 
 
-def run_timed(code: str) -> tuple[float, float]:
-    """(seconds the process reports for its work, the process's wall seconds)."""
+def run_timed(code: str) -> tuple[float, float, float]:
+    """(seconds the process reports for its work, its CPU seconds for it, the process's wall
+    seconds)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     start = time.perf_counter()
     out = subprocess.run(
         [sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True
     )
     wall = time.perf_counter() - start
-    return json.loads(out.stdout.strip().splitlines()[-1])["seconds"], wall
+    reported = json.loads(out.stdout.strip().splitlines()[-1])
+    return reported["seconds"], reported["cpu"], wall
 
 
 def clear_token_scans(prefixes: list[str]) -> None:
@@ -187,44 +191,50 @@ def main() -> None:
     folder = args.data or os.path.join(tempfile.gettempdir(), f"large_blend_{args.prefixes}")
     t = time.perf_counter()
     prefixes = write_prefixes(folder, args.prefixes, args.docs)
-    print(f"{len(prefixes)} prefixes of {args.docs} documents in {folder} ({time.perf_counter() - t:.1f} s)")
+    print(
+        f"{len(prefixes)} prefixes of {args.docs} documents in {folder} ({time.perf_counter() - t:.1f} s)"
+    )
     args_file = os.path.join(folder, "blend.txt")
     write_args_file(args_file, prefixes)
     fmt = dict(root=ROOT, seq=SEQ_LENGTH, samples=SAMPLES, vocab=VOCAB, args=args_file)
-    ours_s, theirs_s, ours_wall, theirs_wall = [], [], [], []
+    runs = {"ours": [], "megatron": []}  # (seconds, cpu seconds, process seconds) per repeat
     with tempfile.TemporaryDirectory(dir=args.cache_root or folder) as work:
         for repeat in range(args.repeats):
             mine = os.path.join(work, f"ours{repeat}")
             theirs = os.path.join(work, f"megatron{repeat}")
             clear_token_scans(prefixes)
-            s, w = run_timed(
-                OURS.format(root=ROOT, tools=os.path.join(ROOT, "tools"), argv=our_argv(args_file, mine))
+            tools = os.path.join(ROOT, "tools")
+            runs["ours"].append(
+                run_timed(OURS.format(root=ROOT, tools=tools, argv=our_argv(args_file, mine)))
             )
-            ours_s.append(s)
-            ours_wall.append(w)
-            s, w = run_timed(MEGATRON.format(cache=theirs, **fmt))
-            theirs_s.append(s)
-            theirs_wall.append(w)
+            runs["megatron"].append(run_timed(MEGATRON.format(cache=theirs, **fmt)))
             print(
-                f"run {repeat}: ours {ours_s[-1]:.2f} s (process {ours_wall[-1]:.1f} s), "
-                f"megatron-core {theirs_s[-1]:.2f} s (process {theirs_wall[-1]:.1f} s)"
+                "run {}: ours {:.2f} s (CPU {:.2f} s, process {:.1f} s), megatron-core {:.2f} s "
+                "(CPU {:.2f} s, process {:.1f} s), load {:.1f}".format(
+                    repeat, *runs["ours"][-1], *runs["megatron"][-1], os.getloadavg()[0]
+                )
             )
         compared = compare(mine, theirs)
         print(f"{compared} cache arrays of megatron-core equal ours (names, dtypes, values)")
-    ours, megatron = statistics.median(ours_s), statistics.median(theirs_s)
+    med = {side: [statistics.median(r[i] for r in runs[side]) for i in range(3)] for side in runs}
     result = {
         "bench": "large_blend",
         "prefixes": args.prefixes,
         "documents_per_prefix": args.docs,
         "train_samples": SAMPLES,
         "seq_length": SEQ_LENGTH,
-        "ours_s": round(ours, 3),
-        "megatron_core_s": round(megatron, 3),
-        "ours_process_s": round(statistics.median(ours_wall), 2),
-        "megatron_core_process_s": round(statistics.median(theirs_wall), 2),
+        "cache_root": args.cache_root or folder,
+        "ours_s": round(med["ours"][0], 3),
+        "megatron_core_s": round(med["megatron"][0], 3),
+        "ours_cpu_s": round(med["ours"][1], 3),
+        "megatron_core_cpu_s": round(med["megatron"][1], 3),
+        "ours_process_s": round(med["ours"][2], 2),
+        "megatron_core_process_s": round(med["megatron"][2], 2),
         "arrays_compared": compared,
-        "load": os.getloadavg()[0],
-        "ratio": round(megatron / ours, 3),
+        "load": round(os.getloadavg()[0], 1),
+        "cpu_ratio": round(med["megatron"][1] / med["ours"][1], 3),
+        "process_ratio": round(med["megatron"][2] / med["ours"][2], 3),
+        "ratio": round(med["megatron"][0] / med["ours"][0], 3),
         "ratio_definition": "megatron-core cold build seconds / ours (median of repeats)",
     }
     print(json.dumps(result))

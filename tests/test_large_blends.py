@@ -18,6 +18,7 @@ import dataclasses
 import json
 import os
 import subprocess
+from collections import OrderedDict
 
 import numpy as np
 import pytest
@@ -30,6 +31,7 @@ from pretrain.cli import data_tool_parser, parse_data_tool_args
 from pretrain.data import gpt_dataset
 from pretrain.data.builder import build_train_valid_test_datasets
 from pretrain.data.config import DataConfig
+from pretrain.data.describe import describe, describe_blend
 from pretrain.errors import UserError
 from pretrain.launch import free_port
 
@@ -221,3 +223,40 @@ def test_split_99_1_0_start_up_says_it_in_a_few_lines_and_opens_one_cache_file_p
     result = json.loads(counted.stdout.strip().splitlines()[-1])
     assert result["parts"] == [2000, BIG]
     assert result["opens"] == {"cache": 3, "idx": 2000, "json": 2000}, result
+
+
+def test_descriptions_are_json_dumps_indent_4():
+    """Megatron's cache names are md5s of `json.dumps(identifiers, indent=4)`; ours are made from
+    templates (pretrain/data/describe.py) and must be that text to the byte."""
+    rng = np.random.default_rng(3)
+    tokenizer = OrderedDict([("class", "X"), ("tokenizer_path", ['a"b\\c', "ü"]), ("n", 2.5)])
+    for _ in range(50):
+        datasets = [
+            OrderedDict(
+                [
+                    ("class", "GPTDataset"),
+                    ("dataset_path", str(rng.choice(["/d/p", 'we"ird\\path', "ü/x"]))),
+                    ("num_samples", None if rng.random() < 0.3 else int(rng.integers(0, 10**9))),
+                    ("index_split", "valid"),
+                    ("random_seed", 1234),
+                    ("sequence_length", 2048),
+                    ("split", "99,1,0"),
+                    ("split_matrix", [(0, 0.99), (0.99, 1.0), None]),
+                    ("tokenizer", None if rng.random() < 0.3 else tokenizer),
+                ]
+            )
+            for _ in range(int(rng.integers(1, 6)))
+        ]
+        for identifiers in datasets:
+            assert describe(identifiers) == json.dumps(identifiers, indent=4)
+        blend = OrderedDict(
+            [
+                ("class", "BlendedDataset"),
+                ("datasets", datasets),
+                ("split", "valid"),
+                ("weights", rng.random(len(datasets)).tolist()),
+                ("size", None if rng.random() < 0.3 else 77),
+            ]
+        )
+        texts = [describe(d) for d in datasets]
+        assert describe_blend(blend, texts) == json.dumps(blend, indent=4)

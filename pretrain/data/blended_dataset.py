@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -18,6 +17,7 @@ import torch
 
 from pretrain.data import helpers
 from pretrain.data.cache import CacheRequest, load_or_build
+from pretrain.data.describe import describe_blend
 from pretrain.errors import UserError
 
 MAX_DATASETS = 32767  # dataset ids are int16
@@ -78,7 +78,9 @@ class BlendedDataset(torch.utils.data.Dataset):
 
     @functools.cached_property
     def unique_description(self) -> str:
-        return json.dumps(self.unique_identifiers, indent=4)
+        return describe_blend(
+            self.unique_identifiers, [d.unique_description for d in self.datasets]
+        )
 
     @functools.cached_property
     def unique_description_hash(self) -> str:

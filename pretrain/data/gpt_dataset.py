@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import logging
 import os
 import threading
@@ -24,6 +23,7 @@ import torch
 from pretrain.data import helpers
 from pretrain.data.cache import CacheRequest, Source, load_or_build
 from pretrain.data.config import DataConfig
+from pretrain.data.describe import describe
 from pretrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -274,7 +274,7 @@ class IndexSpec:
 
     @functools.cached_property
     def description(self) -> str:
-        return json.dumps(self.identifiers, indent=4)
+        return describe(self.identifiers)
 
     @functools.cached_property
     def description_hash(self) -> str:
@@ -348,7 +348,12 @@ def index_spec(
         ]
     )
     lengths = indexed.sequence_lengths
-    tokens_per_epoch = int(np.sum(lengths[indices], dtype=np.int64))
+    # the split's sequences are a range (split_ranges): sum a view, not a gathered copy
+    contiguous = len(indices) == 0 or indices[-1] - indices[0] + 1 == len(indices)
+    picked = (
+        lengths[indices[0] : indices[-1] + 1] if contiguous and len(indices) else lengths[indices]
+    )
+    tokens_per_epoch = int(np.sum(picked, dtype=np.int64))
     if tokens_per_epoch <= extra_token:
         raise UserError(
             f"{dataset_path}: the {index_split} split has {tokens_per_epoch} tokens, too few for "

@@ -84,10 +84,10 @@ def get_idx_path(prefix: str) -> str:
     return prefix + ".idx"
 
 
-def _read_header(idx_path: str, f, size: int) -> tuple[np.dtype, int, int]:
-    """Validate the `.idx` header (read from the open file `f`) against its `size`; return
+def _read_header(idx_path: str, raw: bytes, size: int) -> tuple[np.dtype, int, int]:
+    """Validate the `.idx` header (its first bytes `raw`) against the file's `size`; return
     (dtype, sequence count, document count)."""
-    raw = f.read(HEADER_SIZE)
+    raw = raw[:HEADER_SIZE]
     fix = "the file is not a Megatron index or is damaged; re-run tools/preprocess_data.py"
     if len(raw) < HEADER_SIZE:
         raise UserError(
@@ -115,7 +115,7 @@ def read_index_header(idx_path: str) -> tuple[np.dtype, int, int]:
     """(dtype, sequence count, document count) from the validated `.idx` header alone."""
     try:
         with open(idx_path, "rb") as f:
-            return _read_header(idx_path, f, os.fstat(f.fileno()).st_size)
+            return _read_header(idx_path, f.read(HEADER_SIZE), os.fstat(f.fileno()).st_size)
     except OSError as err:
         raise UserError(
             f"{idx_path}: cannot read index file ({err.strerror}; check the prefix)"
@@ -127,14 +127,13 @@ def _read_index(idx_path: str) -> tuple[np.dtype, int, int, float, object]:
     a small `.idx` is read into memory (no mapping per prefix: blends of thousands of prefixes
     stay far from the kernel's limit on mappings), a large one memory-mapped."""
     try:
-        with open(idx_path, "rb") as f:
+        with open(idx_path, "rb", buffering=0) as f:
             st = os.fstat(f.fileno())
-            dtype, n_seq, n_doc = _read_header(idx_path, f, st.st_size)
             if st.st_size <= _READ_INDEX_BELOW:
-                f.seek(0)
-                buffer = f.read()
+                buffer = f.readall()
             else:
                 buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            dtype, n_seq, n_doc = _read_header(idx_path, buffer[:HEADER_SIZE], st.st_size)
     except OSError as err:
         raise UserError(
             f"{idx_path}: cannot read index file ({err.strerror}; check the prefix)"
@@ -192,15 +191,19 @@ class IndexedDataset:
         self.prefix = prefix
         idx_path, bin_path = get_idx_path(prefix), get_bin_path(prefix)
         self.dtype, n_seq, n_doc, self.idx_modified, buffer = _read_index(idx_path)
+        # a small .idx was read: its arrays are copied out aligned (the 34-byte header leaves
+        # them unaligned, which makes every numpy reduction over them take a slow path)
+        own = (lambda a: a.copy()) if isinstance(buffer, bytes) else (lambda a: a)
         offset = HEADER_SIZE
-        self.sequence_lengths = np.frombuffer(buffer, np.int32, n_seq, offset)
+        self.sequence_lengths = own(np.frombuffer(buffer, np.int32, n_seq, offset))
         offset += 4 * n_seq
-        self.sequence_pointers = np.frombuffer(buffer, np.int64, n_seq, offset)
+        self.sequence_pointers = own(np.frombuffer(buffer, np.int64, n_seq, offset))
         offset += 8 * n_seq
-        self.document_indices = np.frombuffer(buffer, np.int64, n_doc, offset)
+        self.document_indices = own(np.frombuffer(buffer, np.int64, n_doc, offset))
         offset += 8 * n_doc
         has_modes = len(buffer) > offset
-        self.sequence_modes = np.frombuffer(buffer, np.int8, n_seq, offset) if has_modes else None
+        modes = np.frombuffer(buffer, np.int8, n_seq, offset) if has_modes else None
+        self.sequence_modes = None if modes is None else own(modes)
         self._fingerprint: str | None = None
         self._tokens: np.ndarray | None = None  # the .bin, mapped on first use
         self._validate(idx_path, bin_path)
