@@ -15,8 +15,8 @@ Layout (`{dir}/{md5}-BlendCache-{split}.bin`, md5 of the request's description):
 The header names the payload's arrays (dtype, shape, offset), its length and xxh3-128 digest,
 and one part per blended dataset: its position in the blend's prefix list, its sample count, the
 fingerprint of the `.idx` it was built from, and where its document, sample and shuffle indices
-lie (arrays of one dtype are concatenated: `sample_index` int32 rows of every prefix whose
-sample index is int32, ...). A reader uses the file only if the description equals its own and
+lie (arrays of one dtype are concatenated: `sample_index<i4` holds the rows of every prefix
+whose sample index is int32, ...). A reader uses the file only if the description equals its own and
 the payload's digest its bytes (written once, atomically; anything else is rebuilt); the caller
 compares the parts with what it expects (positions, fingerprints, layouts).
 """
@@ -38,6 +38,7 @@ from pretrain.atomic import atomic_write
 MAGIC = b"PRETRAIN-BLEND-CACHE/1\n"
 _LENGTH = struct.Struct("<Q")
 _ALIGN = 64
+_BLOCK = 64 << 20  # bytes: small arrays are joined into writes of about this size
 INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
 BLEND_NAMES = ("dataset_index", "dataset_sample_index")
 
@@ -62,7 +63,8 @@ def path_for(directory: str, description_hash: str, split: str) -> str:
 
 
 def _group(arr: np.ndarray, name: str) -> str:
-    return f"{name}.{arr.dtype.name}"
+    """The payload array holding `arr`: one per index kind and dtype (`sample_index<i4`)."""
+    return name + arr.dtype.str
 
 
 def _layout(parts: Sequence[Part], blend: dict[str, np.ndarray]):
@@ -94,16 +96,34 @@ def _layout(parts: Sequence[Part], blend: dict[str, np.ndarray]):
     return {"arrays": tables, "parts": where}, chunks, offset
 
 
+def _blocks(chunks, payload_bytes: int) -> list:
+    """The payload as a few buffers: runs of small arrays (and the zeros between them) joined,
+    an array of `_BLOCK` bytes or more passed as it is."""
+    blocks, pieces, pending, end = [], [], 0, 0
+    for offset, arr in chunks:
+        view = memoryview(np.ascontiguousarray(arr)).cast("B")
+        pieces.append(bytes(offset - end))
+        end = offset + len(view)
+        if len(view) >= _BLOCK:
+            blocks += [b"".join(pieces), view]
+            pieces, pending = [], 0
+            continue
+        pieces.append(view)
+        pending += len(view)
+        if pending >= _BLOCK:
+            blocks.append(b"".join(pieces))
+            pieces, pending = [], 0
+    pieces.append(bytes(payload_bytes - end))
+    return [*blocks, b"".join(pieces)]
+
+
 def write(path: str, description: str, parts: Sequence[Part], blend: dict[str, np.ndarray]) -> None:
     """Write the file atomically (temporary name, fsync, rename)."""
     header, chunks, payload_bytes = _layout(parts, blend)
+    blocks = _blocks(chunks, payload_bytes)
     digest = xxhash.xxh3_128()
-    end = 0
-    for offset, arr in chunks:
-        digest.update(bytes(offset - end))
-        digest.update(memoryview(np.ascontiguousarray(arr)).cast("B"))
-        end = offset + arr.nbytes
-    digest.update(bytes(payload_bytes - end))
+    for block in blocks:
+        digest.update(block)
     text = description.encode("utf-8")
     header.update(
         description_bytes=len(text), payload_bytes=payload_bytes, payload_xxh3=digest.hexdigest()
@@ -114,12 +134,8 @@ def write(path: str, description: str, parts: Sequence[Part], blend: dict[str, n
 
     def fill(f) -> None:
         f.write(MAGIC + _LENGTH.pack(len(head)) + head + text + bytes(padding))
-        written = 0
-        for offset, arr in chunks:
-            f.write(bytes(offset - written))
-            f.write(memoryview(np.ascontiguousarray(arr)).cast("B"))
-            written = offset + arr.nbytes
-        f.write(bytes(payload_bytes - written))
+        for block in blocks:
+            f.write(block)
 
     atomic_write(path, fill)
 

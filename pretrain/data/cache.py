@@ -359,15 +359,38 @@ class Batch:
     """{why a cache was built: how many}."""
 
 
+def _listings(requests: Sequence[CacheRequest]) -> dict[str, set[str]]:
+    """{folder: its file names} of each folder holding several of `requests`: one listing
+    instead of a failed lookup per cache that is not there (a cold blend of thousands)."""
+    counts: dict[str, int] = {}
+    for request in requests:
+        if request.directory is not None:
+            counts[request.directory] = counts.get(request.directory, 0) + 1
+    listed = {}
+    for directory, n in counts.items():
+        if n > 1:
+            try:
+                listed[directory] = set(os.listdir(directory))
+            except FileNotFoundError:
+                listed[directory] = set()
+    return listed
+
+
 def load_or_build_all(requests: Sequence[CacheRequest], threads: int = 1) -> Batch:
     """The arrays of every request: loaded where a valid cache exists, else built (on `threads`
     threads); the caller writes what was built with `save_all`, holding the lock that makes it
     the only builder of this set."""
 
+    listed = _listings(requests)
+
     def one(request: CacheRequest):
-        arrays, why = (
-            try_load(request, adopt=False) if request.directory is not None else (None, "")
-        )
+        names = listed.get(request.directory)
+        if request.directory is None:
+            arrays, why = None, ""
+        elif names is not None and f"{request.base_name}-description.txt" not in names:
+            arrays, why = None, "no cache with this description"
+        else:
+            arrays, why = try_load(request, adopt=False)
         return (arrays, False, "") if arrays is not None else (request.build(), True, why)
 
     if threads > 1:

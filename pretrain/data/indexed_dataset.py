@@ -20,6 +20,7 @@ import errno
 import glob
 import mmap
 import os
+import resource
 import socket
 import struct
 import uuid
@@ -184,6 +185,41 @@ def _check_lengths_and_pointers(
     return end
 
 
+def _open_file_limit_raised() -> bool:
+    """Raise this process's soft limit on open files to its hard limit; False if it was there."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft >= hard:
+        return False
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return True
+
+
+def _map_once(path: str, size: int) -> mmap.mmap:
+    with open(path, "rb") as f:
+        return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+
+
+def _map(path: str, size: int) -> mmap.mmap:
+    """The first `size` bytes of `path`, mapped read-only. A mapping keeps a file descriptor; a
+    blend of more prefixes than the soft open-file limit raises it (to the hard limit) once."""
+    try:
+        return _map_once(path, size)
+    except OSError as err:
+        failure = err
+    if failure.errno == errno.EMFILE and _open_file_limit_raised():
+        try:
+            return _map_once(path, size)
+        except OSError as err:
+            failure = err
+    if failure.errno == errno.EMFILE:
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        raise UserError(
+            f"{path}: cannot map it: too many open files (limit {limit}); each prefix a blend "
+            "reads keeps its .bin mapped: raise `ulimit -n` above the number of prefixes"
+        )
+    raise UserError(f"{path}: cannot map it ({failure.strerror})")
+
+
 class IndexedDataset:
     """Read-only view of `PREFIX.bin` + `PREFIX.idx`; `ds[i]` is sequence i as a numpy array."""
 
@@ -261,9 +297,9 @@ class IndexedDataset:
             if self.bin_bytes == 0:  # an empty file cannot be mapped
                 self._tokens = np.empty(0, self.dtype)
             else:
-                with open(get_bin_path(self.prefix), "rb") as f:
-                    mapped = mmap.mmap(f.fileno(), self.bin_bytes, access=mmap.ACCESS_READ)
-                self._tokens = np.frombuffer(mapped, self.dtype)
+                self._tokens = np.frombuffer(
+                    _map(get_bin_path(self.prefix), self.bin_bytes), self.dtype
+                )
         return self._tokens
 
     @staticmethod

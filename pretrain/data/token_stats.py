@@ -16,11 +16,13 @@ import logging
 import os
 import time
 
+import numpy as np
 from filelock import FileLock
 
 from pretrain.atomic import atomic_write_bytes
-from pretrain.data.indexed_dataset import IndexedDataset
+from pretrain.data.indexed_dataset import IndexedDataset, get_bin_path
 from pretrain.data.notices import Notices
+from pretrain.errors import UserError
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +38,15 @@ def stats_path(cache_dir: str | None, prefix: str) -> str:
 
 
 def scan_max_token(ds: IndexedDataset) -> int:
-    """Largest token id in the dataset's .bin, in one streaming pass (-1 when empty)."""
-    tokens = ds.tokens
-    largest = -1
-    for start in range(0, len(tokens), _CHUNK_TOKENS):
-        largest = max(largest, int(tokens[start : start + _CHUNK_TOKENS].max()))
+    """Largest token id in the dataset's .bin (its validated bytes), in one streaming pass of
+    reads, no mapping kept (-1 when empty)."""
+    largest, left, path = -1, ds.bin_bytes // ds.dtype.itemsize, get_bin_path(ds.prefix)
+    with open(path, "rb") as f:
+        while left > 0:
+            chunk = np.fromfile(f, ds.dtype, min(left, _CHUNK_TOKENS))
+            if not len(chunk):
+                raise UserError(f"{path}: shrank while being read (re-run preprocess_data.py)")
+            largest, left = max(largest, int(chunk.max())), left - len(chunk)
     return largest
 
 
