@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import resource
 import subprocess
 from collections import OrderedDict
 
@@ -260,3 +261,35 @@ def test_descriptions_are_json_dumps_indent_4():
         )
         texts = [describe(d) for d in datasets]
         assert describe_blend(blend, texts) == json.dumps(blend, indent=4)
+
+
+MAP_MANY = """
+import resource, sys
+from pretrain.data.indexed_dataset import IndexedDataset
+from pretrain.errors import UserError
+
+soft, hard = int(sys.argv[1]), int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+try:
+    datasets = [IndexedDataset(p) for p in sys.argv[3:]]  # kept: each keeps its mapping
+    mapped = [len(d.tokens) > 0 for d in datasets]
+    print("mapped", sum(mapped), resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+except UserError as err:
+    print("error:", err)
+"""
+
+
+def test_a_blend_past_the_open_file_limit_raises_it_or_says_so(data):
+    """Each .bin a blend reads stays mapped (a file descriptor): past the soft limit it is raised
+    to the hard one; past the hard one, one line names `ulimit -n` (not an OSError traceback)."""
+    _, folders, _ = data
+    prefixes = folders["web"][:300]
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    for soft, limit, expected in ((128, hard, f"mapped 300 {hard}"), (128, 128, "error:")):
+        out = subprocess.run(
+            [PYTHON, "-c", MAP_MANY, str(soft), str(limit), *prefixes],
+            capture_output=True, text=True, timeout=120, env=clean_env(), cwd=REPO,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.startswith(expected), out.stdout
+    assert "too many open files (limit 128)" in out.stdout and "ulimit -n" in out.stdout

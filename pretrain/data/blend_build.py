@@ -28,7 +28,7 @@ from filelock import FileLock, Timeout
 
 from pretrain.data import blend_cache
 from pretrain.data.blended_dataset import BlendedDataset
-from pretrain.data.cache import load_or_build_all, save_all, try_load
+from pretrain.data.cache import NO_CACHE, load_or_build_all, save_all, try_load
 from pretrain.data.config import DataConfig
 from pretrain.data.gpt_dataset import GPTDataset, IndexSpec
 from pretrain.data.notices import Notices
@@ -198,16 +198,17 @@ def _build(request: BlendRequest, present, cfg: DataConfig, path: str, descripti
         for p, d in zip(present, datasets, strict=True)
     ]
     blend_cache.write(path, description, parts, blend_arrays)
-    reasons = "; ".join(f"{n:,} {why}" for why, n in sorted(batch.reasons.items()))
+    rebuilt = {why: n for why, n in batch.reasons.items() if why != NO_CACHE}
+    why = "".join(f"; {n:,} rebuilt: {why}" for why, n in sorted(rebuilt.items()))
     log.info(
-        "%s split: index caches of %d prefixes ready in %.1f s (%d loaded, %d built%s) and "
-        "written in one file, %s",
+        "%s split: index caches of %s prefixes ready in %.1f s (%s built, %s loaded%s), in one "
+        "file: %s",
         request.split,
-        len(present),
+        f"{len(present):,}",
         time.perf_counter() - start,
-        len(specs) - len(batch.built),
-        len(batch.built),
-        f": {reasons}" if reasons else "",
+        f"{len(batch.built):,}",
+        f"{len(specs) - len(batch.built):,}",
+        why,
         path,
     )
 

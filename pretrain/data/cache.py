@@ -67,6 +67,7 @@ Expectation = dict[str, tuple[np.dtype, tuple[int, ...]]]
 # arrays -> None when their values are usable, else what is wrong
 ValueCheck = Callable[[dict[str, np.ndarray]], str | None]
 FINGERPRINT = "idx_fingerprint.txt"
+NO_CACHE = "no cache with this description"  # why a cache is built when none was there
 _STALE_OTHER_HOST_S = 24 * 3600
 
 
@@ -134,7 +135,7 @@ def try_load(request: CacheRequest, adopt: bool = True) -> tuple[dict[str, np.nd
     `adopt`: record the fingerprint of a matching cache that has none (Megatron's)."""
     base, source, check = request.base, request.source, request.check
     if _read_text(f"{base}-description.txt") != request.description:
-        return None, "no cache with this description"
+        return None, NO_CACHE
     problem, unrecorded = _source_problem(base, source) if source is not None else (None, False)
     if problem is not None:
         return None, problem
@@ -388,7 +389,7 @@ def load_or_build_all(requests: Sequence[CacheRequest], threads: int = 1) -> Bat
         if request.directory is None:
             arrays, why = None, ""
         elif names is not None and f"{request.base_name}-description.txt" not in names:
-            arrays, why = None, "no cache with this description"
+            arrays, why = None, NO_CACHE
         else:
             arrays, why = try_load(request, adopt=False)
         return (arrays, False, "") if arrays is not None else (request.build(), True, why)

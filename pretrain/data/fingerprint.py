@@ -141,7 +141,8 @@ class PrefixFiles:
     Start-up shares one instance between the checks before launch (`check_data`,
     `check_splits_before_launch`), the blend plan, the dataset builder and the checkpoints'
     `data_fingerprints`, so that each prefix's O(sequences) `.idx` validation, its sidecar and
-    its largest token id (a SHA-256 of the `.idx` without a sidecar) are done once per process.
+    its largest token id (a scan of the `.bin` without a sidecar, kept in one file for all
+    prefixes: `pretrain/data/token_stats.py`) are done once per process.
     A caller checks that the pair exists first, with its own message.
     """
 

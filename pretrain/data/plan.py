@@ -294,8 +294,10 @@ def log_plan(
     max_epochs: float = DEFAULT_MAX_EPOCHS,
     files: PrefixFiles | None = None,
 ) -> list[PlanRow]:
-    """Log the blend plan table and its warnings (once, at the start of training); return the rows."""
-    if cfg.mock:  # no prefixes to plan: pretrain.data.mock logs what it builds
+    """Log the blend plan table and its warnings (once, at the start of training); return the rows
+    (none where `log` does not print INFO: every rank calls this, only rank 0 logs, and a blend of
+    thousands of prefixes is not planned on the others)."""
+    if cfg.mock or not log.isEnabledFor(logging.INFO):  # mock data: pretrain.data.mock logs it
         return []
     rows = plan_blend(cfg, num_samples, files)
     # every row at --logging-level 10 (DEBUG)
@@ -303,6 +305,5 @@ def log_plan(
         rows, cfg.seq_length, None if log.isEnabledFor(logging.DEBUG) else LOGGED_ROWS
     )
     text = "\n".join([table, *warning_summaries(rows, max_epochs)])
-    # info, warnings included: every rank calls this, and only rank 0 logs at info
     log.info("data plan (seq length %d):\n%s", cfg.seq_length, text)
     return rows

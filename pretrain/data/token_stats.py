@@ -78,12 +78,20 @@ def _known(entries: dict, datasets: dict[str, IndexedDataset]) -> dict[str, int]
     return out
 
 
+def _size(n: int) -> str:
+    """Bytes for people: 812 B, 3.4 kB, 1.2 MB, 7.9 GB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
 def _scan(datasets: dict[str, IndexedDataset], path: str, cached: bool) -> dict[str, int]:
     """Scan every dataset; one line says how many, the biggest named."""
     start, notices, out = time.perf_counter(), Notices(), {}
     for prefix, ds in datasets.items():
         out[prefix] = scan_max_token(ds)
-        notices.add(prefix, f"{ds.bin_bytes / 1e6:,.1f} MB", ds.bin_bytes)
+        notices.add(prefix, _size(ds.bin_bytes), ds.bin_bytes)
     where = f"kept in {path}" if cached else f"not kept: {path} cannot be written"
     notices.log(
         log,
