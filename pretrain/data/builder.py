@@ -255,6 +255,16 @@ def _why_empty(prefix: str, indexed: IndexedDataset, in_split: int, tokens: int,
     return f"it gets {tokens} token(s) of {prefix}, too few for one sample"
 
 
+def _same_file_key(prefix: str):
+    """What two spellings of one prefix share: its `.idx` file's (device, inode), one lookup
+    (realpath takes one per path component); the normalised path where there is no `.idx`."""
+    try:
+        st = os.stat(f"{prefix}.idx")
+    except OSError:
+        return os.path.realpath(prefix)
+    return st.st_dev, st.st_ino
+
+
 def duplicate_warnings(cfg: DataConfig) -> list[str]:
     """One line per prefix that a blend lists more than once (the same path however spelled),
     with its weights. Like Megatron-LM, each listing stays a part of its own: this only warns."""
@@ -264,9 +274,9 @@ def duplicate_warnings(cfg: DataConfig) -> list[str]:
             blends.append((blend, _blend_flag(cfg, split)))
     out = []
     for (prefixes, weights), flag in blends:
-        where: dict[str, list[int]] = {}
+        where: dict[object, list[int]] = {}
         for i, prefix in enumerate(prefixes):
-            where.setdefault(os.path.realpath(prefix), []).append(i)
+            where.setdefault(_same_file_key(prefix), []).append(i)
         for places in where.values():
             if len(places) < 2:
                 continue

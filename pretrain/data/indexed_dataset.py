@@ -151,8 +151,9 @@ def _check_document_indices(idx_path: str, doc: np.ndarray, n_seq: int, fix: str
         )
     for i in range(0, len(doc) - 1, _CHUNK):
         part = doc[i : i + _CHUNK + 1]
-        bad = np.flatnonzero(part[1:] < part[:-1])
-        if len(bad):
+        decreasing = part[1:] < part[:-1]
+        if decreasing.any():  # where, only then: thousands of small prefixes open at start-up
+            bad = np.flatnonzero(decreasing)
             raise UserError(
                 f"{idx_path}: document indices decrease at position {i + int(bad[0]) + 1} ({fix})"
             )
@@ -165,17 +166,16 @@ def _check_lengths_and_pointers(
     end = 0  # byte offset where the next sequence must start
     for i in range(0, len(lengths), _CHUNK):
         part = lengths[i : i + _CHUNK]
-        negative = np.flatnonzero(part < 0)
-        if len(negative):
-            k = i + int(negative[0])
+        if part.min() < 0:
+            k = i + int(np.flatnonzero(part < 0)[0])
             raise UserError(
                 f"{idx_path}: sequence {k} has negative length {int(lengths[k])} ({fix})"
             )
         sizes = part.astype(np.int64) * itemsize
         ends = np.cumsum(sizes) + end
-        wrong = np.flatnonzero(pointers[i : i + _CHUNK] != ends - sizes)
-        if len(wrong):
-            k = i + int(wrong[0])
+        mismatch = pointers[i : i + _CHUNK] != ends - sizes
+        if mismatch.any():
+            k = i + int(np.flatnonzero(mismatch)[0])
             raise UserError(
                 f"{idx_path}: sequence {k} points to byte {int(pointers[k])}, but the lengths before "
                 f"it put it at byte {int(ends[k - i] - sizes[k - i])} (a damaged length or pointer; "
