@@ -224,15 +224,16 @@ def _build_and_hang_mid_write(prefix, cache_dir, started):
     """A cache builder stopped inside the write of its first array (then killed by the test)."""
     from pretrain.data import cache
 
-    real_write = cache._write_npy
+    real_write = cache._write_chunks
 
-    def write_half_then_hang(f, arr):
-        real_write(f, arr[: len(arr) // 2])
+    def write_half_then_hang(f, chunks):
+        data = b"".join(bytes(c) for c in chunks)
+        real_write(f, [data[: len(data) // 2]])
         f.flush()
         started.set()
         time.sleep(60)
 
-    cache._write_npy = write_half_then_hang
+    cache._write_chunks = write_half_then_hang
     _gpt(prefix, cache_dir)
 
 

@@ -14,7 +14,7 @@ import pytest
 from tokenizer_fixtures import CL100K, MERGES, VOCAB
 from training_fixtures import make_corpus, model_flags, train_flags
 
-from pretrain.data import fingerprint
+from pretrain.data import fingerprint, token_stats
 from pretrain.data.config import DataConfig
 from pretrain.data.fingerprint import check_data, data_fingerprints, read_sidecar
 from pretrain.data.preprocess import PreprocessConfig, run
@@ -142,8 +142,9 @@ def test_megatron_data_without_sidecar_is_scanned_once(tmp_path):
     cfg = DataConfig(seq_length=8, blend=([prefix], None), split="1", data_cache_path=str(cache))
     null = TokenizerConfig(tokenizer_type="NullTokenizer", vocab_size=1000)
     check_data(cfg, null, build_tokenizer(null), 1000)
-    stats = [f for f in os.listdir(cache) if f.endswith("-TokenStats.json")]
-    assert len(stats) == 1 and json.load(open(cache / stats[0]))["max_token_id"] == largest
+    stats = [f for f in os.listdir(cache) if f.endswith("TokenStats.json")]
+    kept = json.load(open(cache / stats[0]))["prefixes"]
+    assert len(stats) == 1 and kept[os.path.abspath(prefix)]["max_token_id"] == largest
     with pytest.raises(UserError, match=f"holds token id {largest}"):
         check_data(cfg, null, build_tokenizer(null), largest)
     summary = data_fingerprints(cfg)[prefix]
@@ -155,7 +156,7 @@ def test_second_check_reads_the_cached_scan(tmp_path, monkeypatch):
     prefix = make_corpus(tmp_path / "corpus", num_docs=10)
     cfg = DataConfig(seq_length=8, blend=([prefix], None), split="1", data_cache_path=str(tmp_path))
     assert fingerprint.largest_token_id(prefix, str(tmp_path)) == 100
-    monkeypatch.setattr(fingerprint, "_scan_max_token", lambda p: pytest.fail("scanned twice"))
+    monkeypatch.setattr(token_stats, "scan_max_token", lambda p: pytest.fail("scanned twice"))
     assert fingerprint.largest_token_id(prefix, str(tmp_path)) == 100
     assert data_fingerprints(cfg)[prefix]["max_token_id"] == 100
 

@@ -220,6 +220,7 @@ def changes(f) -> dict:
         "--wandb-project": ["p"], "--wandb-exp-name": ["e"], "--peak-tflops": ["100"],
         "--wandb-save-dir": [f["dir"]],
         "--metrics-file": [f["dir"] + ".jsonl"], "--use-distributed-optimizer": [],
+        "--logging-level": ["10"],
         # sample counts
         "--seq-length": ["32"], "--seed": ["5"], "--train-iters": ["5"],
         "--train-samples": (d, ["--train-samples", "40"] + d[2:], None),
@@ -271,7 +272,7 @@ NOOP_VALUES = {
     "--transformer-impl": ["transformer_engine"],
     "--empty-unused-memory-level": ["1"],
     "--manual-gc-interval": ["10"],
-    "--logging-level": ["20"],
+    "--per-dataset-sequences-path": ["sequences.json"],
     "--timing-log-level": ["2"],
     "--profile-step-start": ["4"],
     "--profile-step-end": ["6"],

@@ -16,7 +16,7 @@ from pretrain.training.run import _prepared
 # One pretrain_gpt.py process whose real constructors and readers are wrapped to count calls.
 COUNTING_RUN = """
 import collections, json, sys
-from pretrain.data import fingerprint
+from pretrain.data import fingerprint, token_stats
 from pretrain.data.indexed_dataset import IndexedDataset
 from pretrain.tokenizer import NullTokenizer
 from pretrain.tokenizer import fingerprint as tokenizer_fp
@@ -32,7 +32,7 @@ def counting(name, real, key):
 NullTokenizer.__init__ = counting("tokenizer", NullTokenizer.__init__, lambda self, *a: "built")
 IndexedDataset._validate = counting("validate", IndexedDataset._validate, lambda s, idx, b: idx)
 fingerprint.read_sidecar = counting("sidecar", fingerprint.read_sidecar, lambda prefix: prefix)
-fingerprint.file_sha256 = counting("sha256", fingerprint.file_sha256, lambda path: path)
+token_stats.scan_max_token = counting("scan", token_stats.scan_max_token, lambda ds: ds.prefix)
 tokenizer_fp.file_sha256 = counting("sha256", tokenizer_fp.file_sha256, lambda path: path)
 tokenizer_fp.content_sha256 = counting(
     "content", tokenizer_fp.content_sha256, lambda tok: type(tok).__name__
@@ -59,7 +59,7 @@ def test_a_run_builds_its_tokenizer_and_validates_its_data_once(tmp_path):
         "tokenizer built": 1,  # was 2: parse_args (vocabulary size), then the dataset builder
         f"validate {prefix}.idx": 1,  # was 5: split check, token scan, plan, builder, record
         f"sidecar {prefix}": 1,  # was 4: data check (twice), checkpoint fingerprints (twice)
-        f"sha256 {prefix}.idx": 1,  # was 2: the largest-token-id cache of the check and record
+        f"scan {prefix}": 1,  # its largest token id (no sidecar), kept by the .idx fingerprint
         "content NullTokenizer": 1,  # the tokenizer's content fingerprint
     }
 

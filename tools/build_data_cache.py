@@ -39,9 +39,10 @@ from pretrain.data.config import (  # noqa: E402
     DataConfig,
     train_valid_test_num_samples,
 )
-from pretrain.data.fingerprint import check_data  # noqa: E402
+from pretrain.data.fingerprint import PrefixFiles, check_data  # noqa: E402
 from pretrain.errors import exit_on_user_error  # noqa: E402
 from pretrain.tokenizer import TokenizerConfig, build_tokenizer  # noqa: E402
+from pretrain.training.logging import rank0_level  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,28 +63,31 @@ def main(argv=None) -> int:
     if hasattr(signal, "SIGXFSZ"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     ns = parse_data_tool_args(build_parser(), argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=rank0_level(ns.logging_level), format="%(message)s")
     cfg = DataConfig.from_args(ns)
     if ns.plan:
         run_plan(ns, cfg)
         return 0
     tok_cfg = TokenizerConfig.from_args(ns)
     tokenizer = build_tokenizer(tok_cfg)
-    check_data(cfg, tok_cfg, tokenizer, tokenizer.vocab_size)  # fingerprints, before any work
+    files = PrefixFiles(cfg.data_cache_path)  # each prefix opened once, for every step below
+    check_data(cfg, tok_cfg, tokenizer, tokenizer.vocab_size, files)  # before any work
     counts = train_valid_test_num_samples(
         ns.train_iters, ns.train_samples, ns.eval_interval, ns.eval_iters, ns.global_batch_size
     )
     check_splits_before_launch(
-        cfg, counts, ns.eval_iters, lambda msg: print(f"warning: {msg}", file=sys.stderr)
+        cfg, counts, ns.eval_iters, lambda msg: print(f"warning: {msg}", file=sys.stderr), files
     )
     start = time.time()
     with tqdm(total=count_builds(cfg), desc="index caches", unit="dataset") as bar:
 
         def progress(what: str) -> None:
-            bar.set_postfix_str(what[-60:])
+            bar.set_postfix_str(what[-60:], refresh=False)  # tqdm redraws at its own pace
             bar.update()
 
-        datasets = build_train_valid_test_datasets(cfg, tokenizer, counts, progress=progress)
+        datasets = build_train_valid_test_datasets(
+            cfg, tokenizer, counts, progress=progress, files=files
+        )
     for name, requested, ds in zip(SPLIT_NAMES, counts, datasets, strict=False):
         if ds is None:
             print(f"{name:5s}: not built (empty split)")

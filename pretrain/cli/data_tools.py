@@ -32,14 +32,16 @@ def data_tool_parser(description: str, *, tokenizer: bool = True) -> argparse.Ar
 
 def parse_data_tool_args(parser: argparse.ArgumentParser, argv) -> argparse.Namespace:
     """The tool's flags; the rest of the command line must be pretrain_gpt.py flags: a typo of a
-    data flag (say --splt) would otherwise plan, explain or cache other data, silently."""
+    data flag (say --splt) would otherwise plan, explain or cache other data, silently. Of those,
+    `logging_level` (--logging-level) is kept: the tools log at training's level."""
     ns, rest = parser.parse_known_args(argv)
-    _, unknown = build_parser().parse_known_args(rest)
+    training, unknown = build_parser().parse_known_args(rest)
     if unknown:
         raise UserError(
             f"unrecognized argument(s): {' '.join(unknown)} (neither a data flag nor a "
             "pretrain_gpt.py flag; see --help)"
         )
+    ns.logging_level = training.logging__logging_level
     return ns
 
 

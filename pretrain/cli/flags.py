@@ -258,7 +258,7 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _flag("--log-memory-to-tensorboard", action="store_true", help="accepted: memory use is not written"),
         _flag("--log-num-zeros-in-grad", action="store_true", help="accepted: the count of zero gradients is not computed"),
         _flag("--log-params-norm", action="store_true", help="accepted: the parameter norm is not computed (the grad norm is in every log line)"),
-        _flag("--logging-level", type=int, metavar="N", help="accepted: log verbosity is fixed (rank 0 prints Megatron's lines)"),
+        _flag("--logging-level", field="logging.logging_level", type=int, metavar="N", help="Python logging level of rank 0's lines: 10 (DEBUG) also prints each per-prefix notice behind the data pipeline's one-line summaries; above 20 keeps INFO (Megatron's lines always print)"),
         _flag("--timing-log-level", type=int, choices=[0, 1, 2], help="accepted: there are no per-phase timers"),
         _flag("--profile", action="store_true", help="accepted: no profiler ranges are opened (run under nsys or torch.profiler yourself)"),
         _flag("--profile-step-start", type=int, metavar="N", help="accepted: see --profile"),

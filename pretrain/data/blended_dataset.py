@@ -7,8 +7,8 @@ a size every sample of every dataset is used exactly once (exhaustive blending).
 
 from __future__ import annotations
 
+import functools
 import hashlib
-import json
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from pretrain.data import helpers
-from pretrain.data.cache import load_or_build
+from pretrain.data.cache import CacheRequest, load_or_build
+from pretrain.data.describe import describe_blend
 from pretrain.errors import UserError
 
 MAX_DATASETS = 32767  # dataset ids are int16
@@ -47,7 +48,11 @@ class BlendedDataset(torch.utils.data.Dataset):
         weights: Sequence[float],
         size: int | None,
         cache_dir: str | None,
+        *,
+        arrays: dict[str, np.ndarray] | None = None,
     ):
+        """`arrays`: the blending indices, already loaded or built and checked (by a blend's
+        consolidated cache); None: from the cache in `cache_dir`, or built."""
         if not datasets or len(datasets) != len(weights):
             raise ValueError("BlendedDataset needs one weight per dataset")
         if len(datasets) >= MAX_DATASETS:
@@ -66,35 +71,50 @@ class BlendedDataset(torch.utils.data.Dataset):
         self.split = datasets[0].index_split
         self.weights = normalize(weights) if size is not None else list(weights)
         self.size = size
-        self.unique_identifiers = OrderedDict(
-            [
-                ("class", "BlendedDataset"),
-                ("datasets", [d.unique_identifiers for d in datasets]),
-                ("split", self.split),
-                ("weights", self.weights),
-                ("size", size),
-            ]
-        )
-        self.unique_description = json.dumps(self.unique_identifiers, indent=4)
-        self.unique_description_hash = hashlib.md5(
-            self.unique_description.encode("utf-8")
-        ).hexdigest()
-
-        n = size if size is not None else int(sum(self.weights))
-        expect = {
-            "dataset_index": (np.dtype(np.int16), (n,)),
-            "dataset_sample_index": (np.dtype(np.int64), (n,)),
-        }
-        arrays = load_or_build(
-            cache_dir,
-            f"{self.unique_description_hash}-BlendedDataset-{self.split}",
-            self.unique_description,
-            expect,
-            self._build,
-            check=self._index_problem,
-        )
+        if arrays is None:
+            arrays = load_or_build(self.cache_request(cache_dir))
         self.dataset_index = arrays["dataset_index"]
         self.dataset_sample_index = arrays["dataset_sample_index"]
+
+    @functools.cached_property
+    def unique_identifiers(self) -> OrderedDict:
+        return OrderedDict(
+            [
+                ("class", "BlendedDataset"),
+                ("datasets", [d.unique_identifiers for d in self.datasets]),
+                ("split", self.split),
+                ("weights", self.weights),
+                ("size", self.size),
+            ]
+        )
+
+    @functools.cached_property
+    def unique_description(self) -> str:
+        return describe_blend(
+            self.unique_identifiers, [d.unique_description for d in self.datasets]
+        )
+
+    @functools.cached_property
+    def unique_description_hash(self) -> str:
+        return hashlib.md5(self.unique_description.encode("utf-8")).hexdigest()
+
+    def cache_request(self, cache_dir: str | None) -> CacheRequest:
+        """Megatron's cache of the blending indices in `cache_dir` (None: built in memory)."""
+        n = self.size if self.size is not None else int(sum(self.weights))
+        cached = cache_dir is not None  # else the (long) description is never needed
+        return CacheRequest(
+            directory=cache_dir,
+            base_name=f"{self.unique_description_hash}-BlendedDataset-{self.split}"
+            if cached
+            else "",
+            description=self.unique_description if cached else "",
+            expect={
+                "dataset_index": (np.dtype(np.int16), (n,)),
+                "dataset_sample_index": (np.dtype(np.int64), (n,)),
+            },
+            build=self._build,
+            check=self._index_problem,
+        )
 
     def _build(self) -> dict[str, np.ndarray]:
         if self.size is not None:

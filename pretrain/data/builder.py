@@ -11,15 +11,17 @@ import logging
 import math
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
-from pretrain.data.blended_dataset import BlendedDataset, normalize
+from pretrain.data.blend_build import BlendRequest, build_blend_split
+from pretrain.data.blended_dataset import normalize
+from pretrain.data.cache import load_or_build
 from pretrain.data.config import Blend, DataConfig, Split
 from pretrain.data.fingerprint import PrefixFiles
-from pretrain.data.gpt_dataset import GPTDataset, split_ranges
+from pretrain.data.gpt_dataset import GPTDataset, IndexSpec, index_spec, split_ranges
 from pretrain.data.indexed_dataset import IndexedDataset
 from pretrain.data.mixture import MixturePlan
 from pretrain.data.mock import build_mock_datasets
+from pretrain.data.notices import Notices
 from pretrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -42,7 +44,7 @@ def sizes_per_dataset(
 
 def _open(files: PrefixFiles, prefix: str) -> IndexedDataset:
     """`prefix`'s dataset from `files`, or one line saying that the pair does not exist."""
-    if not IndexedDataset.exists(prefix):
+    if not files.exists(prefix):
         raise UserError(
             f"{prefix}: no {prefix}.bin/{prefix}.idx pair (check the --data-path prefix; "
             "tools/preprocess_data.py writes PREFIX_text_document.bin/.idx)"
@@ -66,26 +68,47 @@ class _Builder:
     def indexed(self, prefix: str) -> IndexedDataset:
         return _open(self.files, prefix)
 
-    def gpt(self, prefix: str, matrix, split: int, num_samples: int | None) -> GPTDataset | None:
-        if matrix[split] is None:
-            return None
+    def spec(
+        self, prefix: str, matrix, split: int, num_samples: int | None, empty: Notices
+    ) -> IndexSpec | None:
+        """`prefix`'s dataset in `split`, or None (noted in `empty`) when it gets no sequence."""
         indexed = self.indexed(prefix)
         indices = split_ranges(len(indexed), matrix)[split]
         if len(indices) == 0:
             # Megatron loops forever here (no tokens can never reach the requested samples)
-            # info, not warning: every rank reaches this, and only rank 0 logs at info
-            log.info(
-                "%s: the %s split gets 0 of %d sequences with --split %s; it is not built",
-                prefix,
-                Split(split).name,
-                len(indexed),
-                self.cfg.split,
-            )
+            empty.add(prefix, f"{len(indexed):,} sequences", len(indexed))
             self.progress(f"{Split(split).name} {prefix} (empty)")
             return None
-        ds = GPTDataset(
+        return index_spec(
             indexed, prefix, indices, num_samples, Split(split).name, self.cfg, self.tokenizer
         )
+
+    def say_empty(self, empty: Notices, split: int, of: int) -> None:
+        """One line for the prefixes `split` gets no sequence from (of `of`)."""
+        # info, not warning: every rank reaches this, and only rank 0 logs at info
+        name, flag = Split(split).name, f"--split {self.cfg.split}"
+        if of == 1 and len(empty) == 1:
+            _, prefix, count = empty.items[0]
+            log.info(
+                "%s: the %s split gets 0 of %s with %s; it is not built", prefix, name, count, flag
+            )
+            return
+        empty.log(
+            log,
+            logging.INFO,
+            f"the {name} split gets no sequence from {len(empty):,} of {of:,} prefixes with "
+            f"{flag}; it is not built from them",
+        )
+
+    def gpt(self, prefix: str, matrix, split: int, num_samples: int | None) -> GPTDataset | None:
+        if matrix[split] is None:
+            return None
+        empty = Notices()
+        spec = self.spec(prefix, matrix, split, num_samples, empty)
+        self.say_empty(empty, split, 1)
+        if spec is None:
+            return None
+        ds = GPTDataset.from_spec(spec, load_or_build(spec.cache_request(spec.default_cache_dir())))
         self.progress(f"{Split(split).name} {prefix}")
         return ds
 
@@ -100,59 +123,28 @@ class _Builder:
             targets = sizes_per_dataset(weights, sizes)
             buffered = sizes_per_dataset(weights, sizes, self.cfg.mid_level_dataset_surplus)
         else:
-            buffered = [[None] * len(Split) for _ in prefixes]
-        threads = max(1, self.cfg.num_dataset_builder_threads)
-        with ThreadPoolExecutor(threads) as pool:
-            per_prefix = list(
-                pool.map(
-                    lambda pb: self.gpt_splits(pb[0], matrix, pb[1]),
-                    zip(prefixes, buffered, strict=False),
-                )
-            )
+            targets, buffered = None, [[None] * len(Split) for _ in prefixes]
         out = []
-        for i in Split:
-            present = [p for p in range(len(prefixes)) if per_prefix[p][i] is not None]
-            if not present:  # the split is empty in the split string, or in every prefix
+        for split in Split:
+            if matrix[split] is None:
                 out.append(None)
                 continue
-            if weights is None:
-                # blended by size: a prefix whose split holds no full sample adds nothing
-                present = [p for p in present if len(per_prefix[p][i]) > 0] or present
-            datasets = [per_prefix[p][i] for p in present]
-            if weights is not None:
-                if sizes[i] is None:
-                    raise ValueError(
-                        "a weighted blend needs a sample count for every split it builds"
-                    )
-                w, size = [weights[p] for p in present], sum(targets[p][i] for p in present)
-            else:
-                w = [len(d) for d in datasets]
-                # None: every sample once
-                size = None if sizes[i] is None else min(sizes[i], sum(w))
-            out.append(self.blended(datasets, w, size, [prefixes[p] for p in present], matrix, i))
+            empty = Notices()
+            specs = [
+                self.spec(prefix, matrix, split, buffered[p][split], empty)
+                for p, prefix in enumerate(prefixes)
+            ]
+            self.say_empty(empty, split, len(prefixes))
+            request = BlendRequest(
+                split=Split(split).name,
+                prefixes=list(prefixes),
+                specs=specs,
+                weights=weights,
+                targets=None if targets is None else [t[split] for t in targets],
+                size=sizes[split],
+            )
+            out.append(build_blend_split(request, self.cfg, self.progress))
         return out
-
-    def blended(self, datasets, weights, size, prefixes, matrix, split: int) -> BlendedDataset:
-        blended = BlendedDataset(datasets, weights, size, self.cfg.data_cache_path)
-        short = blended.oversampled()
-        if short:
-            # Megatron raises IndexError here (issues #705, PR #1007). The blend's indices depend only
-            # on the weights and size, so building the short datasets a little longer fixes it.
-            for p, needed in short.items():
-                log.warning(
-                    "%s split: the blend takes %d samples from %s, which has %d; building it with "
-                    "%d samples",
-                    Split(split).name,
-                    needed,
-                    prefixes[p],
-                    len(datasets[p]),
-                    needed,
-                )
-                datasets[p] = self.gpt(prefixes[p], matrix, split, needed)
-            blended = BlendedDataset(datasets, weights, size, self.cfg.data_cache_path)
-            assert not blended.oversampled()
-        self.progress(f"{Split(split).name} blend of {len(datasets)}")
-        return blended
 
 
 def build_train_valid_test_datasets(
@@ -285,6 +277,16 @@ def _why_empty(prefix: str, indexed: IndexedDataset, in_split: int, tokens: int,
     return f"it gets {tokens} token(s) of {prefix}, too few for one sample"
 
 
+def _same_file_key(prefix: str):
+    """What two spellings of one prefix share: its `.idx` file's (device, inode), one lookup
+    (realpath takes one per path component); the normalised path where there is no `.idx`."""
+    try:
+        st = os.stat(f"{prefix}.idx")
+    except OSError:
+        return os.path.realpath(prefix)
+    return st.st_dev, st.st_ino
+
+
 def duplicate_warnings(cfg: DataConfig) -> list[str]:
     """One line per prefix that a blend lists more than once (the same path however spelled),
     with its weights. Like Megatron-LM, each listing stays a part of its own: this only warns."""
@@ -294,9 +296,9 @@ def duplicate_warnings(cfg: DataConfig) -> list[str]:
             blends.append((blend, _blend_flag(cfg, split)))
     out = []
     for (prefixes, weights), flag in blends:
-        where: dict[str, list[int]] = {}
+        where: dict[object, list[int]] = {}
         for i, prefix in enumerate(prefixes):
-            where.setdefault(os.path.realpath(prefix), []).append(i)
+            where.setdefault(_same_file_key(prefix), []).append(i)
         for places in where.values():
             if len(places) < 2:
                 continue
@@ -342,11 +344,29 @@ def check_splits_before_launch(
             _check_split(cfg, split, eval_iters, warn, files)
 
 
+def _short_why(indexed: IndexedDataset, in_split: int, tokens: int) -> str:
+    """`_why_empty` in a few words, for a summary naming many prefixes."""
+    if indexed.num_documents == 0:
+        return "0 documents"
+    if len(indexed) == 0 or not indexed.sequence_lengths.any():
+        return "0 tokens"
+    if in_split == 0:
+        return f"0 of {len(indexed):,} sequences"
+    return f"{tokens} token(s), too few for one sample"
+
+
+def _joined(reasons: list[str], few: int = 3) -> str:
+    """The first `few` reasons, and how many more there are."""
+    more = f"; and {len(reasons) - few:,} more" if len(reasons) > few else ""
+    return "; ".join(reasons[:few]) + more
+
+
 def _check_split(cfg: DataConfig, split: int, eval_iters: int, warn, files: PrefixFiles) -> None:
     """`check_splits_before_launch` for one split that the run draws from."""
     prefixes, matrix, why = _split_blend(cfg, split)
     reasons = [why] if why else []
     empty_parts = []  # (prefix, why) of the parts that give this split no data
+    empty = Notices()  # the same, in a few words
     total = 0
     for prefix in prefixes:
         indexed = _open(files, prefix)
@@ -359,26 +379,39 @@ def _check_split(cfg: DataConfig, split: int, eval_iters: int, warn, files: Pref
         total += tokens
         if tokens <= 1:  # a sample needs seq_length + 1 tokens, cycled over epochs: 2 suffice
             empty_parts.append((prefix, _why_empty(prefix, indexed, len(ids), tokens, cfg)))
+            empty.add(prefix, _short_why(indexed, len(ids), tokens), len(indexed))
     reasons += [reason for _, reason in empty_parts]
     name = Split(split).name
     if total <= 1:
         if split == Split.train:
-            raise UserError(f"the train split is empty: {'; '.join(reasons)}")
+            raise UserError(f"the train split is empty: {_joined(reasons)}")
         if split == Split.valid and warn is not None:
             warn(
-                f"no validation data ({'; '.join(reasons)}): evaluation is skipped although "
+                f"no validation data ({_joined(reasons)}): evaluation is skipped although "
                 f"--eval-iters is {eval_iters} (pass --eval-iters 0 to say so)"
             )
         return
     flag = _blend_flag(cfg, split)
-    for prefix, reason in empty_parts:
-        if split == Split.train:
-            raise UserError(
-                f"the train split of blend part {prefix} is empty: {reason}; every part of a "
-                f"blend must feed training (drop {prefix} from {flag}, or change --split)"
-            )
-        if warn is not None:
-            warn(
-                f"the {name} split of blend part {prefix} is empty: {reason}; the {name} split "
-                f"is drawn from the other parts of {flag} only"
-            )
+    if split == Split.train and empty_parts:
+        prefix, reason = empty_parts[0]
+        raise UserError(
+            f"the train split of blend part {prefix} is empty: {reason}; every part of a "
+            f"blend must feed training (drop {prefix} from {flag}, or change --split)"
+        )
+    if warn is None or not empty_parts:
+        return
+    if len(empty_parts) == 1:
+        prefix, reason = empty_parts[0]
+        warn(
+            f"the {name} split of blend part {prefix} is empty: {reason}; the {name} split "
+            f"is drawn from the other parts of {flag} only"
+        )
+        return
+    by_split = f" (--split {cfg.split})" if cfg.blend is not None else ""
+    warn(
+        empty.line(
+            f"the {name} split of {len(empty):,} of {len(prefixes):,} blend parts is "
+            f"empty{by_split}; it is drawn from the other parts of {flag} only",
+            rest=None,
+        )
+    )

@@ -24,22 +24,39 @@ from Megatron, and why:
   for the same cache (and those of other hosts older than a day).
 - A full disk or file-size limit while writing is a one-line `UserError` naming the file and the
   bytes the cache needs.
+- `load_or_build_all` serves thousands of caches at once (a blend's prefixes): it loads what is
+  there and builds the rest; `save_all` writes them together, arrays first (no fsync each), then
+  one `syncfs` of the file system, then the descriptions: the same guarantee (a description is
+  never durable before its arrays) for one flush instead of one per file. An array or
+  fingerprint file that does not exist yet is created under its final name (`O_EXCL`, no
+  temporary and rename: file creation dominates a cold build of thousands of small caches):
+  nobody trusts it before the description, written after the flush, and nobody has it mapped
+  (it is new); an existing one is replaced by a rename, as everywhere else. No fingerprint file
+  is written per cache there: the blend's consolidated file (`pretrain/data/blend_cache.py`)
+  records every `.idx` fingerprint, and such a cache read on its own is treated like Megatron's
+  (used if newer than the `.idx`, then its fingerprint recorded). Its caller holds the
+  lock that makes it the only builder of the set (`pretrain/data/blend_build.py`'s), so no lock
+  is taken per cache; another process writing one of the same caches at the same time writes
+  the same bytes.
 """
 
 from __future__ import annotations
 
-import glob
+import contextlib
+import functools
+import io
 import logging
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
 from filelock import FileLock, Timeout
 
-from pretrain.atomic import atomic_write, atomic_write_bytes
+from pretrain.atomic import atomic_write, atomic_write_bytes, file_mode, sync_filesystem
 from pretrain.data.indexed_dataset import no_space_error
 from pretrain.errors import UserError
 
@@ -50,6 +67,7 @@ Expectation = dict[str, tuple[np.dtype, tuple[int, ...]]]
 # arrays -> None when their values are usable, else what is wrong
 ValueCheck = Callable[[dict[str, np.ndarray]], str | None]
 FINGERPRINT = "idx_fingerprint.txt"
+NO_CACHE = "no cache with this description"  # why a cache is built when none was there
 _STALE_OTHER_HOST_S = 24 * 3600
 
 
@@ -71,6 +89,30 @@ class Source:
     """The `.idx`'s mtime: a cache without a fingerprint (Megatron's) must be newer."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class CacheRequest:
+    """One index cache: where it lives, what it must hold, and how to build it."""
+
+    directory: str | None
+    """The cache folder; None: build in memory, cache nothing."""
+    base_name: str
+    """`{md5}-{Class}-{split}`: every file of the cache starts with it (Megatron's names)."""
+    description: str
+    """The JSON text whose md5 names the cache; a cache is used only if its own equals it."""
+    expect: Expectation
+    """(dtype, shape) of every array."""
+    build: Callable[[], dict[str, np.ndarray]]
+    """Computes the arrays (when no valid cache exists)."""
+    source: Source | None = None
+    """The `.idx` the arrays are computed from (its fingerprint is stored and compared)."""
+    check: ValueCheck | None = None
+    """Bounds check of loaded values (a damaged file with a valid header)."""
+
+    @property
+    def base(self) -> str:
+        return os.path.join(self.directory, self.base_name)
+
+
 def _source_problem(base: str, source: Source) -> tuple[str | None, bool]:
     """(why the cache does not belong to `source` or None, whether to record its fingerprint)."""
     stored = _read_text(f"{base}-{FINGERPRINT}")
@@ -88,21 +130,17 @@ def _source_problem(base: str, source: Source) -> tuple[str | None, bool]:
     return None, True
 
 
-def _try_load(
-    base: str,
-    description: str,
-    expect: Expectation,
-    source: Source | None,
-    check: ValueCheck | None,
-) -> tuple[dict[str, np.ndarray] | None, str]:
-    """(the cached arrays, "") if the cache is complete and matches, else (None, why not)."""
-    if _read_text(f"{base}-description.txt") != description:
-        return None, "no cache with this description"
-    problem, adopt = _source_problem(base, source) if source is not None else (None, False)
+def try_load(request: CacheRequest, adopt: bool = True) -> tuple[dict[str, np.ndarray] | None, str]:
+    """(the cached arrays, "") if the cache is complete and matches, else (None, why not).
+    `adopt`: record the fingerprint of a matching cache that has none (Megatron's)."""
+    base, source, check = request.base, request.source, request.check
+    if _read_text(f"{base}-description.txt") != request.description:
+        return None, NO_CACHE
+    problem, unrecorded = _source_problem(base, source) if source is not None else (None, False)
     if problem is not None:
         return None, problem
     arrays = {}
-    for name, (dtype, shape) in expect.items():
+    for name, (dtype, shape) in request.expect.items():
         try:
             arr = np.load(f"{base}-{name}.npy", mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError, EOFError):
@@ -113,7 +151,7 @@ def _try_load(
     problem = check(arrays) if check is not None else None
     if problem is not None:
         return None, f"its values are damaged: {problem}"
-    if adopt:
+    if unrecorded and adopt:
         try:
             atomic_write_bytes(f"{base}-{FINGERPRINT}", source.fingerprint.encode("utf-8"))
         except OSError:
@@ -121,13 +159,20 @@ def _try_load(
     return arrays, ""
 
 
-def _remove_stray_temporaries(directory: str, base_name: str) -> None:
-    """Hidden temporaries `.{base_name}-*.{host}.*` of killed builders (we hold the lock)."""
+def _remove_stray_temporaries(directory: str, base_names: set[str]) -> None:
+    """Hidden temporaries `.{base_name}-*.{host}.*` of killed builders of the caches `base_names`
+    (we build them): this host's, and other hosts' older than a day. One listing of `directory`."""
     host, now = socket.gethostname(), time.time()
-    for path in glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(base_name)}-*")):
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return
+    for name in names:
+        if not name.startswith(".") or "-".join(name[1:].split("-", 3)[:3]) not in base_names:
+            continue
+        path = os.path.join(directory, name)
         try:
-            mine = f".{host}." in os.path.basename(path)
-            if mine or now - os.path.getmtime(path) > _STALE_OTHER_HOST_S:
+            if f".{host}." in name or now - os.path.getmtime(path) > _STALE_OTHER_HOST_S:
                 os.remove(path)
                 log.info("removed %s (left by an interrupted cache build)", path)
         except FileNotFoundError:
@@ -151,73 +196,215 @@ def _lock(directory: str, base: str) -> FileLock:
     return lock
 
 
-def _write_npy(f, arr: np.ndarray) -> None:
-    """`np.save`'s bytes (NPY v1), written with `f.write`: numpy's own fast path (`tofile`) reports
-    a full disk or file-size limit as an OSError without errno, which we could not tell apart."""
-    np.lib.format.write_array_header_1_0(f, np.lib.format.header_data_from_array_1_0(arr))
-    f.write(memoryview(np.ascontiguousarray(arr)).cast("B"))
+@functools.lru_cache(maxsize=4096)
+def _npy_header(descr: str, shape: tuple[int, ...]) -> bytes:
+    """`np.save`'s NPY v1 header of a C-ordered array (made once per dtype and shape)."""
+    out = io.BytesIO()
+    header = {"descr": descr, "fortran_order": False, "shape": shape}
+    np.lib.format.write_array_header_1_0(out, header)
+    return out.getvalue()
 
 
-def _save(base: str, description: str, source: Source | None, arrays, expect: Expectation) -> None:
-    """Write every array, the fingerprint, then the description (what makes the cache valid)."""
-    needed = sum(arrays[name].nbytes + 128 for name in expect) + len(description) + 64
-    path = base
+def _npy_chunks(arr: np.ndarray) -> list:
+    """`np.save`'s bytes (NPY v1) of a plain array, as chunks for `f.write`: numpy's own fast path
+    (`tofile`) reports a full disk or file-size limit as an OSError without errno, which we
+    could not tell apart."""
+    arr = np.ascontiguousarray(arr)
+    return [_npy_header(arr.dtype.str, arr.shape), memoryview(arr).cast("B")]
+
+
+def _write_chunks(f, chunks) -> None:
+    for chunk in chunks:
+        f.write(chunk)
+
+
+def _write_new(path: str, chunks, mode: int) -> None:
+    """Create `path` with `chunks` under its final name, or replace an existing one by a rename
+    (no fsync either way): for `save_all` only (module docstring)."""
     try:
-        for name, (dtype, shape) in expect.items():
-            arr = arrays[name]
-            if arr.dtype != dtype or arr.shape != shape:
-                raise AssertionError(
-                    f"{name}: built {arr.dtype}{arr.shape}, expected {dtype}{shape}"
-                )
-            path = f"{base}-{name}.npy"
-            atomic_write(path, lambda f, a=arr: _write_npy(f, a))
-        if source is not None:
-            path = f"{base}-{FINGERPRINT}"
-            atomic_write_bytes(path, source.fingerprint.encode("utf-8"))
-        path = f"{base}-description.txt"
-        atomic_write_bytes(path, description.encode("utf-8"))
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+    except FileExistsError:
+        atomic_write(path, lambda f: _write_chunks(f, chunks), fsync=False, mode=mode)
+        return
+    try:
+        with os.fdopen(fd, "wb") as f:
+            _write_chunks(f, chunks)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+
+
+def _write_error(path: str, err: OSError, needed: int) -> UserError:
+    return no_space_error(path, err, needed) or UserError(
+        f"{path}: cannot write the index cache ({err.strerror or err}; pass --data-cache-path DIR "
+        "pointing to a writable directory)"
+    )
+
+
+def _save_arrays(request: CacheRequest, arrays, *, batch: bool, mode: int) -> None:
+    """Every array of `request` (no description): each renamed into place and fsynced, with the
+    fingerprint, or, in a `batch` (`save_all`), with `_write_new` and no fingerprint (the
+    blend's file holds it; a stale one goes)."""
+    base = request.base
+    needed = sum(arrays[name].nbytes + 128 for name in request.expect) + 64
+    files = []
+    for name, (dtype, shape) in request.expect.items():
+        arr = arrays[name]
+        if arr.dtype != dtype or arr.shape != shape:
+            raise AssertionError(f"{name}: built {arr.dtype}{arr.shape}, expected {dtype}{shape}")
+        files.append((f"{base}-{name}.npy", _npy_chunks(arr)))
+    if request.source is not None and not batch:
+        files.append((f"{base}-{FINGERPRINT}", [request.source.fingerprint.encode("utf-8")]))
+    elif request.source is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f"{base}-{FINGERPRINT}")
+    for path, chunks in files:
+        try:
+            if batch:
+                _write_new(path, chunks, mode)
+            else:
+                atomic_write(path, lambda f, c=chunks: _write_chunks(f, c), mode=mode)
+        except OSError as err:
+            raise _write_error(path, err, needed) from None
+
+
+def _save_description(request: CacheRequest, *, fsync: bool, mode: int) -> None:
+    """The description, written last: what makes the cache valid."""
+    path = f"{request.base}-description.txt"
+    try:
+        atomic_write_bytes(path, request.description.encode("utf-8"), fsync=fsync, mode=mode)
     except OSError as err:
-        raise no_space_error(path, err, needed) or UserError(
-            f"{path}: cannot write the index cache ({err.strerror or err}; pass --data-cache-path DIR "
-            "pointing to a writable directory)"
-        ) from None
+        raise _write_error(path, err, len(request.description) + 64) from None
 
 
-def load_or_build(
-    directory: str | None,
-    base_name: str,
-    description: str,
-    expect: Expectation,
-    build: Callable[[], dict[str, np.ndarray]],
-    source: Source | None = None,
-    check: ValueCheck | None = None,
-) -> dict[str, np.ndarray]:
-    """Load the cached arrays `expect` names, or build, save and return them.
+def _drop_description(request: CacheRequest) -> None:
+    """A stale or mismatching description goes first, so nobody trusts the files we replace."""
+    try:
+        os.unlink(f"{request.base}-description.txt")
+    except FileNotFoundError:
+        pass
 
-    `source`: the `.idx` the arrays are computed from (its fingerprint is stored beside the cache
-    and compared on load). `check`: a bounds check of the loaded values. `directory` None: build in
-    memory, cache nothing. A directory we cannot create or write is reported as a UserError naming
-    --data-cache-path.
+
+def load_or_build(request: CacheRequest) -> dict[str, np.ndarray]:
+    """Load the cached arrays `request.expect` names, or build, save and return them.
+
+    `request.directory` None: build in memory, cache nothing. A directory we cannot create or
+    write is reported as a UserError naming --data-cache-path.
     """
-    if directory is None:
-        return build()
-    base = os.path.join(directory, base_name)
-    arrays, _ = _try_load(base, description, expect, source, check)
+    if request.directory is None:
+        return request.build()
+    arrays, _ = try_load(request)
     if arrays is not None:
         return arrays
-    lock = _lock(directory, base)
+    lock = _lock(request.directory, request.base)
     try:
         # another process may have built it while we waited for the lock
-        arrays, why = _try_load(base, description, expect, source, check)
+        arrays, why = try_load(request)
         if arrays is not None:
             return arrays
-        log.info("building index cache %s (%s)", base, why)
-        _remove_stray_temporaries(directory, base_name)
-        # A stale or mismatching description goes first, so nobody trusts the files we replace.
-        if os.path.exists(f"{base}-description.txt"):
-            os.unlink(f"{base}-description.txt")
-        arrays = build()
-        _save(base, description, source, arrays, expect)
+        log.info("building index cache %s (%s)", request.base, why)
+        _remove_stray_temporaries(request.directory, {request.base_name})
+        _drop_description(request)
+        arrays = request.build()
+        mode = file_mode()
+        _save_arrays(request, arrays, batch=False, mode=mode)
+        _save_description(request, fsync=True, mode=mode)
         return arrays
     finally:
         lock.release()
+
+
+def _make_folders(requests: Sequence[CacheRequest]) -> None:
+    for directory in {r.directory for r in requests}:
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as err:
+            raise UserError(
+                f"cannot write the index cache in {directory} ({err.strerror}); pass "
+                "--data-cache-path DIR pointing to a writable directory (node-local is fine)"
+            ) from err
+
+
+def save_all(built: Sequence[tuple[CacheRequest, dict[str, np.ndarray]]]) -> None:
+    """Write many built caches together: stale descriptions removed, every array written, one
+    flush of each file system, then the descriptions (docstring of this module)."""
+    built = [(r, a) for r, a in built if r.directory is not None]
+    if not built:
+        return
+    requests = [r for r, _ in built]
+    _make_folders(requests)
+    for directory in {r.directory for r in requests}:
+        _remove_stray_temporaries(
+            directory, {r.base_name for r in requests if r.directory == directory}
+        )
+    mode = file_mode()
+    for request, arrays in built:
+        _drop_description(request)
+        _save_arrays(request, arrays, batch=True, mode=mode)
+    for directory in {r.directory for r in requests}:
+        sync_filesystem(directory)
+    for request in requests:
+        _save_description(request, fsync=False, mode=mode)
+
+
+@dataclass
+class Batch:
+    """What `load_or_build_all` found and built."""
+
+    arrays: list[dict[str, np.ndarray]]
+    """The arrays of each request, in order."""
+    built: list[tuple[CacheRequest, dict[str, np.ndarray]]]
+    """The requests that had no valid cache, with the arrays built for them (not written yet)."""
+    reasons: dict[str, int]
+    """{why a cache was built: how many}."""
+
+
+def _listings(requests: Sequence[CacheRequest]) -> dict[str, set[str]]:
+    """{folder: its file names} of each folder holding several of `requests`: one listing
+    instead of a failed lookup per cache that is not there (a cold blend of thousands)."""
+    counts: dict[str, int] = {}
+    for request in requests:
+        if request.directory is not None:
+            counts[request.directory] = counts.get(request.directory, 0) + 1
+    listed = {}
+    for directory, n in counts.items():
+        if n > 1:
+            try:
+                listed[directory] = set(os.listdir(directory))
+            except FileNotFoundError:
+                listed[directory] = set()
+    return listed
+
+
+def load_or_build_all(requests: Sequence[CacheRequest], threads: int = 1) -> Batch:
+    """The arrays of every request: loaded where a valid cache exists, else built (on `threads`
+    threads); the caller writes what was built with `save_all`, holding the lock that makes it
+    the only builder of this set."""
+
+    listed = _listings(requests)
+
+    def one(request: CacheRequest):
+        names = listed.get(request.directory)
+        if request.directory is None:
+            arrays, why = None, ""
+        elif names is not None and f"{request.base_name}-description.txt" not in names:
+            arrays, why = None, NO_CACHE
+        else:
+            arrays, why = try_load(request, adopt=False)
+        return (arrays, False, "") if arrays is not None else (request.build(), True, why)
+
+    if threads > 1:
+        with ThreadPoolExecutor(threads) as pool:
+            results = list(pool.map(one, requests))
+    else:
+        results = [one(r) for r in requests]
+    reasons: dict[str, int] = {}
+    for _, built, why in results:
+        if built:
+            reasons[why or "in memory"] = reasons.get(why or "in memory", 0) + 1
+    return Batch(
+        arrays=[arrays for arrays, _, _ in results],
+        built=[(r, res[0]) for r, res in zip(requests, results, strict=True) if res[1]],
+        reasons=reasons,
+    )

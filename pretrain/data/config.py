@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import functools
 import json
 import math
 import re
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pretrain.data.blend_paths import expand
 from pretrain.data.schedule import SchedulePhase, check_schedule_prefixes, read_schedule
 from pretrain.errors import UserError
 from pretrain.flag_help import argument_group
@@ -48,7 +50,8 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         metavar="PREFIX",
         help="one prefix (PREFIX for PREFIX.bin/PREFIX.idx), several prefixes (blended by size), "
-        "or 'W1 PREFIX1 W2 PREFIX2 ...' (blended by weight)",
+        "or 'W1 PREFIX1 W2 PREFIX2 ...' (blended by weight); a PREFIX may be a glob (dir/part_*) "
+        "or a folder (dir/), standing for the prefixes it holds, which share its weight by tokens",
     )
     g.add_argument(
         "--mock-data",
@@ -156,6 +159,26 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_false",
         help="cyclic sampler: one global permutation instead of one bucket per DP rank",
     )
+    # Megatron's start-up flags for large blends: what they buy is how this loader always works
+    # (docs/DATA_FORMAT.md, "Blends of thousands of prefixes")
+    g.add_argument(
+        "--dataloader-fast-cache-load",
+        action="store_true",
+        help="accepted: a blend's index caches are always loaded from one file per split, with "
+        "no per-prefix cache file looked up",
+    )
+    g.add_argument(
+        "--dataloader-defer-npy-index-mmap",
+        action="store_true",
+        help="accepted: a blend's index arrays are one mapping per split, and each prefix's "
+        ".bin is mapped when a sample first reads it",
+    )
+    g.add_argument(
+        "--per-dataset-sequences-path",
+        metavar="PATH",
+        help="accepted, not read: each .idx is opened once per process anyway (its header with "
+        "the counts is part of that read)",
+    )
     return parser
 
 
@@ -214,7 +237,14 @@ def train_valid_test_num_samples(
 
 
 def parse_blend(values: list[str], source: str) -> Blend:
-    """`[P]`, `[P1 P2 ...]` or `[W1 P1 W2 P2 ...]` -> (prefixes, weights or None)."""
+    """`[P]`, `[P1 P2 ...]` or `[W1 P1 W2 P2 ...]` -> (prefixes, weights or None); an entry
+    that is a glob or a folder stands for the prefixes it names, its weight shared among them by
+    tokens (`pretrain/data/blend_paths.py`)."""
+    return expand(*_blend_words(values, source), source)
+
+
+def _blend_words(values: list[str], source: str) -> Blend:
+    """`parse_blend` before globs and folders are expanded."""
     values = [v.strip() for v in values if v.strip()]
     if not values:
         raise UserError(
@@ -281,10 +311,18 @@ def parse_split(split: str) -> list[float]:
 
 def split_matrix(split: str) -> list[tuple[float, float] | None]:
     """Bookends (lo, hi) per split from the int 0 (None where the split is empty), as Megatron."""
+    return list(_split_matrix(split))
+
+
+@functools.cache
+def _split_matrix(split: str) -> tuple[tuple[float, float] | None, ...]:
+    """`split_matrix`, computed once per split string (every dataset of a blend asks)."""
     bounds = [0]
     for p in parse_split(split):
         bounds.append(bounds[-1] + p)
-    return [(lo, hi) if hi > lo else None for lo, hi in zip(bounds[:-1], bounds[1:], strict=False)]
+    return tuple(
+        (lo, hi) if hi > lo else None for lo, hi in zip(bounds[:-1], bounds[1:], strict=False)
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

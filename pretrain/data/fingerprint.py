@@ -7,26 +7,26 @@ SHA-256 of what it does, vocabulary size, EOD id; and whether EOD was appended),
 the largest token id. `check_data` then refuses, in one line naming both sides, data whose largest
 token id does not fit the vocabulary, or whose sidecar names another tokenizer than the one given
 (`--allow-tokenizer-mismatch` overrides). Megatron-made data has no sidecar: its largest token id is
-computed once in one streaming pass over the `.bin` and cached beside the index caches.
+computed once in one streaming pass over the `.bin` and kept, for all such prefixes together, in
+one file beside the index caches (`pretrain/data/token_stats.py`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
 from pretrain.atomic import atomic_write_bytes
+from pretrain.data import token_stats
 from pretrain.data.config import DataConfig
-from pretrain.data.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
+from pretrain.data.indexed_dataset import IndexedDataset, get_idx_path
 from pretrain.errors import UserError, check_json_types
 from pretrain.tokenizer.fingerprint import (
     describe_tokenizer,
-    file_sha256,
     same_tokenizer,
     tokenizer_fingerprint,
 )
@@ -34,7 +34,6 @@ from pretrain.tokenizer.fingerprint import (
 log = logging.getLogger(__name__)
 
 FORMAT = "pretrain-data-fingerprint/1"
-_CHUNK_TOKENS = 1 << 24  # streaming pass: 16 M tokens per read
 
 
 def sidecar_path(prefix: str) -> str:
@@ -131,23 +130,6 @@ def dataset_counts(prefix: str, files: PrefixFiles | None = None) -> dict:
     }
 
 
-def _scan_max_token(ds: IndexedDataset) -> int:
-    """Largest token id in the dataset's .bin, in one streaming pass (-1 when empty)."""
-    tokens = ds._bin
-    largest = -1
-    for start in range(0, len(tokens), _CHUNK_TOKENS):
-        largest = max(largest, int(tokens[start : start + _CHUNK_TOKENS].max()))
-    return largest
-
-
-def _stats_cache_file(prefix: str, cache_dir: str | None) -> str:
-    directory = cache_dir or os.path.join(prefix, "cache", "GPTDataset_indices")
-    h = hashlib.sha256()  # bound to the content of the .idx and the size of the .bin
-    h.update(file_sha256(get_idx_path(prefix)).encode())
-    h.update(str(os.path.getsize(get_bin_path(prefix))).encode())
-    return os.path.join(directory, f"{h.hexdigest()[:32]}-TokenStats.json")
-
-
 def largest_token_id(prefix: str, cache_dir: str | None = None) -> int:
     """From the sidecar, else from a cached streaming pass over the .bin (computed once)."""
     return PrefixFiles(cache_dir).largest_token_id(prefix)
@@ -159,7 +141,8 @@ class PrefixFiles:
     Start-up shares one instance between the checks before launch (`check_data`,
     `check_splits_before_launch`), the blend plan, the dataset builder and the checkpoints'
     `data_fingerprints`, so that each prefix's O(sequences) `.idx` validation, its sidecar and
-    its largest token id (a SHA-256 of the `.idx` without a sidecar) are done once per process.
+    its largest token id (a scan of the `.bin` without a sidecar, kept in one file for all
+    prefixes: `pretrain/data/token_stats.py`) are done once per process.
     A caller checks that the pair exists first, with its own message.
     """
 
@@ -169,6 +152,10 @@ class PrefixFiles:
         self._indexed: dict[str, IndexedDataset] = {}
         self._sidecars: dict[str, dict | None] = {}
         self._largest: dict[str, int] = {}
+
+    def exists(self, prefix: str) -> bool:
+        """Whether `prefix`'s `.bin`/`.idx` pair exists (no file-system lookup once opened)."""
+        return prefix in self._indexed or IndexedDataset.exists(prefix)
 
     def indexed(self, prefix: str) -> IndexedDataset:
         """`prefix`'s dataset, opened (so validated) on first use."""
@@ -184,31 +171,23 @@ class PrefixFiles:
 
     def largest_token_id(self, prefix: str) -> int:
         """From the sidecar, else from a cached streaming pass over the .bin (computed once)."""
-        if prefix not in self._largest:
-            self._largest[prefix] = self._find_largest_token_id(prefix)
-        return self._largest[prefix]
+        return self.largest_token_ids([prefix])[prefix]
 
-    def _find_largest_token_id(self, prefix: str) -> int:
-        sidecar = self.sidecar(prefix)
-        if sidecar is not None and "max_token_id" in sidecar:
-            return int(sidecar["max_token_id"])
-        path = _stats_cache_file(prefix, self.cache_dir)
-        try:
-            with open(path, encoding="utf-8") as f:
-                return int(json.load(f)["max_token_id"])
-        except (OSError, ValueError, KeyError):
-            pass
-        log.info(
-            "%s: no fingerprint; scanning %s for its largest token id", prefix, get_bin_path(prefix)
-        )
-        largest = _scan_max_token(self.indexed(prefix))
-        try:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            data = json.dumps({"prefix": prefix, "max_token_id": largest}).encode()
-            atomic_write_bytes(path, data)
-        except OSError as err:  # a read-only data folder: the check still works, just uncached
-            log.warning("could not cache the token scan in %s (%s)", path, err.strerror)
-        return largest
+    def largest_token_ids(self, prefixes: Sequence[str]) -> dict[str, int]:
+        """{prefix: largest token id} from the sidecars, else from the scans of the .bin files
+        kept in one file (`pretrain/data/token_stats.py`), scanning the new ones once."""
+        unknown = [p for p in dict.fromkeys(prefixes) if p not in self._largest]
+        scan = {}
+        for prefix in unknown:
+            sidecar = self.sidecar(prefix)
+            if sidecar is not None and "max_token_id" in sidecar:
+                self._largest[prefix] = int(sidecar["max_token_id"])
+            else:
+                scan[prefix] = self.indexed(prefix)
+        if scan:
+            path = token_stats.stats_path(self.cache_dir, next(iter(scan)))
+            self._largest.update(token_stats.largest_token_ids(scan, path))
+        return {p: self._largest[p] for p in prefixes}
 
 
 def data_prefixes(cfg: DataConfig) -> list[str]:
@@ -261,9 +240,11 @@ def check_data(
     `fingerprint`: the tokenizer's `tokenizer_fingerprint` where already made (hashed once)."""
     given = fingerprint or tokenizer_fingerprint(tok_cfg, tokenizer)
     files = files or PrefixFiles(cfg.data_cache_path)
-    for prefix in data_prefixes(cfg):
-        if IndexedDataset.exists(prefix):  # a missing pair is reported by the builder
-            check_prefix(prefix, given, vocab_size, cfg, files)
+    # a missing pair is reported by the builder
+    prefixes = [p for p in data_prefixes(cfg) if files.exists(p)]
+    files.largest_token_ids(prefixes)  # the scans of data without sidecars: together, once
+    for prefix in prefixes:
+        check_prefix(prefix, given, vocab_size, cfg, files)
 
 
 def data_fingerprints(cfg: DataConfig, files: PrefixFiles | None = None) -> dict[str, dict]:
@@ -271,6 +252,7 @@ def data_fingerprints(cfg: DataConfig, files: PrefixFiles | None = None) -> dict
     sidecar's tokenizer, counts and largest token id, or the counts and largest id from the .idx
     and the cached scan for data without a sidecar. `files`: as for `check_data`."""
     files = files or PrefixFiles(cfg.data_cache_path)
+    files.largest_token_ids(data_prefixes(cfg))
     out = {}
     for prefix in data_prefixes(cfg):
         sidecar = files.sidecar(prefix) or {}

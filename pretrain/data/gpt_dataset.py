@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import logging
 import os
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -21,8 +21,9 @@ import numpy as np
 import torch
 
 from pretrain.data import helpers
-from pretrain.data.cache import Source, load_or_build
+from pretrain.data.cache import CacheRequest, Source, load_or_build
 from pretrain.data.config import DataConfig
+from pretrain.data.describe import describe
 from pretrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -95,6 +96,20 @@ def _shuffle_index(first_block: int, total: int, rng: np.random.RandomState) -> 
     return np.concatenate((first, last))
 
 
+_RNG = threading.local()
+
+
+def _seeded_rng(seed: int) -> np.random.RandomState:
+    """A RandomState in the state `RandomState(seed)` starts in, re-seeded rather than made:
+    making one costs ~0.3 ms, a blend of thousands of prefixes makes one per prefix and split."""
+    rng = getattr(_RNG, "state", None)
+    if rng is None:
+        rng = _RNG.state = np.random.RandomState(seed)
+    else:
+        rng.seed(seed)
+    return rng
+
+
 def build_indices(
     sequence_lengths: np.ndarray,
     indices: np.ndarray,
@@ -105,7 +120,7 @@ def build_indices(
     drop_last: bool = True,
 ) -> dict[str, np.ndarray]:
     """document_index, sample_index and shuffle_index; RNG calls in Megatron's order."""
-    rng = np.random.RandomState(seed)
+    rng = _seeded_rng(seed)
     if plan.separate_final_epoch:
         doc_idx = np.concatenate(
             (_document_index(indices, plan.num_epochs - 1, rng), _document_index(indices, 1, rng))
@@ -174,14 +189,20 @@ def resolve_pad_id(tokenizer, allow_ambiguous: bool) -> int:
     if pad is None:
         return PAD_TOKEN_ID
     if pad == getattr(tokenizer, "eod", None) and not allow_ambiguous:
-        log.warning(
-            "the tokenizer's pad id %d equals its EOD id; padding with %d instead "
-            "(--allow-ambiguous-pad-tokens keeps it)",
-            pad,
-            PAD_TOKEN_ID,
-        )
+        _warn_ambiguous_pad(pad)
         return PAD_TOKEN_ID
     return pad
+
+
+@functools.cache
+def _warn_ambiguous_pad(pad: int) -> None:
+    """Said once per process, not once per dataset of a blend."""
+    log.warning(
+        "the tokenizer's pad id %d equals its EOD id; padding with %d instead "
+        "(--allow-ambiguous-pad-tokens keeps it)",
+        pad,
+        PAD_TOKEN_ID,
+    )
 
 
 @functools.lru_cache(maxsize=4)
@@ -226,6 +247,138 @@ def document_tensors(tokens: np.ndarray, eod: int, cfg: DataConfig):
     return torch.from_numpy(loss_mask), position_ids, document_ids
 
 
+@dataclass(frozen=True, eq=False)
+class IndexSpec:
+    """Everything a GPTDataset is made of except its index arrays, known before they exist: a
+    blend asks for thousands of them, then loads or builds the arrays together."""
+
+    indexed: object
+    """The IndexedDataset."""
+    dataset_path: str | None
+    """The prefix (None for mock data)."""
+    indices: np.ndarray
+    """Sequence ids of the split."""
+    num_samples: int | None
+    """Samples requested (None: one epoch)."""
+    index_split: str
+    """train, valid or test."""
+    cfg: DataConfig
+    tokenizer: object
+    extra_token: int
+    drop_last: bool
+    identifiers: OrderedDict
+    """Megatron's unique_identifiers (its cache description, as JSON, names the cache)."""
+    plan: EpochPlan
+    expect: dict
+    """(dtype, shape) of each index array."""
+
+    @functools.cached_property
+    def description(self) -> str:
+        return describe(self.identifiers)
+
+    @functools.cached_property
+    def description_hash(self) -> str:
+        return hashlib.md5(self.description.encode("utf-8")).hexdigest()
+
+    def __len__(self) -> int:
+        """Samples of the dataset (rows of the sample index - 1)."""
+        return self.expect["sample_index"][1][0] - 1
+
+    def cache_request(self, cache_dir: str | None) -> CacheRequest:
+        """The index cache in `cache_dir` (Megatron's names), built by `build_indices`."""
+        lengths, cfg = self.indexed.sequence_lengths, self.cfg
+        return CacheRequest(
+            directory=cache_dir,
+            base_name=f"{self.description_hash}-{self.identifiers['class']}-{self.index_split}",
+            description=self.description,
+            expect=self.expect,
+            build=lambda: build_indices(
+                lengths,
+                self.indices,
+                self.plan,
+                cfg.seq_length,
+                cfg.seed,
+                self.extra_token,
+                self.drop_last,
+            ),
+            source=Source(fingerprint=self.indexed.fingerprint, modified=self.indexed.idx_modified),
+            check=lambda a: index_problem(a, lengths, self.indices),
+        )
+
+    def with_num_samples(self, num_samples: int | None) -> IndexSpec:
+        """The same dataset built for `num_samples` samples."""
+        return index_spec(
+            self.indexed, self.dataset_path, self.indices, num_samples, self.index_split, self.cfg,
+            self.tokenizer, self.extra_token, self.drop_last, self.identifiers["class"],
+        )  # fmt: skip
+
+    def default_cache_dir(self) -> str | None:
+        """--data-cache-path, else Megatron's folder beside the prefix; data without a prefix
+        (mock data) is cached only under --data-cache-path, else built in memory, as Megatron."""
+        if self.cfg.data_cache_path is None and self.dataset_path is not None:
+            return os.path.join(self.dataset_path, "cache", "GPTDataset_indices")
+        return self.cfg.data_cache_path
+
+
+def index_spec(
+    indexed,
+    dataset_path: str | None,
+    indices: np.ndarray,
+    num_samples: int | None,
+    index_split: str,
+    cfg: DataConfig,
+    tokenizer,
+    extra_token: int = 1,
+    drop_last: bool = True,
+    dataset_class: str = "GPTDataset",
+) -> IndexSpec:
+    """The IndexSpec of a GPTDataset (a split without a full sample is a UserError);
+    `dataset_class` is part of the cache identity, as in Megatron."""
+    identifiers = OrderedDict(
+        [
+            ("class", dataset_class),
+            ("dataset_path", dataset_path),
+            ("num_samples", num_samples),
+            ("index_split", index_split),
+            ("random_seed", cfg.seed),
+            ("sequence_length", cfg.seq_length),
+            ("split", cfg.split),
+            ("split_matrix", cfg.split_matrix),
+            ("tokenizer", getattr(tokenizer, "unique_identifiers", None)),
+        ]
+    )
+    lengths = indexed.sequence_lengths
+    # the split's sequences are a range (split_ranges): sum a view, not a gathered copy
+    contiguous = len(indices) == 0 or indices[-1] - indices[0] + 1 == len(indices)
+    picked = (
+        lengths[indices[0] : indices[-1] + 1] if contiguous and len(indices) else lengths[indices]
+    )
+    tokens_per_epoch = int(np.sum(picked, dtype=np.int64))
+    if tokens_per_epoch <= extra_token:
+        raise UserError(
+            f"{dataset_path}: the {index_split} split has {tokens_per_epoch} tokens, too few for "
+            f"one sample (change --split or use more data)"
+        )
+    plan = plan_epochs(tokens_per_epoch, num_samples, cfg.seq_length, extra_token)
+    expect = expected_index_layout(
+        lengths, len(indices), plan, cfg.seq_length, extra_token, drop_last
+    )
+    return IndexSpec(
+        indexed=indexed,
+        dataset_path=dataset_path,
+        indices=indices,
+        num_samples=num_samples,
+        index_split=index_split,
+        cfg=cfg,
+        tokenizer=tokenizer,
+        extra_token=extra_token,
+        drop_last=drop_last,
+        identifiers=identifiers,
+        plan=plan,
+        expect=expect,
+    )
+
+
 class GPTDataset(torch.utils.data.Dataset):
     """Samples of seq_length tokens from the sequences `indices` of an IndexedDataset."""
 
@@ -241,61 +394,31 @@ class GPTDataset(torch.utils.data.Dataset):
         extra_token: int = 1,
         drop_last: bool = True,
     ):
-        self.indexed = indexed
-        self.dataset_path = dataset_path
-        self.indices = indices
-        self.num_samples = num_samples
-        self.index_split = index_split
-        self.cfg = cfg
-        self.extra_token = extra_token
-        self.eod = tokenizer.eod
-        self.pad = resolve_pad_id(tokenizer, cfg.allow_ambiguous_pad_tokens)
+        spec = index_spec(
+            indexed, dataset_path, indices, num_samples, index_split, cfg, tokenizer, extra_token,
+            drop_last, type(self).__name__,
+        )  # fmt: skip
+        self._attach(spec, load_or_build(spec.cache_request(spec.default_cache_dir())))
 
-        self.unique_identifiers = OrderedDict(
-            [
-                ("class", type(self).__name__),
-                ("dataset_path", dataset_path),
-                ("num_samples", num_samples),
-                ("index_split", index_split),
-                ("random_seed", cfg.seed),
-                ("sequence_length", cfg.seq_length),
-                ("split", cfg.split),
-                ("split_matrix", cfg.split_matrix),
-                ("tokenizer", getattr(tokenizer, "unique_identifiers", None)),
-            ]
-        )
-        self.unique_description = json.dumps(self.unique_identifiers, indent=4)
-        self.unique_description_hash = hashlib.md5(
-            self.unique_description.encode("utf-8")
-        ).hexdigest()
+    @classmethod
+    def from_spec(cls, spec: IndexSpec, arrays: dict[str, np.ndarray]) -> GPTDataset:
+        """The dataset of `spec` with its index arrays already loaded or built (validated)."""
+        dataset = cls.__new__(cls)
+        dataset._attach(spec, arrays)
+        return dataset
 
-        lengths = indexed.sequence_lengths
-        tokens_per_epoch = int(np.sum(lengths[indices], dtype=np.int64))
-        if tokens_per_epoch <= extra_token:
-            raise UserError(
-                f"{dataset_path}: the {index_split} split has {tokens_per_epoch} tokens, too few for "
-                f"one sample (change --split or use more data)"
-            )
-        plan = plan_epochs(tokens_per_epoch, num_samples, cfg.seq_length, extra_token)
-        expect = expected_index_layout(
-            lengths, len(indices), plan, cfg.seq_length, extra_token, drop_last
-        )
-        # Megatron's default cache folder is beside the prefix; data without a prefix (mock data)
-        # is cached only under --data-cache-path, else built in memory, as Megatron does.
-        cache_dir = cfg.data_cache_path
-        if cache_dir is None and dataset_path is not None:
-            cache_dir = os.path.join(dataset_path, "cache", "GPTDataset_indices")
-        arrays = load_or_build(
-            cache_dir,
-            f"{self.unique_description_hash}-{type(self).__name__}-{index_split}",
-            self.unique_description,
-            expect,
-            lambda: build_indices(
-                lengths, indices, plan, cfg.seq_length, cfg.seed, extra_token, drop_last
-            ),
-            source=Source(fingerprint=indexed.fingerprint, modified=indexed.idx_modified),
-            check=lambda a: index_problem(a, lengths, indices),
-        )
+    def _attach(self, spec: IndexSpec, arrays: dict[str, np.ndarray]) -> None:
+        self.spec = spec
+        self.indexed = spec.indexed
+        self.dataset_path = spec.dataset_path
+        self.indices = spec.indices
+        self.num_samples = spec.num_samples
+        self.index_split = spec.index_split
+        self.cfg = cfg = spec.cfg
+        self.extra_token = spec.extra_token
+        self.eod = spec.tokenizer.eod
+        self.pad = resolve_pad_id(spec.tokenizer, cfg.allow_ambiguous_pad_tokens)
+        self.unique_identifiers = spec.identifiers
         # plain ndarray views of the (possibly memory-mapped) arrays: indexing an np.memmap costs a
         # subclass construction per access, which shows in __getitem__
         self.document_index = np.asarray(arrays["document_index"])
@@ -305,6 +428,14 @@ class GPTDataset(torch.utils.data.Dataset):
         self._cacheable = not (
             cfg.reset_position_ids or emits_document_ids(cfg) or cfg.eod_mask_loss
         )
+
+    @property
+    def unique_description(self) -> str:
+        return self.spec.description
+
+    @property
+    def unique_description_hash(self) -> str:
+        return self.spec.description_hash
 
     def __len__(self) -> int:
         return self.sample_index.shape[0] - 1

@@ -18,7 +18,9 @@ from __future__ import annotations
 import enum
 import errno
 import glob
+import mmap
 import os
+import resource
 import socket
 import struct
 import uuid
@@ -37,6 +39,7 @@ TMP_SUFFIX = ".tmp"
 # errors that mean "the disk (or the file-size limit) cannot hold the output", not a bug
 _NO_SPACE = (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
 _CHUNK = 1 << 22  # sequences per step of the O(S) passes, so no S-sized temporary is needed
+_READ_INDEX_BELOW = 1 << 20  # bytes: a smaller .idx is read, a larger one memory-mapped
 
 
 class DType(enum.IntEnum):
@@ -82,16 +85,10 @@ def get_idx_path(prefix: str) -> str:
     return prefix + ".idx"
 
 
-def _read_header(idx_path: str) -> tuple[np.dtype, int, int]:
-    """Validate the `.idx` header and size; return (dtype, sequence count, document count)."""
-    try:
-        size = os.path.getsize(idx_path)
-        with open(idx_path, "rb") as f:
-            raw = f.read(HEADER_SIZE)
-    except OSError as err:
-        raise UserError(
-            f"{idx_path}: cannot read index file ({err.strerror}; check the prefix)"
-        ) from None
+def _read_header(idx_path: str, raw: bytes, size: int) -> tuple[np.dtype, int, int]:
+    """Validate the `.idx` header (its first bytes `raw`) against the file's `size`; return
+    (dtype, sequence count, document count)."""
+    raw = raw[:HEADER_SIZE]
     fix = "the file is not a Megatron index or is damaged; re-run tools/preprocess_data.py"
     if len(raw) < HEADER_SIZE:
         raise UserError(
@@ -115,6 +112,36 @@ def _read_header(idx_path: str) -> tuple[np.dtype, int, int]:
     return dtype, n_seq, n_doc
 
 
+def read_index_header(idx_path: str) -> tuple[np.dtype, int, int]:
+    """(dtype, sequence count, document count) from the validated `.idx` header alone."""
+    try:
+        with open(idx_path, "rb") as f:
+            return _read_header(idx_path, f.read(HEADER_SIZE), os.fstat(f.fileno()).st_size)
+    except OSError as err:
+        raise UserError(
+            f"{idx_path}: cannot read index file ({err.strerror}; check the prefix)"
+        ) from None
+
+
+def _read_index(idx_path: str) -> tuple[np.dtype, int, int, float, object]:
+    """(dtype, sequence count, document count, mtime, the whole file as a buffer) with one open:
+    a small `.idx` is read into memory (no mapping per prefix: blends of thousands of prefixes
+    stay far from the kernel's limit on mappings), a large one memory-mapped."""
+    try:
+        with open(idx_path, "rb", buffering=0) as f:
+            st = os.fstat(f.fileno())
+            if st.st_size <= _READ_INDEX_BELOW:
+                buffer = f.readall()
+            else:
+                buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            dtype, n_seq, n_doc = _read_header(idx_path, buffer[:HEADER_SIZE], st.st_size)
+    except OSError as err:
+        raise UserError(
+            f"{idx_path}: cannot read index file ({err.strerror}; check the prefix)"
+        ) from None
+    return dtype, n_seq, n_doc, st.st_mtime, buffer
+
+
 def _check_document_indices(idx_path: str, doc: np.ndarray, n_seq: int, fix: str) -> None:
     if len(doc) == 0 or doc[0] != 0 or doc[-1] != n_seq:
         first, last = (int(doc[0]), int(doc[-1])) if len(doc) else (None, None)
@@ -124,8 +151,9 @@ def _check_document_indices(idx_path: str, doc: np.ndarray, n_seq: int, fix: str
         )
     for i in range(0, len(doc) - 1, _CHUNK):
         part = doc[i : i + _CHUNK + 1]
-        bad = np.flatnonzero(part[1:] < part[:-1])
-        if len(bad):
+        decreasing = part[1:] < part[:-1]
+        if decreasing.any():  # where, only then: thousands of small prefixes open at start-up
+            bad = np.flatnonzero(decreasing)
             raise UserError(
                 f"{idx_path}: document indices decrease at position {i + int(bad[0]) + 1} ({fix})"
             )
@@ -138,17 +166,16 @@ def _check_lengths_and_pointers(
     end = 0  # byte offset where the next sequence must start
     for i in range(0, len(lengths), _CHUNK):
         part = lengths[i : i + _CHUNK]
-        negative = np.flatnonzero(part < 0)
-        if len(negative):
-            k = i + int(negative[0])
+        if part.min() < 0:
+            k = i + int(np.flatnonzero(part < 0)[0])
             raise UserError(
                 f"{idx_path}: sequence {k} has negative length {int(lengths[k])} ({fix})"
             )
         sizes = part.astype(np.int64) * itemsize
         ends = np.cumsum(sizes) + end
-        wrong = np.flatnonzero(pointers[i : i + _CHUNK] != ends - sizes)
-        if len(wrong):
-            k = i + int(wrong[0])
+        mismatch = pointers[i : i + _CHUNK] != ends - sizes
+        if mismatch.any():
+            k = i + int(np.flatnonzero(mismatch)[0])
             raise UserError(
                 f"{idx_path}: sequence {k} points to byte {int(pointers[k])}, but the lengths before "
                 f"it put it at byte {int(ends[k - i] - sizes[k - i])} (a damaged length or pointer; "
@@ -158,34 +185,64 @@ def _check_lengths_and_pointers(
     return end
 
 
+def _open_file_limit_raised() -> bool:
+    """Raise this process's soft limit on open files to its hard limit; False if it was there."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft >= hard:
+        return False
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return True
+
+
+def _map_once(path: str, size: int) -> mmap.mmap:
+    with open(path, "rb") as f:
+        return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+
+
+def _map(path: str, size: int) -> mmap.mmap:
+    """The first `size` bytes of `path`, mapped read-only. A mapping keeps a file descriptor; a
+    blend of more prefixes than the soft open-file limit raises it (to the hard limit) once."""
+    try:
+        return _map_once(path, size)
+    except OSError as err:
+        failure = err
+    if failure.errno == errno.EMFILE and _open_file_limit_raised():
+        try:
+            return _map_once(path, size)
+        except OSError as err:
+            failure = err
+    if failure.errno == errno.EMFILE:
+        limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        raise UserError(
+            f"{path}: cannot map it: too many open files (limit {limit}); each prefix a blend "
+            "reads keeps its .bin mapped: raise `ulimit -n` above the number of prefixes"
+        )
+    raise UserError(f"{path}: cannot map it ({failure.strerror})")
+
+
 class IndexedDataset:
     """Read-only view of `PREFIX.bin` + `PREFIX.idx`; `ds[i]` is sequence i as a numpy array."""
 
     def __init__(self, prefix: str):
         self.prefix = prefix
         idx_path, bin_path = get_idx_path(prefix), get_bin_path(prefix)
-        self.dtype, n_seq, n_doc = _read_header(idx_path)
-        self._idx_mmap = np.memmap(idx_path, mode="r", dtype=np.uint8)
+        self.dtype, n_seq, n_doc, self.idx_modified, buffer = _read_index(idx_path)
+        # a small .idx was read: its arrays are copied out aligned (the 34-byte header leaves
+        # them unaligned, which makes every numpy reduction over them take a slow path)
+        own = (lambda a: a.copy()) if isinstance(buffer, bytes) else (lambda a: a)
         offset = HEADER_SIZE
-        self.sequence_lengths = np.frombuffer(self._idx_mmap, np.int32, n_seq, offset)
+        self.sequence_lengths = own(np.frombuffer(buffer, np.int32, n_seq, offset))
         offset += 4 * n_seq
-        self.sequence_pointers = np.frombuffer(self._idx_mmap, np.int64, n_seq, offset)
+        self.sequence_pointers = own(np.frombuffer(buffer, np.int64, n_seq, offset))
         offset += 8 * n_seq
-        self.document_indices = np.frombuffer(self._idx_mmap, np.int64, n_doc, offset)
+        self.document_indices = own(np.frombuffer(buffer, np.int64, n_doc, offset))
         offset += 8 * n_doc
-        has_modes = len(self._idx_mmap) > offset
-        self.sequence_modes = (
-            np.frombuffer(self._idx_mmap, np.int8, n_seq, offset) if has_modes else None
-        )
+        has_modes = len(buffer) > offset
+        modes = np.frombuffer(buffer, np.int8, n_seq, offset) if has_modes else None
+        self.sequence_modes = None if modes is None else own(modes)
         self._fingerprint: str | None = None
-        self.idx_modified = os.path.getmtime(idx_path)  # index caches older than this are suspect
+        self._tokens: np.ndarray | None = None  # the .bin, mapped on first use
         self._validate(idx_path, bin_path)
-        # numpy cannot memory-map an empty file; an empty dataset has an empty .bin
-        self._bin = (
-            np.memmap(bin_path, mode="r", dtype=self.dtype)
-            if self.bin_bytes
-            else np.empty(0, self.dtype)
-        )
 
     def _validate(self, idx_path: str, bin_path: str) -> None:
         """Check the whole index and the `.bin` size; a `UserError` names the file and the problem.
@@ -200,9 +257,10 @@ class IndexedDataset:
         needed = _check_lengths_and_pointers(
             idx_path, self.sequence_lengths, self.sequence_pointers, self.dtype.itemsize, fix
         )
-        if not os.path.exists(bin_path):
-            raise UserError(f"{bin_path}: missing; the .idx has no matching .bin ({fix})")
-        actual = os.path.getsize(bin_path)
+        try:
+            actual = os.stat(bin_path).st_size
+        except FileNotFoundError:
+            raise UserError(f"{bin_path}: missing; the .idx has no matching .bin ({fix})") from None
         if actual < needed:
             raise UserError(
                 f"{bin_path}: truncated, {actual} bytes but {idx_path} points to {needed} ({fix})"
@@ -231,6 +289,19 @@ class IndexedDataset:
             self._fingerprint = h.hexdigest()
         return self._fingerprint
 
+    @property
+    def tokens(self) -> np.ndarray:
+        """Every token of the `.bin`, exactly the validated bytes, memory-mapped on first use (a
+        blend opens the `.bin` of a prefix only when a sample reads it)."""
+        if self._tokens is None:
+            if self.bin_bytes == 0:  # an empty file cannot be mapped
+                self._tokens = np.empty(0, self.dtype)
+            else:
+                self._tokens = np.frombuffer(
+                    _map(get_bin_path(self.prefix), self.bin_bytes), self.dtype
+                )
+        return self._tokens
+
     @staticmethod
     def exists(prefix: str) -> bool:
         return os.path.exists(get_idx_path(prefix)) and os.path.exists(get_bin_path(prefix))
@@ -248,7 +319,7 @@ class IndexedDataset:
         if length is None:
             length = seq_len - offset
         start = int(self.sequence_pointers[idx]) // self.dtype.itemsize + offset
-        return self._bin[start : start + length]
+        return self.tokens[start : start + length]
 
     def __getitem__(self, idx):
         if isinstance(idx, (int, np.integer)):
@@ -436,7 +507,7 @@ class IndexedDatasetBuilder:
         # exactly the validated bytes, never "to the end of the file": a .bin that grew since it
         # was opened must not shift the datasets after it
         step = 16 * 1024 * 1024 // other.dtype.itemsize
-        tokens = other._bin
+        tokens = other.tokens
         for i in range(0, len(tokens), step):
             self._write_bin(np.ascontiguousarray(tokens[i : i + step]))
 

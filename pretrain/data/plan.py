@@ -22,10 +22,11 @@ from pretrain.data.blended_dataset import normalize
 from pretrain.data.config import SPLIT_NAMES, Blend, DataConfig
 from pretrain.data.fingerprint import PrefixFiles
 from pretrain.data.gpt_dataset import split_ranges
-from pretrain.data.indexed_dataset import IndexedDataset
+from pretrain.data.notices import Notices
 from pretrain.errors import UserError
 
 DEFAULT_MAX_EPOCHS = 4.0
+LOGGED_ROWS = 10  # prefixes per split the plan at the start of training shows
 DEFAULT_MIN_EPOCHS = 0.5
 EXTRA_TOKEN = 1  # each sample reads S + 1 tokens (the labels' shift), as the datasets do
 FULL_RANGE = (0.0, 1.0)
@@ -75,7 +76,7 @@ class _Sources:
         self._files = files
 
     def lengths(self, prefix: str) -> np.ndarray:
-        if not IndexedDataset.exists(prefix):
+        if not self._files.exists(prefix):
             raise UserError(
                 f"{prefix}: no {prefix}.bin/{prefix}.idx pair (check the --data-path prefix)"
             )
@@ -172,6 +173,37 @@ def plan_blend(
     return rows
 
 
+def _warning_items(rows: Sequence[PlanRow], max_epochs: float, min_epochs: float):
+    """(kind, row, line) per prefix that repeats more than max_epochs ("repeated"), or of which
+    training reads less than min_epochs ("little used"; train split only: validation and test
+    sets are small on purpose)."""
+    alone = sum(r.split == "train" for r in rows) == 1
+    fix = (
+        "train longer (--train-iters / --train-samples) to read more of it"
+        if alone
+        else "raise its weight or drop it"
+    )
+    for r in rows:
+        if r.epochs > max_epochs:
+            yield (
+                "repeated",
+                r,
+                (
+                    f"warning: {r.split} {r.prefix}: read {r.epochs:.2f} times (> --max-epochs "
+                    f"{max_epochs:g}); the model will see these documents repeatedly"
+                ),
+            )
+        elif r.split == "train" and r.epochs < min_epochs:
+            yield (
+                "little used",
+                r,
+                (
+                    f"warning: train {r.prefix}: only {100 * r.epochs:.1f}% of its {r.tokens:,} tokens "
+                    f"are used (< --min-epochs {min_epochs:g}); {fix}"
+                ),
+            )
+
+
 def plan_warnings(
     rows: Sequence[PlanRow],
     max_epochs: float = DEFAULT_MAX_EPOCHS,
@@ -180,40 +212,73 @@ def plan_warnings(
     """One line per prefix that repeats more than max_epochs, or of which training reads less
     than min_epochs (train split only: validation and test sets are small on purpose); the fix
     it suggests for the latter is a weight in a blend, more training when the prefix is alone."""
+    return [line for _, _, line in _warning_items(rows, max_epochs, min_epochs)]
+
+
+def warning_summaries(
+    rows: Sequence[PlanRow],
+    max_epochs: float = DEFAULT_MAX_EPOCHS,
+    min_epochs: float = DEFAULT_MIN_EPOCHS,
+) -> list[str]:
+    """`plan_warnings` with one line per kind instead of per prefix when a kind concerns more
+    than one prefix: the count and the worst few (`pretrain/data/notices.py`)."""
+    kinds: dict[str, list] = {}
+    for kind, row, line in _warning_items(rows, max_epochs, min_epochs):
+        kinds.setdefault(kind, []).append((row, line))
     out = []
-    alone = sum(r.split == "train" for r in rows) == 1
-    for r in rows:
-        if r.epochs > max_epochs:
-            out.append(
-                f"warning: {r.split} {r.prefix}: read {r.epochs:.2f} times (> --max-epochs "
-                f"{max_epochs:g}); the model will see these documents repeatedly"
-            )
-        elif r.split == "train" and r.epochs < min_epochs:
-            out.append(
-                f"warning: train {r.prefix}: only {100 * r.epochs:.1f}% of its {r.tokens:,} tokens "
-                f"are used (< --min-epochs {min_epochs:g}); "
-                + (
-                    "train longer (--train-iters / --train-samples) to read more of it"
-                    if alone
-                    else "raise its weight or drop it"
-                )
-            )
+    for kind, items in kinds.items():
+        if len(items) == 1:
+            out.append(items[0][1])
+            continue
+        notices = Notices()
+        for row, _ in items:
+            rank = row.epochs if kind == "repeated" else -row.epochs
+            notices.add(f"{row.split} {row.prefix}", f"{row.epochs:.3g} epochs", rank)
+        bound = (
+            f"read more than --max-epochs {max_epochs:g} times (the model sees their documents "
+            "repeatedly)"
+            if kind == "repeated"
+            else f"read less than --min-epochs {min_epochs:g} (raise their weights or drop them)"
+        )
+        headline = f"{len(items):,} prefixes are {bound}"
+        out.append("warning: " + notices.line(headline, rest="tools/plan_blend.py lists every one"))
     return out
 
 
-def format_plan(rows: Sequence[PlanRow], seq_length: int) -> str:
-    """The plan as an aligned text table, one line per split and prefix."""
-    width = max([len("prefix")] + [len(r.prefix) for r in rows])
+def _shown(rows: Sequence[PlanRow], limit: int | None) -> tuple[list[PlanRow], dict[str, int]]:
+    """(the rows to print: per split the `limit` drawing the most samples, in plan order;
+    {split: rows left out})."""
+    if limit is None:
+        return list(rows), {}
+    keep, hidden = set(), {}
+    for split in SPLIT_NAMES:
+        mine = [i for i, r in enumerate(rows) if r.split == split]
+        top = sorted(mine, key=lambda i: -rows[i].samples)[:limit]
+        keep.update(top)
+        if len(mine) > len(top):
+            hidden[split] = len(mine) - len(top)
+    return [r for i, r in enumerate(rows) if i in keep], hidden
+
+
+def format_plan(rows: Sequence[PlanRow], seq_length: int, limit: int | None = None) -> str:
+    """The plan as an aligned text table, one line per split and prefix; with `limit`, only the
+    `limit` prefixes of each split that draw the most samples, and a line saying how many more."""
+    shown, hidden = _shown(rows, limit)
+    width = max([len("prefix")] + [len(r.prefix) for r in shown])
     head = (
         f"{'split':5s}  {'prefix':{width}s}  {'tokens':>14s}  {'documents':>11s}  {'weight':>7s}  "
         f"{'samples':>11s}  {'epochs':>7s}  {'token share':>11s}"
     )
     lines = [head]
-    for r in rows:
+    for r in shown:
         weight = "size" if r.weight is None else f"{r.weight:.4f}"
         lines.append(
             f"{r.split:5s}  {r.prefix:{width}s}  {r.tokens:14,d}  {r.documents:11,d}  {weight:>7s}  "
             f"{r.samples:11,d}  {r.epochs:7.2f}  {100 * r.token_share:10.2f}%"
+        )
+    for split, n in hidden.items():
+        lines.append(
+            f"{split:5s}  ... and {n:,} more prefixes (tools/plan_blend.py lists every one)"
         )
     for split in SPLIT_NAMES:
         n = sum(r.samples for r in rows if r.split == split)
@@ -229,11 +294,16 @@ def log_plan(
     max_epochs: float = DEFAULT_MAX_EPOCHS,
     files: PrefixFiles | None = None,
 ) -> list[PlanRow]:
-    """Log the blend plan table and its warnings (once, at the start of training); return the rows."""
-    if cfg.mock:  # no prefixes to plan: pretrain.data.mock logs what it builds
+    """Log the blend plan table and its warnings (once, at the start of training); return the rows
+    (none where `log` does not print INFO: every rank calls this, only rank 0 logs, and a blend of
+    thousands of prefixes is not planned on the others)."""
+    if cfg.mock or not log.isEnabledFor(logging.INFO):  # mock data: pretrain.data.mock logs it
         return []
     rows = plan_blend(cfg, num_samples, files)
-    text = "\n".join([format_plan(rows, cfg.seq_length), *plan_warnings(rows, max_epochs)])
-    # info, warnings included: every rank calls this, and only rank 0 logs at info
+    # every row at --logging-level 10 (DEBUG)
+    table = format_plan(
+        rows, cfg.seq_length, None if log.isEnabledFor(logging.DEBUG) else LOGGED_ROWS
+    )
+    text = "\n".join([table, *warning_summaries(rows, max_epochs)])
     log.info("data plan (seq length %d):\n%s", cfg.seq_length, text)
     return rows

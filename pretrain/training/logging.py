@@ -45,6 +45,9 @@ class LoggingConfig:
     """Peak TFLOP/s per device for MFU; None = the known-GPU table (--peak-tflops)."""
     metrics_file: str | None = None
     """Append one full-precision JSON line per iteration here (--metrics-file)."""
+    logging_level: int | None = None
+    """Python logging level of rank 0's lines: 10 (DEBUG) also prints each per-prefix notice
+    behind the data pipeline's one-line summaries; None or above 20 keeps INFO (--logging-level)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,13 +74,20 @@ class Throughput:
         return self.tflops_per_device(seconds_per_iteration) / self.peak_tflops
 
 
-def setup_logging(rank: int) -> None:
-    """INFO from global rank 0 only; warnings and errors from every rank; DeepSpeed quiet."""
+def rank0_level(logging_level: int | None) -> int:
+    """The level of rank 0's lines: INFO, or lower with --logging-level (10: DEBUG). A higher
+    value keeps INFO: Megatron prints its iteration lines whatever the level, so do we."""
+    return logging.INFO if logging_level is None else min(logging.INFO, logging_level)
+
+
+def setup_logging(rank: int, logging_level: int | None = None) -> None:
+    """INFO (or `rank0_level(logging_level)`) from global rank 0 only; warnings and errors from
+    every rank; DeepSpeed quiet."""
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(message)s"))
     logger.handlers[:] = [handler]
     logger.propagate = False
-    logger.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    logger.setLevel(rank0_level(logging_level) if rank == 0 else logging.WARNING)
     # DeepSpeed's own INFO chatter would interleave with our lines on every rank.
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 

@@ -207,7 +207,7 @@ def pretrain(cfg: RunConfig) -> TrainState:
     notes = [] if choice is None else _resume_notes(cfg, choice.meta, record)
     exit_with_launcher(cfg.launch.rank, exit_signal.count if exit_signal is not None else None)
     prepare_process_environment(cfg.launch)
-    setup_logging(cfg.launch.rank)
+    setup_logging(cfg.launch.rank, cfg.logging.logging_level)
     if choice is not None and choice.note:
         logger.warning(f"WARNING: --load {cfg.checkpoint.load}: {choice.note}")
     for note in notes:  # rank 0: one line each
