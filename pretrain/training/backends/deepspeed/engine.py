@@ -31,6 +31,7 @@ from pretrain.training.backends.deepspeed import files as checkpoint_files
 from pretrain.training.backends.deepspeed.comm import init_deepspeed_comm
 from pretrain.training.backends.deepspeed.config import build_deepspeed_config, we_clip_gradients
 from pretrain.training.backends.deepspeed.pipeline import build_pipeline_model
+from pretrain.training.backends.deepspeed.offload import partition_nvme_parameters
 from pretrain.training.checkpoint_writes import RankFiles
 from pretrain.training.engine import Carried, Engine, Write, count_parameters
 from pretrain.training.lr_schedule import LRScheduleConfig, SampleLRScheduler
@@ -312,6 +313,8 @@ def build_deepspeed_engine(
         user_json=user_json,
         sequence_parallel=model_config.sequence_parallel and tp > 1,
     )
+    if not pipeline:
+        partition_nvme_parameters(model, ds_config, state.mpu)
     ds_engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
