@@ -30,8 +30,8 @@ from pretrain.training.backends.deepspeed import experts, full_state, steps
 from pretrain.training.backends.deepspeed import files as checkpoint_files
 from pretrain.training.backends.deepspeed.comm import init_deepspeed_comm
 from pretrain.training.backends.deepspeed.config import build_deepspeed_config, we_clip_gradients
-from pretrain.training.backends.deepspeed.pipeline import build_pipeline_model
 from pretrain.training.backends.deepspeed.offload import partition_nvme_parameters
+from pretrain.training.backends.deepspeed.pipeline import build_pipeline_model
 from pretrain.training.checkpoint_writes import RankFiles
 from pretrain.training.engine import Carried, Engine, Write, count_parameters
 from pretrain.training.lr_schedule import LRScheduleConfig, SampleLRScheduler
