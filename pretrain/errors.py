@@ -30,8 +30,11 @@ def data_error(path: str, line: int | None, what: str, fix: str) -> UserError:
 
 
 def print_user_error(err: UserError) -> None:
-    """The one line an entry point ends with: `error: MESSAGE` on stderr."""
-    print(f"error: {err}", file=sys.stderr, flush=True)
+    """The one line an entry point ends with: `error: MESSAGE` on stderr, in one write (under
+    `python -u` print writes the text and the newline apart, and ranks sharing the launcher's
+    pipe then run their lines together)."""
+    sys.stderr.write(f"error: {err}\n")
+    sys.stderr.flush()
 
 
 def exit_on_user_error(main: F) -> F:

@@ -5,7 +5,7 @@ s * 1000 + 1, + 2, ... in file order; the EOD is 3000), and the model's embeddin
 token ids of every micro-batch it receives (on the first pipeline stage, TP rank 0), at every
 layout. The expected train order is built from the oracles only: megatron-core's GPTDataset of
 each source (its own order) and megatron-core's greedy blending kernel per phase (weights
-normalized here), each source continuing its own order across phases. Six runs, all of 8
+normalized here), each source continuing its own order across phases. Seven runs, all of 8
 iterations of 4 samples:
 
 - R1 (DP 1): --data-path 0.5 A 0.5 B, stopped and saved after iteration 3 (sample 12); its
@@ -15,7 +15,9 @@ iterations of 4 samples:
 - R5 (TP 2): R1's checkpoint with B removed (A alone);
 - R3 (DP 1): a two-phase --data-schedule (0.5 A 0.5 B, then 0.2 A 0.3 B 0.5 C from iteration
   5), stopped in the middle of its first phase (after iteration 3) ...
-- R6 (PP 2): ... and resumed at another layout, across the phase boundary.
+- R6 (PP 2): ... and resumed at another layout, across the phase boundary;
+- R7 (the torch backend, FSDP2 at DP 2): R3's DeepSpeed checkpoint resumed there, across the
+  phase boundary (another backend: through the layout-independent full state).
 
 For each run's whole train order (its first part fed by R1 or R3): every sample fed equals the
 expected one (no source sample read twice before its order is used up, none skipped, the
@@ -200,6 +202,7 @@ def runs(tmp_path_factory):
         "r4": _data_flags(corpora, ["0.4", "a", "0.4", "b", "0.2", "c"]),
         "r5": _data_flags(corpora, ["a"]),
         "r6": _data_flags(corpora, ["a", "b", "c"], *sched),
+        "r7": _data_flags(corpora, ["a", "b", "c"], *sched),
     }
     extra = {
         "r1": ["--save", ck1, *stop],
@@ -208,12 +211,14 @@ def runs(tmp_path_factory):
         "r4": ["--load", ck1],
         "r5": ["--load", ck1, "--tensor-model-parallel-size", "2"],
         "r6": ["--load", ck2, "--pipeline-model-parallel-size", "2"],
+        "r7": ["--load", ck2, "--use-torch-fsdp2"],
     }
     argv = {r: _flags(data[r], tmp / f"{r}.jsonl", *extra[r]) for r in data}
     one = run_on_ranks(_train_and_record, 1, ([argv[r] for r in ("r1", "r2", "r3")],), 600)
-    two = run_on_ranks(_train_and_record, 2, ([argv[r] for r in ("r4", "r5", "r6")],), 600)
+    second = ("r4", "r5", "r6", "r7")
+    two = run_on_ranks(_train_and_record, 2, ([argv[r] for r in second],), 900)
     results = {}
-    for names, per_rank in ((("r1", "r2", "r3"), one), (("r4", "r5", "r6"), two)):
+    for names, per_rank in ((("r1", "r2", "r3"), one), (second, two)):
         for i, name in enumerate(names):
             log = per_rank[0][i][0]
             first = 0 if name in ("r1", "r3") else STOP * GBS
@@ -227,6 +232,7 @@ WHOLE_RUNS = {  # run -> (its first part, [(first sample, {source: weight})])
     "r4": ("r1", [(0, {"a": 0.5, "b": 0.5}), (12, {"a": 0.4, "b": 0.4, "c": 0.2})]),
     "r5": ("r1", [(0, {"a": 0.5, "b": 0.5}), (12, {"a": 1.0})]),
     "r6": ("r3", [(0, {"a": 0.5, "b": 0.5}), (20, {"a": 0.2, "b": 0.3, "c": 0.5})]),
+    "r7": ("r3", [(0, {"a": 0.5, "b": 0.5}), (20, {"a": 0.2, "b": 0.3, "c": 0.5})]),
 }
 
 
@@ -319,6 +325,7 @@ def test_the_log_says_what_changed_per_source(runs):
         "r4": [f"{where}: {c}: new source, weight 0.2000: starts its own order at sample 0"],
         "r5": [f"{where}: {b}: dropped (weight 0.5000 -> 0) at sample 6 of its own order"],
         "r6": [f"data mixture: phase from iteration 5 (sample 20): {a} 0.2000, {b} 0.3000, {c} 0.5000"],
+        "r7": [f"data mixture: phase from iteration 5 (sample 20): {a} 0.2000, {b} 0.3000, {c} 0.5000"],
     }  # fmt: skip
     for name, lines in expect.items():
         for line in lines:

@@ -1,7 +1,8 @@
 """Preemption under every launcher: with --exit-signal-handler, SIGTERM to `torchrun`, to the
 `deepspeed` command, to its whole process group, or to every process of every task (what Slurm's
 `scancel --signal=TERM` does) ends in a committed checkpoint, and the run resumed from it trains the uninterrupted run's
-losses, bit for bit. Real launchers, two ranks, a DataLoader worker per rank, real signals sent
+losses, bit for bit; so does the torch backend with --async-save (the exit save written in the
+background, waited for before the ranks exit). Real launchers, two ranks, a DataLoader worker per rank, real signals sent
 after a logged iteration.
 
 The launchers' own exit codes are theirs (docs/RELIABILITY.md, "Preemption under launchers"):
@@ -9,8 +10,8 @@ torchrun re-raises the signal after its workers end (exit 1), the single-node `d
 has no handler (killed by the signal); the ranks exit 0, which the per-node launch.py reports and
 the Slurm-style tasks return.
 
-The four preemptions run one after another; the uninterrupted run and the four resumes then run
-in one launched world (tests/training_multirun.py).
+The five preemptions run one after another; the uninterrupted run of each backend and the five
+resumes then run in one launched world (tests/training_multirun.py).
 """
 
 from __future__ import annotations
@@ -48,23 +49,29 @@ SIGNALLED_AFTER = 2  # iterations logged before the signal
 WORKER_GONE_WITHIN_SECONDS = 15  # torch's workers look for their parent every 5 s
 
 
-def _flags(corpus: str, metrics: Path, *extra: str) -> list[str]:
+DEEPSPEED = tuple(layout_flags(1, 1, 1))  # two ranks: DP = 2, ZeRO-1
+TORCH = ("--use-torch-fsdp2", "--async-save")  # DP = 2, FSDP2; saves written in the background
+
+
+def _flags(corpus: str, metrics: Path, *extra: str, backend=DEEPSPEED) -> list[str]:
     return (
         model_flags("gpt2")
         + ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
         + train_flags(corpus, iters=ITERS)
-        + layout_flags(1, 1, 1)  # two ranks: DP = 2, ZeRO-1
+        + list(backend)
         + ["--num-workers", "1", "--metrics-file", str(metrics), *extra]
     )
 
 
-def _preempt(folder: Path, corpus: str, launch, send) -> tuple[subprocess.Popen, str, int, list]:
+def _preempt(
+    folder: Path, corpus: str, launch, send, backend
+) -> tuple[subprocess.Popen, str, int, list]:
     """Start `launch(flags)` with --exit-signal-handler, call `send(proc, ranks, workers)` after
     SIGNALLED_AFTER iterations, wait for every process; (proc, output, step `latest` names, the
     ranks' pids)."""
     ckpt, metrics = folder / "ckpt", folder / "m.jsonl"
     save = ["--save", str(ckpt), "--save-interval", "1000", "--exit-signal-handler"]
-    proc = launch(_flags(corpus, metrics, *save))
+    proc = launch(_flags(corpus, metrics, *save, backend=backend))
     try:
         wait_for_iterations(proc, metrics, SIGNALLED_AFTER)
         ranks, workers = job(proc.pid)
@@ -113,47 +120,59 @@ def _slurm_tasks(flags: list[str]) -> subprocess.Popen:
     return start([PYTHON, "-c", step, PYTHON, str(REPO / "pretrain_gpt.py"), *flags], env)
 
 
-# name -> (how the two ranks are launched, how the signal is sent)
+def _torchrun(flags: list[str]) -> subprocess.Popen:
+    return start(torchrun_cmd(2, flags, "--standalone"))
+
+
+# name -> (how the two ranks are launched, how the signal is sent, the backend's flags)
 PREEMPTIONS = {
-    "torchrun": (lambda flags: start(torchrun_cmd(2, flags, "--standalone")), _term_the_launcher),
-    "deepspeed_command": (lambda flags: start(deepspeed_cmd(2, flags)), _term_the_launcher),
-    "slurm_tasks": (_slurm_tasks, _term_every_task_process),
-    "deepspeed_group": (lambda flags: start(deepspeed_cmd(2, flags)), _term_the_process_group),
+    "torchrun": (_torchrun, _term_the_launcher, DEEPSPEED),
+    "deepspeed_command": (lambda flags: start(deepspeed_cmd(2, flags)), _term_the_launcher, DEEPSPEED),
+    "slurm_tasks": (_slurm_tasks, _term_every_task_process, DEEPSPEED),
+    "deepspeed_group": (
+        lambda flags: start(deepspeed_cmd(2, flags)),
+        _term_the_process_group,
+        DEEPSPEED,
+    ),
+    "torch_backend_async_save": (_torchrun, _term_the_launcher, TORCH),
 }
 
 
 @pytest.fixture(scope="module")
 def preempted(tmp_path_factory):
     """Every preemption of PREEMPTIONS, one after another; then one two-rank launch of
-    tests/training_multirun.py with the uninterrupted run and the resume from each checkpoint.
-    (folder, name -> `_preempt`'s answer or the AssertionError it raised, the uninterrupted
-    run's metrics by iteration)."""
+    tests/training_multirun.py with the uninterrupted run of each backend and the resume from
+    each checkpoint. (folder, name -> `_preempt`'s answer or the AssertionError it raised,
+    backend flags -> the uninterrupted run's metrics by iteration)."""
     root = tmp_path_factory.mktemp("preemption")
     corpus = make_corpus(root / "corpus")
     outcomes = {}
-    for name, (launch, send) in PREEMPTIONS.items():
+    for name, (launch, send, backend) in PREEMPTIONS.items():
         (root / name).mkdir()
         try:
-            outcomes[name] = _preempt(root / name, corpus, launch, send)
+            outcomes[name] = _preempt(root / name, corpus, launch, send, backend)
         except AssertionError as err:  # that test fails with it; the others go on
             outcomes[name] = err
-    runs = [_flags(corpus, root / "reference.jsonl")]
+    references = {DEEPSPEED: root / "reference.jsonl", TORCH: root / "reference_torch.jsonl"}
+    runs = [_flags(corpus, path, backend=backend) for backend, path in references.items()]
     for name, outcome in outcomes.items():
         if not isinstance(outcome, AssertionError):
             load = ["--load", str(root / name / "ckpt")]
-            runs.append(_flags(corpus, root / name / "resumed.jsonl", *load))
+            backend = PREEMPTIONS[name][2]
+            runs.append(_flags(corpus, root / name / "resumed.jsonl", *load, backend=backend))
     result = run(multirun_cmd(2, runs, root / "runs.json"), timeout=600)
     assert result.returncode == 0, result.stdout[-6000:]
-    return root, outcomes, read_metrics(root / "reference.jsonl")
+    return root, outcomes, {b: read_metrics(path) for b, path in references.items()}
 
 
 def _preemption(preempted, name: str) -> tuple[subprocess.Popen, str, int, list]:
     """`_preempt`'s answer for `name`, after checking that the run resumed from its checkpoint
     wrote its own metrics, from the step it stopped at + 1 on, equal to the uninterrupted run's;
     so do the interrupted run's iterations before it."""
-    root, outcomes, full = preempted
+    root, outcomes, references = preempted
     if isinstance(outcomes[name], AssertionError):
         raise outcomes[name]
+    full = references[PREEMPTIONS[name][2]]
     proc, output, stopped, pids = outcomes[name]
     first, second = (
         read_metrics(root / name / "m.jsonl"),
@@ -206,6 +225,20 @@ def test_sigterm_to_the_deepspeed_process_group_saves_and_resumes_exactly(preemp
     assert proc.returncode == -signal.SIGTERM, output[-3000:]
     assert "Main process received SIGTERM, exiting" in output  # launch.py's handler ran
     assert f"done: {stopped} iterations" in output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_sigterm_with_async_save_on_the_torch_backend_waits_and_resumes_exactly(preempted):
+    """The torch backend (FSDP2, DP 2) with --async-save under torchrun: the exit save is staged
+    and written in the background, and the ranks wait for it and commit it before they exit; the
+    resumed torch-backend run trains the uninterrupted one's losses bit for bit."""
+    proc, output, stopped, _ = _preemption(preempted, "torch_backend_async_save")
+    assert proc.returncode == 1, output[-3000:]  # torchrun re-raises the signal (see above)
+    assert "forcefully exiting via SIGKILL" not in output  # the wait ended within the grace
+    assert (
+        f"staged checkpoint at iteration {stopped:8d}; writing it in the background" in output
+    ), output[-3000:]
 
 
 _LOADER = """

@@ -45,13 +45,16 @@ class ExitSignal:
         self.received = True
 
     def count(self) -> bool:
-        """Record the signal as if it had arrived (any thread may call it); False, recording
-        nothing, outside the `with` block, where the signal would not be waited for either."""
+        """Record the signal as if it had arrived (any thread may call it). Outside the `with`
+        block: True when the run already stopped for the signal (it is ending by itself: the
+        launcher's death during the exit save or teardown is not an error), else False."""
         if self._active:
             self.received = True
-        return self._active
+        return self._active or self.received
 
     def requested(self) -> bool:
         """True on every rank once any rank has received the signal (a collective: call it on
-        every rank at the same point)."""
-        return any_rank(self.received)
+        every rank at the same point); the ranks that did not receive it record it then."""
+        if any_rank(self.received):
+            self.received = True
+        return self.received
