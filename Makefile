@@ -56,7 +56,7 @@ $(STAMP): pyproject.toml
 	@echo "installed into $(VENV)"
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 
 lint: install
 	$(VENV)/bin/ruff format --check .
