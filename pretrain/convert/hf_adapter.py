@@ -28,11 +28,11 @@ import transformers
 
 from pretrain.convert import hf_moe, hf_moe_import
 from pretrain.convert.hf_common import (
-    from_hf_rope,
+    llama_body_from_hf,
     llama_body_mismatches,
+    llama_body_to_hf,
     llama_layer_from_hf,
     llama_layer_to_hf,
-    to_hf_rope,
 )
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
@@ -119,22 +119,10 @@ def to_hf_config(
             **specials,
         )
     return transformers.LlamaConfig(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
+        **llama_body_to_hf(config),
         intermediate_size=config.ffn_size,
-        num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.query_groups,
-        head_dim=config.head_dim,
-        hidden_act="silu",
-        max_position_embeddings=config.max_positions,
-        initializer_range=config.init_method_std,
-        rms_norm_eps=config.norm_epsilon,
-        tie_word_embeddings=tied,
-        rope_parameters=to_hf_rope(config),
         attention_bias=config.add_bias_linear,
         mlp_bias=config.add_bias_linear,
-        attention_dropout=config.attention_dropout,
         architectures=[HF_CLASSES[LLAMA]],
         **specials,
     )
@@ -200,38 +188,16 @@ def _from_hf_config(hf: transformers.PretrainedConfig, seq_length: int | None) -
             init_method_std=hf.initializer_range,
         )
     if model_type == LLAMA:
-        if hf.hidden_act != "silu":
-            raise UserError(
-                f"this Llama model cannot be expressed by our model: hidden_act={hf.hidden_act!r} "
-                f"(our SwiGLU uses silu)"
-            )
         if bool(hf.attention_bias) != bool(hf.mlp_bias):
             raise UserError(
                 f"this Llama model cannot be expressed by our model: attention_bias={hf.attention_bias} "
                 f"but mlp_bias={hf.mlp_bias} (our --disable-bias-linear applies to every linear layer, "
                 f"so both must be equal)"
             )
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         return ModelConfig(
-            num_layers=hf.num_hidden_layers,
-            hidden_size=hf.hidden_size,
-            num_attention_heads=hf.num_attention_heads,
-            vocab_size=hf.vocab_size,
-            seq_length=seq_length or hf.max_position_embeddings,
-            max_position_embeddings=hf.max_position_embeddings,
-            num_query_groups=hf.num_key_value_heads,
+            **llama_body_from_hf(hf, seq_length),
             ffn_hidden_size=hf.intermediate_size,
-            kv_channels=head_dim,
-            position_embedding_type="rope",
-            **from_hf_rope(hf),
-            normalization="RMSNorm",
-            norm_epsilon=hf.rms_norm_eps,
-            swiglu=True,
             add_bias_linear=bool(hf.attention_bias),
-            untie_embeddings_and_output_weights=not hf.tie_word_embeddings,
-            hidden_dropout=0.0,
-            attention_dropout=hf.attention_dropout,
-            init_method_std=hf.initializer_range,
         )
     supported = ", ".join(repr(t) for t in (GPT2, LLAMA, *hf_moe_import.MODEL_TYPES))
     raise UserError(

@@ -169,3 +169,52 @@ def llama_layer_from_hf(hf: dict, t: str, o: str, c: ModelConfig) -> dict:
     """One dense Llama layer."""
     mlp = gated_mlp_from_hf(hf, t + "mlp.", o + "mlp.", _suffixes(c))
     return attention_from_hf(hf, t, o, c) | mlp
+
+
+def llama_body_to_hf(config: ModelConfig) -> dict:
+    """transformers' config fields of our Llama-family body (RoPE, RMSNorm, GQA, SwiGLU), which
+    LlamaConfig and the MoE classes' configs share."""
+    return dict(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.query_groups,
+        head_dim=config.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=config.max_positions,
+        initializer_range=config.init_method_std,
+        rms_norm_eps=config.norm_epsilon,
+        tie_word_embeddings=not config.untie_embeddings_and_output_weights,
+        rope_parameters=to_hf_rope(config),
+        attention_dropout=config.attention_dropout,
+    )
+
+
+def llama_body_from_hf(hf, seq_length: int | None) -> dict:
+    """Our ModelConfig fields of a transformers Llama-family body (biases and the MLP are the
+    caller's); a hidden_act other than silu is refused in one line."""
+    if hf.hidden_act != "silu":
+        raise UserError(
+            f"config.json: hidden_act={hf.hidden_act!r} cannot be expressed by our model (our "
+            f"SwiGLU uses silu)"
+        )
+    return dict(
+        num_layers=hf.num_hidden_layers,
+        hidden_size=hf.hidden_size,
+        num_attention_heads=hf.num_attention_heads,
+        vocab_size=hf.vocab_size,
+        seq_length=seq_length or hf.max_position_embeddings,
+        max_position_embeddings=hf.max_position_embeddings,
+        num_query_groups=hf.num_key_value_heads,
+        kv_channels=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+        position_embedding_type="rope",
+        **from_hf_rope(hf),
+        normalization="RMSNorm",
+        norm_epsilon=hf.rms_norm_eps,
+        swiglu=True,
+        untie_embeddings_and_output_weights=not hf.tie_word_embeddings,
+        hidden_dropout=0.0,
+        attention_dropout=hf.attention_dropout,
+        init_method_std=hf.initializer_range,
+    )

@@ -37,9 +37,9 @@ from pretrain.convert.hf_common import (
     gated_mlp_from_hf,
     gated_mlp_to_hf,
     llama_body_mismatches,
+    llama_body_to_hf,
     llama_layer_from_hf,
     llama_layer_to_hf,
-    to_hf_rope,
 )
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
@@ -158,19 +158,7 @@ def moe_flavour(config: ModelConfig) -> str:
 def to_hf_config(config: ModelConfig, flavour: str, **specials) -> transformers.PretrainedConfig:
     """The transformers config of the MoE model `config` (flavour from `moe_flavour`)."""
     common = dict(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.query_groups,
-        head_dim=config.head_dim,
-        hidden_act="silu",
-        max_position_embeddings=config.max_positions,
-        initializer_range=config.init_method_std,
-        rms_norm_eps=config.norm_epsilon,
-        tie_word_embeddings=not config.untie_embeddings_and_output_weights,
-        rope_parameters=to_hf_rope(config),
-        attention_dropout=config.attention_dropout,
+        **llama_body_to_hf(config),
         num_experts_per_tok=config.moe_router_topk,
         architectures=[HF_CLASSES[flavour]],
         **specials,

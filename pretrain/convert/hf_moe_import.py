@@ -7,7 +7,7 @@ Every setting that changes what the HF model computes is read or refused; none i
 
 from __future__ import annotations
 
-from pretrain.convert.hf_common import from_hf_rope, rope_parameters
+from pretrain.convert.hf_common import llama_body_from_hf, rope_parameters
 from pretrain.convert.hf_moe import GLM4_MOE, GROUP_TOP, MIXTRAL, QWEN3_MOE
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
@@ -24,31 +24,7 @@ REFUSED = {
 
 def _body(hf, seq_length: int | None) -> dict:
     """Our fields of a Llama-family body without biases."""
-    if hf.hidden_act != "silu":
-        raise UserError(
-            f"config.json: hidden_act={hf.hidden_act!r} cannot be expressed (our SwiGLU uses silu)"
-        )
-    return dict(
-        num_layers=hf.num_hidden_layers,
-        hidden_size=hf.hidden_size,
-        num_attention_heads=hf.num_attention_heads,
-        vocab_size=hf.vocab_size,
-        seq_length=seq_length or hf.max_position_embeddings,
-        max_position_embeddings=hf.max_position_embeddings,
-        num_query_groups=hf.num_key_value_heads,
-        kv_channels=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
-        position_embedding_type="rope",
-        **from_hf_rope(hf),
-        normalization="RMSNorm",
-        norm_epsilon=hf.rms_norm_eps,
-        swiglu=True,
-        add_bias_linear=False,
-        untie_embeddings_and_output_weights=not hf.tie_word_embeddings,
-        hidden_dropout=0.0,
-        attention_dropout=hf.attention_dropout,
-        init_method_std=hf.initializer_range,
-        num_moe_experts=None,
-    )
+    return dict(llama_body_from_hf(hf, seq_length), add_bias_linear=False, num_moe_experts=None)
 
 
 def _refuse(model_type: str, problems: list[str]) -> None:
