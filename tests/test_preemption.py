@@ -127,7 +127,11 @@ def _torchrun(flags: list[str]) -> subprocess.Popen:
 # name -> (how the two ranks are launched, how the signal is sent, the backend's flags)
 PREEMPTIONS = {
     "torchrun": (_torchrun, _term_the_launcher, DEEPSPEED),
-    "deepspeed_command": (lambda flags: start(deepspeed_cmd(2, flags)), _term_the_launcher, DEEPSPEED),
+    "deepspeed_command": (
+        lambda flags: start(deepspeed_cmd(2, flags)),
+        _term_the_launcher,
+        DEEPSPEED,
+    ),
     "slurm_tasks": (_slurm_tasks, _term_every_task_process, DEEPSPEED),
     "deepspeed_group": (
         lambda flags: start(deepspeed_cmd(2, flags)),
@@ -236,9 +240,9 @@ def test_sigterm_with_async_save_on_the_torch_backend_waits_and_resumes_exactly(
     proc, output, stopped, _ = _preemption(preempted, "torch_backend_async_save")
     assert proc.returncode == 1, output[-3000:]  # torchrun re-raises the signal (see above)
     assert "forcefully exiting via SIGKILL" not in output  # the wait ended within the grace
-    assert (
-        f"staged checkpoint at iteration {stopped:8d}; writing it in the background" in output
-    ), output[-3000:]
+    assert f"staged checkpoint at iteration {stopped:8d}; writing it in the background" in output, (
+        output[-3000:]
+    )
 
 
 _LOADER = """
