@@ -43,3 +43,18 @@ def test_the_launcher_gone_after_the_loop(monkeypatch, other_rank_signalled):
     assert handler.count() is other_rank_signalled
     with ExitSignal() as handler:
         assert handler.count() is True and handler.received
+
+
+def test_a_signal_after_the_all_reduce_waits_for_the_next_one(monkeypatch):
+    """The signal lands on this rank just after the all-reduce said no: this iteration's answer
+    stays the all-reduce's (the other ranks got False too), the next one says yes everywhere."""
+    handler = ExitSignal()
+
+    def all_reduce_then_signal(flag):
+        handler.received = True  # the handler runs right after the collective returned
+        return flag
+
+    monkeypatch.setattr(exit_signal, "any_rank", all_reduce_then_signal)
+    with handler:
+        assert handler.requested() is False
+        assert handler.requested() is True

@@ -54,7 +54,10 @@ class ExitSignal:
 
     def requested(self) -> bool:
         """True on every rank once any rank has received the signal (a collective: call it on
-        every rank at the same point); the ranks that did not receive it record it then."""
-        if any_rank(self.received):
+        every rank at the same point); the ranks that did not receive it record it then. The
+        answer is the all-reduce's, never `received` read afterwards: a signal arriving just
+        after the all-reduce would make this rank's answer differ from the others' (a hang)."""
+        agreed = any_rank(self.received)
+        if agreed:
             self.received = True
-        return self.received
+        return agreed
