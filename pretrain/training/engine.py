@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pretrain.checkpoint.full_state import write_shard
 from pretrain.parallel import state
 from pretrain.training.distributed import collective_device
 
@@ -189,6 +190,30 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def destroy(self) -> None:
         """Release the backend's process groups and buffers."""
+
+
+def write_full_state_shard(
+    step_dir: str,
+    collect: Callable[[Callable[[int], bool]], dict[str, dict]],
+    *,
+    extra: dict,
+    write: Write,
+) -> None:
+    """This rank's part of the layout-independent state (`pretrain.checkpoint.full_state`),
+    for either backend (collective over DP): the data-parallel ranks of one (TP rank, PP stage)
+    share the writing, DP rank d taking every DP-th entry d, d + DP, ... of `collect(keep)`, so
+    each writes (and holds on the CPU) 1/DP of the state; `extra` goes beside the entries."""
+    dp, dp_rank = state.get_data_parallel_world_size(), state.get_data_parallel_rank()
+    write_shard(
+        step_dir,
+        tp_rank=state.get_tensor_model_parallel_rank(),
+        tp_size=state.get_tensor_model_parallel_world_size(),
+        pp_stage=state.get_pipeline_model_parallel_rank(),
+        dp_rank=dp_rank,
+        entries=collect(lambda i: i % dp == dp_rank),
+        extra=extra,
+        write=write,
+    )
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import deepspeed
 import torch
 
-from pretrain.checkpoint.full_state import TENSOR_KEYS, FullState, write_shard
+from pretrain.checkpoint.full_state import TENSOR_KEYS, FullState
 from pretrain.checkpoint.pipeline_layers import TIED_KEY, layer_name_prefix
 from pretrain.errors import UserError
 from pretrain.parallel import state
@@ -34,7 +34,7 @@ from pretrain.training.backends.deepspeed.masters import (
     masters,
     set_loss_scale_state,
 )
-from pretrain.training.engine import Carried
+from pretrain.training.engine import Carried, write_full_state_shard
 
 if TYPE_CHECKING:
     from pretrain.training.backends.deepspeed.engine import DeepSpeedEngine as Engine
@@ -132,19 +132,12 @@ def _collect(engine: Engine, keep: Callable[[int], bool]) -> dict[str, dict]:
 def save_full_state(
     engine: Engine, step_dir: str, write: Callable[[dict, str], None], stamp: dict
 ) -> None:
-    """Write this rank's part of the layout-independent state into `step_dir` with
-    `write(payload, path)` (collective over DP); `stamp` (the step's position) goes into its
-    `extra`. The data-parallel ranks of one (TP rank, PP stage) share the writing: DP rank d
-    writes every DP-th parameter, d, d + DP, ..., so each writes (and holds on the CPU) 1/DP of
-    the state, all at once."""
-    dp, dp_rank = state.get_data_parallel_world_size(), state.get_data_parallel_rank()
-    write_shard(
+    """`Engine.save_full_state` on the DeepSpeed backend (`write_full_state_shard`: collective
+    over DP, each DP rank writing 1/DP of the entries); `stamp` (the step's position) goes into
+    its `extra`."""
+    write_full_state_shard(
         step_dir,
-        tp_rank=state.get_tensor_model_parallel_rank(),
-        tp_size=state.get_tensor_model_parallel_world_size(),
-        pp_stage=state.get_pipeline_model_parallel_rank(),
-        dp_rank=dp_rank,
-        entries=_collect(engine, keep=lambda i: i % dp == dp_rank),
+        lambda keep: _collect(engine, keep=keep),
         extra={
             "lr_scheduler": engine.scheduler.state_dict(),
             "precision": engine.precision,

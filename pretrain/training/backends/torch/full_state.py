@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from pretrain.checkpoint.full_state import FullState, write_shard
+from pretrain.checkpoint.full_state import FullState
 from pretrain.errors import UserError
 from pretrain.parallel import state
 from pretrain.training.backends.torch.stages import saved_name
-from pretrain.training.engine import Carried, Write
+from pretrain.training.engine import Carried, Write, write_full_state_shard
 
 if TYPE_CHECKING:
     from pretrain.training.backends.torch.engine import TorchEngine
@@ -62,14 +62,9 @@ def _collect(engine: TorchEngine, keep) -> dict[str, dict]:
 
 def save_full_state(engine: TorchEngine, step_dir: str, write: Write, stamp: dict) -> None:
     """`Engine.save_full_state` on the torch backend (collective over DP)."""
-    dp, dp_rank = state.get_data_parallel_world_size(), state.get_data_parallel_rank()
-    write_shard(
+    write_full_state_shard(
         step_dir,
-        tp_rank=state.get_tensor_model_parallel_rank(),
-        tp_size=state.get_tensor_model_parallel_world_size(),
-        pp_stage=state.get_pipeline_model_parallel_rank(),
-        dp_rank=dp_rank,
-        entries=_collect(engine, keep=lambda i: i % dp == dp_rank),
+        lambda keep: _collect(engine, keep=keep),
         extra={
             "lr_scheduler": engine.scheduler.state_dict(),
             "precision": engine.precision,
