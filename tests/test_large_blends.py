@@ -29,7 +29,7 @@ from training_fixtures import PYTHON, REPO, model_flags, run
 from training_fixtures import test_env as clean_env  # (pytest would collect test_env)
 
 from pretrain.cli import data_tool_parser, parse_data_tool_args
-from pretrain.data import gpt_dataset
+from pretrain.data import cache_writer, gpt_dataset
 from pretrain.data.builder import build_train_valid_test_datasets
 from pretrain.data.config import DataConfig
 from pretrain.data.describe import describe, describe_blend
@@ -134,8 +134,9 @@ def test_blend_equals_megatron_and_megatron_caches_are_read_both_ways(data, tmp_
         assert_same_arrays(ours_ds, their_ds, GPT_ARRAYS)
     for k in range(0, len(train), 97):
         np.testing.assert_array_equal(train[k]["tokens"].numpy(), theirs[k]["tokens"].numpy())
-    # Megatron's files are all there, under its names (Megatron-LM finds its caches in ours), and
-    # ours beside them: one file for the whole blend
+    # Megatron's files are all there once our writer is done, under its names (Megatron-LM finds
+    # its caches in ours), and ours beside them: one file for the whole blend
+    cache_writer.wait_all()
     assert set(os.listdir(theirs_dir)) <= set(os.listdir(ours_dir))
     consolidated = [f for f in os.listdir(ours_dir) if f.endswith(".bin") and "-BlendCache-" in f]
     assert len(consolidated) == 1 and consolidated[0].endswith("-BlendCache-train.bin")

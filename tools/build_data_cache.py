@@ -29,6 +29,7 @@ from plan_blend import add_plan_args, run_plan  # noqa: E402  (tools/, beside th
 from tqdm import tqdm  # noqa: E402
 
 from pretrain.cli import data_tool_parser, parse_data_tool_args  # noqa: E402
+from pretrain.data import cache_writer  # noqa: E402
 from pretrain.data.builder import (  # noqa: E402
     build_train_valid_test_datasets,
     check_splits_before_launch,
@@ -63,6 +64,7 @@ def main(argv=None) -> int:
     if hasattr(signal, "SIGXFSZ"):
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     ns = parse_data_tool_args(build_parser(), argv)
+    cache_writer.caller_reports()  # a writer's failure is this tool's error, not a warning
     logging.basicConfig(level=rank0_level(ns.logging_level), format="%(message)s")
     cfg = DataConfig.from_args(ns)
     if ns.plan:
@@ -88,6 +90,7 @@ def main(argv=None) -> int:
         datasets = build_train_valid_test_datasets(
             cfg, tokenizer, counts, progress=progress, files=files
         )
+        cache_writer.wait_all()  # Megatron's per-prefix files: this tool's job, not training's
     for name, requested, ds in zip(SPLIT_NAMES, counts, datasets, strict=False):
         if ds is None:
             print(f"{name:5s}: not built (empty split)")

@@ -4,10 +4,11 @@ Every process calls `build_blend_split`. It first reads the blend's consolidated
 (`blend_cache.py`: one file for all of the split's index arrays), checked against what it expects
 (the prefixes present in the split, the fingerprint of each `.idx`, each array's dtype and shape).
 If there is none, the first process to take the file's lock builds it: each prefix's arrays come
-from Megatron's per-prefix cache when a valid one exists, else are built; everything built is
-written together (`cache.save_all`: one file-system flush, not one per file), Megatron's
-BlendedDataset cache too (with --data-cache-path), then the consolidated file, which the builder
-then reads back like everyone else. The others wait for the lock and read the file.
+from Megatron's per-prefix cache when a valid one exists, else are built and handed to a
+`cache_writer.CacheWriter`, which writes Megatron's per-prefix files (and its BlendedDataset
+cache, with --data-cache-path) on a thread of its own while the builder goes on; the builder
+writes the consolidated file, reads it back like everyone else and releases the lock without
+waiting for the writer (the others wait for the lock and read the file).
 
 The per-prefix notices of a build (prefixes whose split is empty, prefixes the blend reads more
 often than they were built for) are one summary line each (`pretrain/data/notices.py`).
@@ -28,7 +29,8 @@ from filelock import FileLock, Timeout
 
 from pretrain.data import blend_cache
 from pretrain.data.blended_dataset import BlendedDataset
-from pretrain.data.cache import NO_CACHE, load_or_build_all, save_all, try_load
+from pretrain.data.cache import NO_CACHE, load_or_build_all, try_load
+from pretrain.data.cache_writer import CacheWriter
 from pretrain.data.config import DataConfig
 from pretrain.data.gpt_dataset import GPTDataset, IndexSpec
 from pretrain.data.notices import Notices
@@ -144,19 +146,22 @@ def _lock(path: str, what: str) -> FileLock:
     return lock
 
 
-def _fix_oversampled(blended: BlendedDataset, datasets: list, threads: int, split: str):
+def _fix_oversampled(
+    blended: BlendedDataset, datasets: list, threads: int, split: str, writer: CacheWriter
+) -> None:
     """Datasets the blend reads past their end, built longer (Megatron raises IndexError here,
-    issues #705, PR #1007; the blend's indices depend only on weights and size); returns what
-    was built, to be written."""
+    issues #705, PR #1007; the blend's indices depend only on weights and size), handed to
+    `writer`."""
     short = blended.oversampled()
     if not short:
-        return []
+        return
     notices = Notices()
     specs = []
     for p, needed in short.items():
         notices.add(datasets[p].dataset_path, f"{needed} of {len(datasets[p])}", needed)
         specs.append(datasets[p].spec.with_num_samples(needed))
-    batch = load_or_build_all([s.cache_request(s.default_cache_dir()) for s in specs], threads)
+    requests = [s.cache_request(s.default_cache_dir()) for s in specs]
+    batch = load_or_build_all(requests, threads, writer.add)
     for (p, _), spec, arrays in zip(short.items(), specs, batch.arrays, strict=True):
         datasets[p] = GPTDataset.from_spec(spec, arrays)
     notices.log(
@@ -165,29 +170,33 @@ def _fix_oversampled(blended: BlendedDataset, datasets: list, threads: int, spli
         f"{split} split: the blend takes more samples from {len(notices)} prefixes than they were "
         "built for; they are built with the samples it takes",
     )
-    return batch.built
 
 
 def _build(request: BlendRequest, present, cfg: DataConfig, path: str, description: str):
-    """Build, write and read back the consolidated cache (holding its lock)."""
+    """Build and write the consolidated cache (holding its lock); Megatron's per-prefix files
+    are left to a `CacheWriter` still running."""
     start = time.perf_counter()
     specs = [request.specs[p] for p in present]
     threads = max(1, cfg.num_dataset_builder_threads)
-    batch = load_or_build_all([s.cache_request(s.default_cache_dir()) for s in specs], threads)
-    datasets = [GPTDataset.from_spec(s, a) for s, a in zip(specs, batch.arrays, strict=True)]
-    weights, size = request.blend_weights(present)
-    blended = BlendedDataset(datasets, weights, size, None)  # in memory
-    built = batch.built + _fix_oversampled(blended, datasets, threads, request.split)
-    blend_arrays = {
-        "dataset_index": np.asarray(blended.dataset_index),
-        "dataset_sample_index": np.asarray(blended.dataset_sample_index),
-    }
-    if cfg.data_cache_path is not None:  # Megatron's BlendedDataset cache
-        final = BlendedDataset(datasets, weights, size, None, arrays=blend_arrays)
-        megatron = final.cache_request(cfg.data_cache_path)
-        if try_load(megatron)[0] is None:
-            built.append((megatron, blend_arrays))
-    save_all(built)
+    writer = CacheWriter(f"{request.split} split")
+    try:
+        requests = [s.cache_request(s.default_cache_dir()) for s in specs]
+        batch = load_or_build_all(requests, threads, writer.add)
+        datasets = [GPTDataset.from_spec(s, a) for s, a in zip(specs, batch.arrays, strict=True)]
+        weights, size = request.blend_weights(present)
+        blended = BlendedDataset(datasets, weights, size, None)  # in memory
+        _fix_oversampled(blended, datasets, threads, request.split, writer)
+        blend_arrays = {
+            "dataset_index": np.asarray(blended.dataset_index),
+            "dataset_sample_index": np.asarray(blended.dataset_sample_index),
+        }
+        if cfg.data_cache_path is not None:  # Megatron's BlendedDataset cache
+            final = BlendedDataset(datasets, weights, size, None, arrays=blend_arrays)
+            megatron = final.cache_request(cfg.data_cache_path)
+            if try_load(megatron)[0] is None:
+                writer.add(megatron, blend_arrays)
+    finally:
+        writer.finish()
     parts = [
         blend_cache.Part(
             position=p,
@@ -206,8 +215,8 @@ def _build(request: BlendRequest, present, cfg: DataConfig, path: str, descripti
         request.split,
         f"{len(present):,}",
         time.perf_counter() - start,
-        f"{len(batch.built):,}",
-        f"{len(specs) - len(batch.built):,}",
+        f"{batch.built:,}",
+        f"{len(specs) - batch.built:,}",
         why,
         path,
     )

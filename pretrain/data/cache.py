@@ -25,19 +25,21 @@ from Megatron, and why:
 - A full disk or file-size limit while writing is a one-line `UserError` naming the file and the
   bytes the cache needs.
 - `load_or_build_all` serves thousands of caches at once (a blend's prefixes): it loads what is
-  there and builds the rest; `save_all` writes them together, arrays first (no fsync each), then
-  one `syncfs` of the file system, then the descriptions: the same guarantee (a description is
-  never durable before its arrays) for one flush instead of one per file. An array or
-  fingerprint file that does not exist yet is created under its final name (`O_EXCL`, no
-  temporary and rename: file creation dominates a cold build of thousands of small caches):
-  nobody trusts it before the description, written after the flush, and nobody has it mapped
-  (it is new); an existing one is replaced by a rename, as everywhere else. No fingerprint file
-  is written per cache there: the blend's consolidated file (`pretrain/data/blend_cache.py`)
-  records every `.idx` fingerprint, and such a cache read on its own is treated like Megatron's
-  (used if newer than the `.idx`, then its fingerprint recorded). Its caller holds the
-  lock that makes it the only builder of the set (`pretrain/data/blend_build.py`'s), so no lock
-  is taken per cache; another process writing one of the same caches at the same time writes
-  the same bytes.
+  there and builds the rest; `cache_writer.CacheWriter` writes them on a thread of its own,
+  arrays first (no fsync each), then one `syncfs` of the file system, then the descriptions: the
+  same guarantee (a description is never durable before its arrays) for one flush instead of one
+  per file. An array, fingerprint or description file that does not exist yet is created under
+  its final name (`O_EXCL`, no temporary and rename: file creation dominates a cold build of
+  thousands of small caches): nobody trusts an array before the description, written after the
+  flush, nobody has it mapped (it is new), and a description cut short by a crash does not equal
+  the expected one; an existing file is replaced by a rename, as everywhere else. No
+  fingerprint file is written per cache there: the blend's consolidated file
+  (`pretrain/data/blend_cache.py`) records every `.idx` fingerprint, and such a cache read on
+  its own is treated like Megatron's (used if newer than the `.idx`, then its fingerprint
+  recorded). No lock is taken per cache: the blend's builder holds the blend's lock
+  (`pretrain/data/blend_build.py`) while it computes, and a writer still writing after it is
+  released is harmless: the other processes read the consolidated file, and one that needs one
+  of these caches on its own finds no description yet, builds it and writes the same bytes.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ from dataclasses import dataclass
 import numpy as np
 from filelock import FileLock, Timeout
 
-from pretrain.atomic import atomic_write, atomic_write_bytes, file_mode, sync_filesystem
+from pretrain.atomic import atomic_write, atomic_write_bytes, file_mode
 from pretrain.data.indexed_dataset import no_space_error
 from pretrain.errors import UserError
 
@@ -159,7 +161,7 @@ def try_load(request: CacheRequest, adopt: bool = True) -> tuple[dict[str, np.nd
     return arrays, ""
 
 
-def _remove_stray_temporaries(directory: str, base_names: set[str]) -> None:
+def remove_stray_temporaries(directory: str, base_names: set[str]) -> None:
     """Hidden temporaries `.{base_name}-*.{host}.*` of killed builders of the caches `base_names`
     (we build them): this host's, and other hosts' older than a day. One listing of `directory`."""
     host, now = socket.gethostname(), time.time()
@@ -218,9 +220,9 @@ def _write_chunks(f, chunks) -> None:
         f.write(chunk)
 
 
-def _write_new(path: str, chunks, mode: int) -> None:
+def write_new(path: str, chunks, mode: int) -> None:
     """Create `path` with `chunks` under its final name, or replace an existing one by a rename
-    (no fsync either way): for `save_all` only (module docstring)."""
+    (no fsync either way): for `cache_writer` only (module docstring)."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
     except FileExistsError:
@@ -242,9 +244,9 @@ def _write_error(path: str, err: OSError, needed: int) -> UserError:
     )
 
 
-def _save_arrays(request: CacheRequest, arrays, *, batch: bool, mode: int) -> None:
+def save_arrays(request: CacheRequest, arrays, *, batch: bool, mode: int) -> None:
     """Every array of `request` (no description): each renamed into place and fsynced, with the
-    fingerprint, or, in a `batch` (`save_all`), with `_write_new` and no fingerprint (the
+    fingerprint, or, in a `batch` (`cache_writer`), with `write_new` and no fingerprint (the
     blend's file holds it; a stale one goes)."""
     base = request.base
     needed = sum(arrays[name].nbytes + 128 for name in request.expect) + 64
@@ -262,23 +264,30 @@ def _save_arrays(request: CacheRequest, arrays, *, batch: bool, mode: int) -> No
     for path, chunks in files:
         try:
             if batch:
-                _write_new(path, chunks, mode)
+                write_new(path, chunks, mode)
             else:
                 atomic_write(path, lambda f, c=chunks: _write_chunks(f, c), mode=mode)
         except OSError as err:
             raise _write_error(path, err, needed) from None
 
 
-def _save_description(request: CacheRequest, *, fsync: bool, mode: int) -> None:
-    """The description, written last: what makes the cache valid."""
+def save_description(
+    request: CacheRequest, *, fsync: bool, mode: int, in_place: bool = False
+) -> None:
+    """The description, written last: what makes the cache valid. `in_place`: a new file is
+    created under its final name (`cache_writer.py` says when that is safe)."""
     path = f"{request.base}-description.txt"
+    data = request.description.encode("utf-8")
     try:
-        atomic_write_bytes(path, request.description.encode("utf-8"), fsync=fsync, mode=mode)
+        if in_place:
+            write_new(path, [data], mode)
+        else:
+            atomic_write_bytes(path, data, fsync=fsync, mode=mode)
     except OSError as err:
         raise _write_error(path, err, len(request.description) + 64) from None
 
 
-def _drop_description(request: CacheRequest) -> None:
+def drop_description(request: CacheRequest) -> None:
     """A stale or mismatching description goes first, so nobody trusts the files we replace."""
     try:
         os.unlink(f"{request.base}-description.txt")
@@ -304,18 +313,20 @@ def load_or_build(request: CacheRequest) -> dict[str, np.ndarray]:
         if arrays is not None:
             return arrays
         log.info("building index cache %s (%s)", request.base, why)
-        _remove_stray_temporaries(request.directory, {request.base_name})
-        _drop_description(request)
+        remove_stray_temporaries(request.directory, {request.base_name})
+        drop_description(request)
         arrays = request.build()
         mode = file_mode()
-        _save_arrays(request, arrays, batch=False, mode=mode)
-        _save_description(request, fsync=True, mode=mode)
+        save_arrays(request, arrays, batch=False, mode=mode)
+        save_description(request, fsync=True, mode=mode)
         return arrays
     finally:
         lock.release()
 
 
-def _make_folders(requests: Sequence[CacheRequest]) -> None:
+def make_folders(requests: Sequence[CacheRequest]) -> None:
+    """Create the cache folders of `requests`; one that cannot be made is a UserError naming
+    --data-cache-path."""
     for directory in {r.directory for r in requests}:
         try:
             os.makedirs(directory, exist_ok=True)
@@ -326,36 +337,14 @@ def _make_folders(requests: Sequence[CacheRequest]) -> None:
             ) from err
 
 
-def save_all(built: Sequence[tuple[CacheRequest, dict[str, np.ndarray]]]) -> None:
-    """Write many built caches together: stale descriptions removed, every array written, one
-    flush of each file system, then the descriptions (docstring of this module)."""
-    built = [(r, a) for r, a in built if r.directory is not None]
-    if not built:
-        return
-    requests = [r for r, _ in built]
-    _make_folders(requests)
-    for directory in {r.directory for r in requests}:
-        _remove_stray_temporaries(
-            directory, {r.base_name for r in requests if r.directory == directory}
-        )
-    mode = file_mode()
-    for request, arrays in built:
-        _drop_description(request)
-        _save_arrays(request, arrays, batch=True, mode=mode)
-    for directory in {r.directory for r in requests}:
-        sync_filesystem(directory)
-    for request in requests:
-        _save_description(request, fsync=False, mode=mode)
-
-
 @dataclass
 class Batch:
     """What `load_or_build_all` found and built."""
 
     arrays: list[dict[str, np.ndarray]]
     """The arrays of each request, in order."""
-    built: list[tuple[CacheRequest, dict[str, np.ndarray]]]
-    """The requests that had no valid cache, with the arrays built for them (not written yet)."""
+    built: int
+    """How many requests had no valid cache (built, and handed to `on_built`)."""
     reasons: dict[str, int]
     """{why a cache was built: how many}."""
 
@@ -377,10 +366,15 @@ def _listings(requests: Sequence[CacheRequest]) -> dict[str, set[str]]:
     return listed
 
 
-def load_or_build_all(requests: Sequence[CacheRequest], threads: int = 1) -> Batch:
+def load_or_build_all(
+    requests: Sequence[CacheRequest],
+    threads: int = 1,
+    on_built: Callable[[CacheRequest, dict[str, np.ndarray]], None] | None = None,
+) -> Batch:
     """The arrays of every request: loaded where a valid cache exists, else built (on `threads`
-    threads); the caller writes what was built with `save_all`, holding the lock that makes it
-    the only builder of this set."""
+    threads); the caller writes what was built (`cache_writer.CacheWriter`, handed each build as
+    it is made through `on_built`), holding the lock that makes it the only builder of this
+    set."""
 
     listed = _listings(requests)
 
@@ -392,7 +386,12 @@ def load_or_build_all(requests: Sequence[CacheRequest], threads: int = 1) -> Bat
             arrays, why = None, NO_CACHE
         else:
             arrays, why = try_load(request, adopt=False)
-        return (arrays, False, "") if arrays is not None else (request.build(), True, why)
+        if arrays is not None:
+            return arrays, False, ""
+        arrays = request.build()
+        if on_built is not None:
+            on_built(request, arrays)
+        return arrays, True, why
 
     if threads > 1:
         with ThreadPoolExecutor(threads) as pool:
@@ -405,6 +404,6 @@ def load_or_build_all(requests: Sequence[CacheRequest], threads: int = 1) -> Bat
             reasons[why or "in memory"] = reasons.get(why or "in memory", 0) + 1
     return Batch(
         arrays=[arrays for arrays, _, _ in results],
-        built=[(r, res[0]) for r, res in zip(requests, results, strict=True) if res[1]],
+        built=sum(1 for _, built, _ in results if built),
         reasons=reasons,
     )

@@ -1,0 +1,132 @@
+"""Megatron's per-prefix index-cache files of a blend, written on a thread of their own.
+
+A cold blend of thousands of prefixes builds thousands of small caches; creating their files (four
+per prefix, in one folder) costs as much as computing them. `CacheWriter` creates them on a
+background thread while the builder goes on computing (file system calls release the GIL), with
+the guarantee `pretrain/data/cache.py` describes: arrays first, created under their final names,
+then one flush of each file system, then the descriptions, so a description is never durable
+before its arrays. A description is created in place too (no temporary and rename): a reader of
+ours trusts a cache only if its description is complete and equal to the expected one, and
+Megatron-LM only checks that the four files exist, by which time the arrays are durable.
+
+The blend's own consolidated cache (`blend_cache.py`) is what this project reads, so training
+does not wait for the writer: a `pretrain_gpt.py` rank that built the caches starts training while
+its writer finishes (a non-daemon thread, so the process ends after it). A writer that fails (a
+full disk) logs one warning and stops; `wait_all` raises its error instead where the process
+said it would (`caller_reports`: `build_data_cache.py`, whose job is the files). An interrupted writer leaves arrays without descriptions: nobody trusts
+them, and the next build replaces them.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+import numpy as np
+
+from pretrain.atomic import file_mode, sync_filesystem
+from pretrain.data.cache import (
+    CacheRequest,
+    drop_description,
+    make_folders,
+    remove_stray_temporaries,
+    save_arrays,
+    save_description,
+)
+
+log = logging.getLogger(__name__)
+
+_END = object()
+_running: list[CacheWriter] = []
+_running_lock = threading.Lock()
+_caller_reports = False
+
+
+class CacheWriter:
+    """Writes the caches handed to `add` on its own thread; `finish` ends the stream."""
+
+    def __init__(self, what: str):
+        self.what = what
+        """What the caches are for, in the warning a failure logs."""
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._waited = False
+        self._thread = threading.Thread(target=self._run, name="cache-writer", daemon=False)
+        self._thread.start()
+        with _running_lock:
+            _running.append(self)
+
+    def add(self, request: CacheRequest, arrays: dict[str, np.ndarray]) -> None:
+        """Queue one built cache (thread-safe; `request.directory` None: nothing to write)."""
+        if request.directory is not None:
+            self._queue.put((request, arrays))
+
+    def finish(self) -> None:
+        """No more caches: the thread flushes, writes the descriptions and ends."""
+        self._queue.put(_END)
+
+    def wait(self) -> None:
+        """Wait for the thread; raise what made it fail."""
+        self._waited = True
+        self._thread.join()
+        with _running_lock:
+            if self in _running:
+                _running.remove(self)
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        written: list[CacheRequest] = []
+        folders: set[str] = set()
+        mode = file_mode()
+        item = None
+        try:
+            while (item := self._queue.get()) is not _END:
+                request, arrays = item
+                if request.directory not in folders:
+                    make_folders([request])
+                    folders.add(request.directory)
+                drop_description(request)
+                save_arrays(request, arrays, batch=True, mode=mode)
+                written.append(request)
+            self._commit(written, mode)
+        except BaseException as err:  # noqa: BLE001 - reported by wait() or the warning
+            self._error = err
+            if not (self._waited or _caller_reports):
+                log.warning("%s: index caches for Megatron-LM not all written: %s", self.what, err)
+            while item is not _END:  # let the producer finish
+                item = self._queue.get()
+
+    @staticmethod
+    def _commit(written: list[CacheRequest], mode: int) -> None:
+        folders: dict[str, set[str]] = {}
+        for request in written:
+            folders.setdefault(request.directory, set()).add(request.base_name)
+        for directory in folders:
+            sync_filesystem(directory)
+        for request in written:
+            save_description(request, fsync=False, mode=mode, in_place=True)
+        for directory, names in folders.items():
+            remove_stray_temporaries(directory, names)
+
+
+def caller_reports() -> None:
+    """This process calls `wait_all` and reports what it raises: writers do not log their
+    failures."""
+    global _caller_reports
+    _caller_reports = True
+
+
+def wait_all() -> None:
+    """Wait for every writer of this process; raise the first error."""
+    with _running_lock:
+        writers = list(_running)
+    errors = []
+    for writer in writers:
+        try:
+            writer.wait()
+        except BaseException as err:  # noqa: BLE001 - the first is raised below
+            errors.append(err)
+    if errors:
+        raise errors[0]
