@@ -229,12 +229,16 @@ def write_new(path: str, chunks, mode: int) -> None:
         atomic_write(path, lambda f: _write_chunks(f, chunks), fsync=False, mode=mode)
         return
     try:
-        with os.fdopen(fd, "wb") as f:
-            _write_chunks(f, chunks)
+        for chunk in chunks:  # plain writes: no file object per file (thousands of them)
+            view = memoryview(chunk).cast("B")
+            while view:
+                view = view[os.write(fd, view) :]
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(path)
         raise
+    finally:
+        os.close(fd)
 
 
 def _write_error(path: str, err: OSError, needed: int) -> UserError:
