@@ -61,12 +61,14 @@ class ClippedAdamW(torch.optim.AdamW):
         clip_grad: float,
         model_parallel_group=None,
         shard_group=None,
+        expert_shard_group=None,
         **adamw_kwargs,
     ):
         super().__init__(params, **adamw_kwargs)
         self.clip_grad = clip_grad
         self.model_parallel_group = model_parallel_group
         self.shard_group = shard_group  # the gradients are DTensor shards over these ranks
+        self.expert_shard_group = expert_shard_group  # the experts' (default: shard_group)
         self._global_grad_norm = None
 
     @property
@@ -77,13 +79,26 @@ class ClippedAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        norm = global_grad_norm(params, self.model_parallel_group, self.shard_group)
+        norm = global_grad_norm(
+            params, self.model_parallel_group, self.shard_group, self.expert_shard_group
+        )
         self._global_grad_norm = float(norm)
         if self.clip_grad > 0:
             coeff = float(self.clip_grad / (norm + 1e-6))  # fp32, exactly (DTensors take floats)
             if coeff < 1.0:
-                torch._foreach_mul_([p.grad for p in params], coeff)
+                for grads in _by_mesh([p.grad for p in params]):
+                    torch._foreach_mul_(grads, coeff)
         return super().step(closure)
+
+
+def _by_mesh(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`grads` in lists of one device mesh each (DTensors of different meshes, such as the
+    torch backend's dense and expert shards, do not mix in one foreach op); plain tensors
+    together."""
+    lists: dict[int, list[torch.Tensor]] = {}
+    for grad in grads:
+        lists.setdefault(id(getattr(grad, "device_mesh", None)), []).append(grad)
+    return list(lists.values())
 
 
 def build_optimizer(
@@ -94,10 +109,12 @@ def build_optimizer(
     we_clip: bool,
     model_parallel_group=None,
     shard_group=None,
+    expert_shard_group=None,
 ) -> torch.optim.Optimizer:
     """AdamW over Megatron's groups; with `we_clip` it clips by the true global norm first
-    (ZeRO-0 fp32; the torch backend, whose gradients are sharded over `shard_group`), else
-    DeepSpeed's ZeRO/bf16/fp16 optimizer clips and this is plain AdamW."""
+    (ZeRO-0 fp32; the torch backend, whose gradients are sharded over `shard_group`, the
+    experts' over `expert_shard_group`), else DeepSpeed's ZeRO/bf16/fp16 optimizer clips and
+    this is plain AdamW."""
     groups = param_groups(named_params, config.weight_decay)
     adamw = dict(
         lr=lr,
@@ -112,5 +129,6 @@ def build_optimizer(
         clip_grad=config.clip_grad,
         model_parallel_group=model_parallel_group,
         shard_group=shard_group,
+        expert_shard_group=expert_shard_group,
         **adamw,
     )
