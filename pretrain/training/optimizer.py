@@ -86,19 +86,8 @@ class ClippedAdamW(torch.optim.AdamW):
         if self.clip_grad > 0:
             coeff = float(self.clip_grad / (norm + 1e-6))  # fp32, exactly (DTensors take floats)
             if coeff < 1.0:
-                for grads in _by_mesh([p.grad for p in params]):
-                    torch._foreach_mul_(grads, coeff)
+                torch._foreach_mul_([p.grad for p in params], coeff)
         return super().step(closure)
-
-
-def _by_mesh(grads: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """`grads` in lists of one device mesh each (DTensors of different meshes, such as the
-    torch backend's dense and expert shards, do not mix in one foreach op); plain tensors
-    together."""
-    lists: dict[int, list[torch.Tensor]] = {}
-    for grad in grads:
-        lists.setdefault(id(getattr(grad, "device_mesh", None)), []).append(grad)
-    return list(lists.values())
 
 
 def build_optimizer(
