@@ -129,8 +129,25 @@ def test_a_layer_pattern_read_back_from_json_is_the_same_config():
         (dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2), True, "--bf16 with"),
         (dict(expert_model_parallel_size=2, pipeline_model_parallel_size=2), False, None),
         (dict(tensor_model_parallel_size=4, expert_tensor_parallel_size=2), False, "expert TP 1"),
-        (dict(expert_model_parallel_size=2, use_torch_fsdp2=True), False, "drop --use-torch-fsdp2"),
-        (dict(use_torch_fsdp2=True), False, "drop --use-torch-fsdp2"),
+        # the torch backend (FSDP2 over expert DP) trains what DeepSpeed's ZeRO refuses
+        (dict(expert_model_parallel_size=2, use_torch_fsdp2=True), False, None),
+        (dict(use_torch_fsdp2=True), False, None),
+        (
+            dict(
+                expert_model_parallel_size=2,
+                pipeline_model_parallel_size=2,
+                tensor_model_parallel_size=2,
+                expert_tensor_parallel_size=1,
+                use_torch_fsdp2=True,
+            ),
+            True,
+            None,
+        ),
+        (
+            dict(tensor_model_parallel_size=4, expert_tensor_parallel_size=2, use_torch_fsdp2=True),
+            False,
+            "expert TP 1",
+        ),
     ],
 )
 def test_expert_layouts_training_refuses_are_one_line(layout, bf16, message):
@@ -145,9 +162,14 @@ def test_expert_layouts_training_refuses_are_one_line(layout, bf16, message):
         check_moe_training(moe, parallel, bf16=bf16)
     assert "\n" not in str(error.value)
     dense = _config([])[1]
-    with pytest.raises(UserError, match="drop --no-save-full-state"):
-        check_moe_training(
-            moe, ParallelConfig(world_size=8, expert_model_parallel_size=2), False, False
-        )
+    for backend in ({}, {"use_torch_fsdp2": True}):
+        with pytest.raises(UserError, match="drop --no-save-full-state") as error:
+            check_moe_training(
+                moe,
+                ParallelConfig(world_size=8, expert_model_parallel_size=2, **backend),
+                False,
+                False,
+            )
+        assert "\n" not in str(error.value)
     with pytest.raises(UserError, match="needs an MoE model"):
         check_moe_training(dense, ParallelConfig(world_size=8, expert_model_parallel_size=2))

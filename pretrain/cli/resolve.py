@@ -162,10 +162,10 @@ def check_moe_training(
     model: ModelConfig, parallel: ParallelConfig, bf16: bool = False, full_state: bool = True
 ) -> None:
     """The expert layouts pretrain_gpt.py trains at (the MoE layer itself runs at any): expert TP
-    1 or TP; at EP > 1 ZeRO 0-2 (ZeRO 1-2 with expert TP = TP and PP 1:
-    backends/deepspeed/experts.py),
-    not DeepSpeed's bf16 pipeline optimizer, and with the full-state checkpoint (`full_state`;
-    DeepSpeed's files hold one rank's experts)."""
+    1 or TP; at EP > 1 with the full-state checkpoint (`full_state`: it is what resumes an EP > 1
+    checkpoint, on either backend); on DeepSpeed at EP > 1 ZeRO 0-2 (ZeRO 1-2 with expert TP = TP
+    and PP 1: backends/deepspeed/experts.py), not its bf16 pipeline optimizer. The torch backend
+    (FSDP2, backends/torch/experts.py) trains every other layout."""
     ep, etp, tp = (
         parallel.expert_model_parallel_size,
         parallel.expert_tp,
@@ -181,13 +181,18 @@ def check_moe_training(
             f"--tensor-model-parallel-size ({tp}) for now (the MoE layer itself runs at any: "
             f"docs/MOE.md)"
         )
-    if parallel.backend == "torch":
-        raise UserError(
-            "--use-torch-fsdp2 with --num-experts: the torch backend trains dense models for now "
-            "(its full state does not carry the routers' expert bias and FSDP2 would shard "
-            "different experts as one parameter); drop --use-torch-fsdp2 (the DeepSpeed backend "
-            "trains MoE at any expert-parallel size)"
+    if ep > 1 and not full_state:
+        files = (
+            "the torch backend resumes an EP > 1 checkpoint"
+            if parallel.backend == "torch"
+            else "DeepSpeed's files hold data-parallel rank 0's experts only, the checkpoint resumes"
         )
+        raise UserError(
+            f"--no-save-full-state with --expert-model-parallel-size {ep}: {files} through its "
+            f"layout-independent state; drop --no-save-full-state"
+        )
+    if parallel.backend == "torch":  # FSDP2 shards the experts over expert DP: any layout
+        return
     if ep > 1 and parallel.zero_stage == 3:
         raise UserError(
             f"--zero-stage 3 with --expert-model-parallel-size {ep}: ZeRO-3 partitions every "
@@ -208,12 +213,6 @@ def check_moe_training(
             f"{parallel.pipeline_model_parallel_size} and --expert-model-parallel-size {ep}: "
             f"DeepSpeed's ZeRO takes its expert groups per stage (a stage without MoE layers "
             f"has none) and hangs; use --zero-stage 0"
-        )
-    if ep > 1 and not full_state:
-        raise UserError(
-            f"--no-save-full-state with --expert-model-parallel-size {ep}: DeepSpeed's files "
-            f"hold data-parallel rank 0's experts only, the checkpoint resumes through its "
-            f"layout-independent state; drop --no-save-full-state"
         )
     if ep > 1 and bf16 and parallel.pipeline_model_parallel_size > 1 and parallel.zero_stage == 0:
         raise UserError(

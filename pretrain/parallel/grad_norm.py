@@ -16,7 +16,8 @@ rank of the stage), joins the dense one as 1/TP per TP rank; the sum is then all
 model-parallel (TP x PP) group. Data-parallel replicas hold the same (averaged) gradients and are
 not summed; where the gradients are instead sharded over the data-parallel ranks (FSDP2's DTensor
 gradients: each rank holds a disjoint piece, its `to_local()`), both sums of squares are first
-all-reduced over that `shard_group`.
+all-reduced over that `shard_group`; the experts' over `expert_shard_group` instead when they are
+sharded over other ranks (the torch backend at EP > 1: FSDP2 over the expert-data-parallel group).
 """
 
 from __future__ import annotations
@@ -36,14 +37,20 @@ def _local(grad: torch.Tensor) -> torch.Tensor:
 
 
 def global_grad_norm(
-    parameters: Iterable[torch.nn.Parameter], model_parallel_group=None, shard_group=None
+    parameters: Iterable[torch.nn.Parameter],
+    model_parallel_group=None,
+    shard_group=None,
+    expert_shard_group=None,
 ) -> torch.Tensor:
     """L2 norm (fp32 scalar tensor, identical on every rank of the group) of all gradients.
 
     `model_parallel_group` defaults to the TP x PP group of pretrain.parallel.state; pass the
     pipeline grid's model-parallel group when DeepSpeed's PipelineModule owns the layout.
-    `shard_group`: the gradients are split over these ranks (FSDP2's data-parallel shards).
+    `shard_group`: the gradients are split over these ranks (FSDP2's data-parallel shards);
+    `expert_shard_group`: the expert gradients are split over these ranks instead (default:
+    `shard_group`).
     """
+    expert_shard_group = shard_group if expert_shard_group is None else expert_shard_group
     is_tp_rank0 = state.get_tensor_model_parallel_rank() == 0
     with_grad = [p for p in parameters if p.grad is not None and not getattr(p, "shared", False)]
     experts = [_local(p.grad) for p in with_grad if getattr(p, "expert_parallel", False)]
@@ -55,7 +62,7 @@ def global_grad_norm(
     total = _reduced(_squares(dense), shard_group)
     if experts:  # every rank of a stage with MoE layers holds experts: a collective of the stage
         stage_experts = _reduced(
-            _reduced(_squares(experts), shard_group),
+            _reduced(_squares(experts), expert_shard_group),
             state.get_expert_tensor_and_model_parallel_group(),
         )
         total = total + stage_experts / state.get_tensor_model_parallel_world_size()

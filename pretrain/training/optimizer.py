@@ -61,12 +61,14 @@ class ClippedAdamW(torch.optim.AdamW):
         clip_grad: float,
         model_parallel_group=None,
         shard_group=None,
+        expert_shard_group=None,
         **adamw_kwargs,
     ):
         super().__init__(params, **adamw_kwargs)
         self.clip_grad = clip_grad
         self.model_parallel_group = model_parallel_group
         self.shard_group = shard_group  # the gradients are DTensor shards over these ranks
+        self.expert_shard_group = expert_shard_group  # the experts' (default: shard_group)
         self._global_grad_norm = None
 
     @property
@@ -77,7 +79,9 @@ class ClippedAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         params = [p for group in self.param_groups for p in group["params"] if p.grad is not None]
-        norm = global_grad_norm(params, self.model_parallel_group, self.shard_group)
+        norm = global_grad_norm(
+            params, self.model_parallel_group, self.shard_group, self.expert_shard_group
+        )
         self._global_grad_norm = float(norm)
         if self.clip_grad > 0:
             coeff = float(self.clip_grad / (norm + 1e-6))  # fp32, exactly (DTensors take floats)
@@ -94,10 +98,12 @@ def build_optimizer(
     we_clip: bool,
     model_parallel_group=None,
     shard_group=None,
+    expert_shard_group=None,
 ) -> torch.optim.Optimizer:
     """AdamW over Megatron's groups; with `we_clip` it clips by the true global norm first
-    (ZeRO-0 fp32; the torch backend, whose gradients are sharded over `shard_group`), else
-    DeepSpeed's ZeRO/bf16/fp16 optimizer clips and this is plain AdamW."""
+    (ZeRO-0 fp32; the torch backend, whose gradients are sharded over `shard_group`, the
+    experts' over `expert_shard_group`), else DeepSpeed's ZeRO/bf16/fp16 optimizer clips and
+    this is plain AdamW."""
     groups = param_groups(named_params, config.weight_decay)
     adamw = dict(
         lr=lr,
@@ -112,5 +118,6 @@ def build_optimizer(
         clip_grad=config.clip_grad,
         model_parallel_group=model_parallel_group,
         shard_group=shard_group,
+        expert_shard_group=expert_shard_group,
         **adamw,
     )

@@ -70,9 +70,11 @@ def _summed_over_tp() -> bool:
     )
 
 
-def _tp_summed(param: nn.Parameter | None) -> torch.Tensor | None:
-    """`param`, its gradient summed over TP when it is marked so (`_summed_over_tp`)."""
-    if param is None or not param.sequence_parallel:
+def _tp_summed(param: nn.Parameter | None, summed: bool) -> torch.Tensor | None:
+    """`param`, its gradient summed over TP when `summed` (`_summed_over_tp`, decided when the
+    layer is built: the parameter a forward sees may be a copy without the marks, such as the
+    one FSDP2 gathers)."""
+    if param is None or not summed:
         return param
     return sum_grad_over_tensor_parallel(param)
 
@@ -145,6 +147,7 @@ class Experts(nn.Module):
         n, h = len(local_experts), config.hidden_size
         self.fc1 = _ExpertLinear(n, fc1_out, h, 1, stride, bias, dtype)
         self.fc2 = _ExpertLinear(n, h, width, 2, 1, bias, dtype)
+        self.summed_over_tp = _summed_over_tp()
 
     def initialize(self, prefix: str, std: float, output_std: float) -> None:
         """fc1 ~ N(0, std), fc2 ~ N(0, output_std), by GPTModel name and global expert index."""
@@ -161,8 +164,9 @@ class Experts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
         """Rows [N, h] sorted by local expert (`counts` each), weights [N] -> outputs [N, h]."""
-        fc1_weight, fc1_bias, fc2_weight, fc2_bias = map(
-            _tp_summed, (self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias)
+        fc1_weight, fc1_bias, fc2_weight, fc2_bias = (
+            _tp_summed(p, self.summed_over_tp)
+            for p in (self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias)
         )
         weights = probs.unsqueeze(-1)
         hidden = self._matmul(x, fc1_weight, counts)

@@ -6,10 +6,13 @@ In the step folder, beside our metadata, RNG and full-state files:
     .metadata            DCP's index of every shard (rank 0)
     __<rank>_0.distcp    each rank's shards: the fp32 master weights and Adam's moments and step
                          counts, under `tp<t>.<GPTModel name>[.exp_avg|.exp_avg_sq|.step]`
+                         (MoE experts at EP > 1: `tp<t>.ep<e>.<name>...`, this EP rank's
+                         experts), and the persistent buffers (the routers' expert bias)
     train_state.pt       rank 0: the `TrainState` (client state) and the LR schedule position
 
-Weights and moments are FSDP2's DTensors over the data-parallel mesh, so DCP stores each once
-whatever the data-parallel size; TP shards are plain tensors, told apart by their `tp<t>.` key.
+Weights and moments are FSDP2's DTensors over the data-parallel mesh (experts at EP > 1: over the
+expert-data-parallel mesh), so DCP stores each once whatever the data-parallel size; TP shards
+are plain tensors, told apart by their `tp<t>.` key, EP ranks' experts by `ep<e>.`.
 Only tensors go into DCP (no pickled objects in the shards); `.metadata` (a pickle) is read with
 an unpickler that allows DCP's own classes only, the shards with `weights_only=True` (torch's
 reader), `train_state.pt` with `pretrain.checkpoint.safe_load`.
@@ -38,6 +41,8 @@ from pretrain.checkpoint import safe_load
 from pretrain.errors import UserError
 from pretrain.parallel import state
 from pretrain.testing_hooks import stream_watcher
+from pretrain.training.backends.torch.experts import split_over_ep
+from pretrain.training.backends.torch.full_state import persistent_buffers
 from pretrain.training.checkpoint_writes import RankFiles
 
 if TYPE_CHECKING:
@@ -51,9 +56,12 @@ MOMENTS = ("exp_avg", "exp_avg_sq", "step")
 def _state_dict(engine: TorchEngine, optimizer: bool) -> dict[str, torch.Tensor]:
     """The tensors DCP saves or loads in place: this rank's weights and, with `optimizer`, Adam's
     state (created, zero, where no step has run yet, so a load has somewhere to go)."""
-    prefix = f"tp{state.get_tensor_model_parallel_rank():02d}."
-    out = {}
+    tp_prefix = f"tp{state.get_tensor_model_parallel_rank():02d}."
+    out = {tp_prefix + name: buffer for name, buffer in persistent_buffers(engine.model).items()}
     for name, param in engine.model.named_parameters():
+        prefix = tp_prefix
+        if split_over_ep(param):  # each EP rank holds other experts under the same name
+            prefix += f"ep{state.get_expert_model_parallel_rank():02d}."
         out[prefix + name] = param
         if not optimizer:
             continue

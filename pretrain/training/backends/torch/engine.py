@@ -25,7 +25,7 @@ from pretrain.model.gpt import GPTModel
 from pretrain.parallel import state
 from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.random import seed_everything
-from pretrain.training.backends.torch import dcp, full_state, steps
+from pretrain.training.backends.torch import dcp, experts, full_state, steps
 from pretrain.training.backends.torch.fsdp import (
     ShardingPolicy,
     device_mesh,
@@ -217,7 +217,12 @@ def build_torch_engine(
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     device = collective_device()
     tp = parallel.tensor_model_parallel_size
-    state.initialize_model_parallel(tp, parallel.pipeline_model_parallel_size)
+    state.initialize_model_parallel(
+        tp,
+        parallel.pipeline_model_parallel_size,
+        parallel.expert_model_parallel_size,
+        parallel.expert_tp,
+    )
     seed_everything(seed)
     plan = StagePlan.of(model_config.num_layers, parallel)
     model = stage_parts(model_config, plan) if plan.pipeline_size > 1 else GPTModel(model_config)
@@ -228,17 +233,17 @@ def build_torch_engine(
         offload=parallel.offload_param == "cpu",
         reshard_after_forward=plan.pipeline_size == 1,
     )
-    mesh = device_mesh(device)
+    mesh, edp_mesh = device_mesh(device), experts.expert_mesh(device)
     pipe = None
     if plan.pipeline_size > 1:
         for stage in model.stage_modules:
-            shard_model(stage, list(stage.layers.values()), mesh, policy)
+            shard_model(stage, list(stage.layers.values()), mesh, policy, edp_mesh)
         dtype = torch.bfloat16 if policy.bf16 else torch.float32
         pipe = Pipeline(
             model_config, plan, model.stage_modules, parallel.pipeline_schedule, device, dtype
         )
     else:
-        shard_model(model, list(model.layers), mesh, policy)
+        shard_model(model, list(model.layers), mesh, policy, edp_mesh)
     optimizer = build_optimizer(
         model.named_parameters(),
         optimizer_config,
@@ -246,6 +251,7 @@ def build_torch_engine(
         we_clip=True,
         model_parallel_group=state.get_model_parallel_group(),
         shard_group=state.get_data_parallel_group(),
+        expert_shard_group=experts.shard_group(),
     )
     return TorchEngine(
         model=model,

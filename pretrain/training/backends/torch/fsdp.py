@@ -23,9 +23,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from pretrain.parallel import state
+from pretrain.training.backends.torch.experts import shard_layer_experts
 
-MARKS = ("tensor_model_parallel", "partition_dim", "partition_stride", "shared")
-"""The attributes our TP layers put on parameters (clipping and the full state read them)."""
+MARKS = (
+    "tensor_model_parallel",
+    "partition_dim",
+    "partition_stride",
+    "shared",
+    "sequence_parallel",
+    "expert_parallel",
+    "expert_partition_dim",
+    "expert_tensor_partition_dim",
+)
+"""The attributes our TP and MoE layers put on parameters (clipping and the full state read
+them)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,10 +70,15 @@ def device_mesh(device: torch.device) -> DeviceMesh:
 
 
 def shard_model(
-    model: torch.nn.Module, layers: list[torch.nn.Module], mesh: DeviceMesh, policy: ShardingPolicy
+    model: torch.nn.Module,
+    layers: list[torch.nn.Module],
+    mesh: DeviceMesh,
+    policy: ShardingPolicy,
+    expert_mesh: DeviceMesh | None = None,
 ) -> torch.nn.Module:
-    """`fully_shard` each of `layers`, then `model` (the root), over `mesh["dp"]`; the
-    parameters keep our TP marks. Returns `model`, now an FSDP module."""
+    """`fully_shard` each of `layers` (first its MoE experts over `expert_mesh`, at EP > 1:
+    `experts.shard_layer_experts`), then `model` (the root), over `mesh["dp"]`; the parameters
+    keep our TP and MoE marks. Returns `model`, now an FSDP module."""
     marks = {name: _marks(p) for name, p in model.named_parameters()}
     options = {
         "mesh": mesh["dp"],
@@ -74,6 +90,7 @@ def shard_model(
     if policy.offload:
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     for layer in layers:
+        shard_layer_experts(layer, expert_mesh, {k: v for k, v in options.items() if k != "mesh"})
         fully_shard(layer, **options)
     fully_shard(model, **options)
     for name, param in model.named_parameters():

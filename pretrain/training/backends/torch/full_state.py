@@ -7,6 +7,12 @@ time) into TP-local tensors; data-parallel rank d keeps and writes every DP-th p
 `load_full_state` cuts each saved parameter for this TP rank, then for this rank's dim-0 shard
 of the data-parallel mesh (no communication: every rank reads the files), into the parameter and
 into Adam's state, which it creates where no step has yet.
+
+MoE (`experts.py`): at expert-parallel size > 1 each expert tensor (weight and moments), whole
+over expert DP after `full_tensor()`, is all-gathered over EP along dim 0, so the state holds
+every expert, as the DeepSpeed backend's does; at load each rank cuts its EP rank's experts, then
+its shard over the expert-data-parallel mesh. Persistent buffers (the routers' expert bias,
+replicated) are saved and set beside the parameters (`"buffer": true` entries).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from pretrain.checkpoint.full_state import FullState
 from pretrain.errors import UserError
 from pretrain.parallel import state
+from pretrain.training.backends.torch.experts import all_experts, local_experts, split_over_ep
 from pretrain.training.backends.torch.stages import saved_name
 from pretrain.training.engine import Carried, Write, write_full_state_shard
 
@@ -41,11 +48,23 @@ def _gathered(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", torch.float32, copy=True)
 
 
+def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers of `model` a state dict holds (the routers' expert bias), by GPTModel name."""
+    out = {}
+    for prefix, module in model.named_modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = buffer
+    return out
+
+
 def _collect(engine: TorchEngine, keep) -> dict[str, dict]:
-    """The entries (fp32 master, moments, step) of the parameters `keep(i)` selects; every rank
-    joins every gather (collectives over DP) and drops at once what it does not keep."""
+    """The entries (fp32 master, moments, step) of the parameters, then the persistent buffers,
+    that `keep(i)` selects; every rank joins every gather (collectives over DP, expert DP and
+    EP) and drops at once what it does not keep."""
     entries = {}
-    for i, (name, param) in enumerate(engine.model.named_parameters()):
+    params = list(engine.model.named_parameters())
+    for i, (name, param) in enumerate(params):
         if getattr(param, "shared", False):  # the tied copy (PP > 1): saved from the first stage
             continue
         adam = engine.optimizer.state.get(param, {})
@@ -53,10 +72,16 @@ def _collect(engine: TorchEngine, keep) -> dict[str, dict]:
         for key in MOMENTS:
             if key in adam:
                 entry[key] = _gathered(adam[key])
+        if split_over_ep(param):
+            entry.update({k: all_experts(entry[k]) for k in ("param", *MOMENTS) if k in entry})
         if "step" in adam:
             entry["step"] = int(adam["step"])
         if keep(i):
             entries[name] = entry
+    buffers = persistent_buffers(engine.model).items()
+    for i, (name, buffer) in enumerate(buffers, start=len(params)):
+        if keep(i):
+            entries[name] = {"partition": None, "param": _gathered(buffer), "buffer": True}
     return entries
 
 
@@ -83,6 +108,16 @@ def _like(param: DTensor, value: torch.Tensor) -> DTensor:
     )
 
 
+@torch.no_grad()
+def _set_buffers(engine: TorchEngine, full: FullState) -> None:
+    """This rank's persistent buffers from `full`; a state saved without them (before MoE
+    buffers were saved, or a dense model) leaves them as they are."""
+    saved = set(full.names())
+    for name, buffer in persistent_buffers(engine.model).items():
+        if name in saved:
+            buffer.copy_(full.entry(name).param)
+
+
 def load_full_state(
     engine: TorchEngine,
     step_dir: str,
@@ -106,6 +141,8 @@ def load_full_state(
         local = full.local(
             name, tp_rank=tp_rank, tp_size=tp, padded_vocab_size=engine.padded_vocab_size
         )
+        if split_over_ep(param):
+            local = {key: local_experts(value) for key, value in local.items()}
         with torch.no_grad():
             param.to_local().copy_(_like(param, local["param"]).to_local())
         if with_optimizer:
@@ -113,6 +150,7 @@ def load_full_state(
                 "step": torch.tensor(float(full.step(name))),
                 **{key: _like(param, local[key]) for key in MOMENTS},
             }
+    _set_buffers(engine, full)
     if with_schedule:
         engine.scheduler.load_state_dict(full.extra["lr_scheduler"])
     return Carried(

@@ -1,6 +1,9 @@
 """One iteration and one evaluation pass on the torch backend.
 
-PP > 1: the engine's pipeline schedule runs the micro-batches (`pipeline.Pipeline`). PP = 1:
+PP > 1: the engine's pipeline schedule runs the micro-batches (`pipeline.Pipeline`), which divides
+the gradients by the micro-batch count after the backward passes, so the MoE routers' auxiliary
+losses start their backward at 1 (`losses.set_backward_scale`; `step.model_iteration` set 1 / m,
+right where the loss itself is divided before backward, as at PP = 1). PP = 1:
 each micro-batch's loss, divided by the number of micro-batches, goes backward; FSDP2 keeps the
 gradients unsharded and local while they accumulate (`set_requires_gradient_sync(False)`) and
 reduce-scatters them, averaged over the data-parallel ranks, in the last micro-batch's backward.
@@ -16,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pretrain.model.moe import losses as moe_losses
 from pretrain.training.backends.torch.fsdp import reshard
 from pretrain.training.per_source import SourceLosses
 from pretrain.training.step import dp_mean, micro_batch_loss
@@ -34,6 +38,9 @@ def train_step(
 ) -> float:
     """`Engine.train_step` on the torch backend."""
     if engine.pipe is not None:
+        # the schedule back-propagates each micro-batch's loss unscaled and divides every
+        # gradient by the micro-batch count afterwards: the MoE aux losses start at 1 likewise
+        moe_losses.set_backward_scale(engine.loss_scale())
         micro_batches = [next(batches) for _ in range(num_microbatches)]
         mean = float(engine.pipe.train(micro_batches, use_document_ids))
     else:
