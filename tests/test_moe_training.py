@@ -25,8 +25,9 @@ shares, dropped fraction) are the same at every layout. Capacity runs keep each 
 expert at TP 1 only (each TP rank routes its own sequence chunk), so they run at TP 1 layouts.
 
 Checkpoints (DeepSeek-like: experts, shared expert, expert bias): a run at EP 2 (DP 4) saves at
-iteration 2 (ZeRO-0); one resumes it at EP 4 with ZeRO-2 and saves at 3, one at TP 2 x PP 2 x EP
-2; one process (EP 1) resumes the EP 4 ZeRO-2 checkpoint. Each continues the one-process run
+iteration 3 (ZeRO-0; at even iterations this bias is back at exactly 0); one resumes it at EP 4
+with ZeRO-2 and saves at 5, one at TP 2 x PP 2 x EP 2; one process (EP 1) resumes the EP 4 ZeRO-2
+checkpoint. Each continues the one-process run
 within 1e-5 from the iteration after its checkpoint (the expert bias, moving by 0.05 an iteration, must come back
 too), and the converter's reader gives the same full state dict (all 8 experts, expert bias)
 from the EP 4 checkpoint as from the one-process run's at the same iteration, and from that
@@ -96,7 +97,7 @@ def _argv(model: str, corpus: str, layout, metrics, iters: int = ITERATIONS) -> 
         model_flags("llama")
         + MODELS[model]
         + train_flags(corpus, iters=iters)
-        + ["--lr-decay-iters", "4"]  # one LR schedule for runs of 2, 3 and 4 iterations
+        + ["--lr-decay-iters", "6"]  # one LR schedule for runs of 2 to 6 iterations
         + layout_flags(tp, pp, zero)
         + ["--expert-model-parallel-size", str(ep), "--expert-tensor-parallel-size", str(etp)]
         + (["--sequence-parallel"] if tp > 1 else [])
@@ -105,12 +106,15 @@ def _argv(model: str, corpus: str, layout, metrics, iters: int = ITERATIONS) -> 
 
 
 REFERENCE = (1, 1, 1, 1, 0)
-# name -> (world, layout, --load, --save, train iters): DeepSeek-like, saving every iteration
+# name -> (world, layout, --load, --save, train iters): DeepSeek-like, saving every iteration.
+# The resumes start at odd iterations: here the expert bias (rate 0.05) moves away from 0 at odd
+# iterations and back to exactly 0 at even ones, where a resume could not tell whether it was
+# restored.
 RESUMES = {
-    "ep2": (4, (2, 1, 1, 1, 0), None, "ckpt_ep2", 2),
-    "ep4": (4, (4, 1, 1, 1, 2), "ckpt_ep2", "ckpt_ep4", 3),
+    "ep2": (4, (2, 1, 1, 1, 0), None, "ckpt_ep2", 3),
+    "ep4": (4, (4, 1, 1, 1, 2), "ckpt_ep2", "ckpt_ep4", 5),
     "tp2_pp2_ep2": (4, (2, 2, 2, 1, 0), "ckpt_ep2", None, 4),
-    "ep1": (1, REFERENCE, "ckpt_ep4", None, 4),
+    "ep1": (1, REFERENCE, "ckpt_ep4", None, 6),
 }
 
 
@@ -148,9 +152,9 @@ def runs(tmp_path_factory):
             for layout in [REFERENCE] if world == 1 else _layouts(model):
                 files[model, layout] = tmp / f"{model}_{'_'.join(map(str, layout))}.jsonl"
                 argvs.append(_argv(model, corpus, layout, files[model, layout]))
-                if model == "deepseek" and world == 1:  # the resumes' reference: 4 iterations
-                    argvs[-1] = _argv(model, corpus, layout, files[model, layout], 4)
-                    argvs[-1] += ["--save", str(tmp / "ckpt_reference"), "--save-interval", "3"]
+                if model == "deepseek" and world == 1:  # the resumes' reference: 6 iterations
+                    argvs[-1] = _argv(model, corpus, layout, files[model, layout], 6)
+                    argvs[-1] += ["--save", str(tmp / "ckpt_reference"), "--save-interval", "5"]
         argvs += [_resume_argv(tmp, corpus, n) for n, r in RESUMES.items() if r[0] == world]
         argvs += [_blend_argv(tmp, (2, 1, 1, 1, 0))] if world == 4 else []
         result = run(multirun_cmd(world, argvs, tmp / f"runs_{world}.json"), timeout=1100)
@@ -189,10 +193,10 @@ def _close(got: float, expected: float) -> bool:
 
 def test_resume_at_another_expert_layout_continues(runs):
     reference = runs["deepseek", REFERENCE]
-    assert reference[4]["grad-norm"] > 0.05
+    assert reference[6]["grad-norm"] > 0.05
     for name, (_, _, load, _, iters) in RESUMES.items():
         got = runs[name]
-        first = 1 if load is None else {"ckpt_ep2": 3, "ckpt_ep4": 4}[load]
+        first = 1 if load is None else {"ckpt_ep2": 4, "ckpt_ep4": 6}[load]
         assert sorted(got) == list(range(first, iters + 1)), name  # resumed after its checkpoint
         for it in got:
             for key in ("lm-loss", "grad-norm", "seq_load_balancing_loss", "moe/max_share"):
@@ -204,13 +208,16 @@ def test_the_reader_gives_every_expert_of_an_expert_parallel_checkpoint(runs, tm
     from tools.reshard_checkpoint import main as reshard
 
     folder = runs["checkpoints"]
-    whole = read_checkpoint(str(folder / "ckpt_reference"), 3).state_dict
+    whole = read_checkpoint(str(folder / "ckpt_reference"), 5).state_dict
     assert whole["layers.1.mlp.experts.fc1.weight"].shape[0] == 8
     assert whole["layers.1.mlp.router.expert_bias"].abs().sum() > 0  # it moved and is there
-    args = ["--load", str(folder / "ckpt_ep4"), "--iteration", "3", "--save", str(tmp_path / "r")]
+    # the resumes start from a bias that is not 0, so one lost on resume would show
+    first = read_checkpoint(str(folder / "ckpt_ep2"), 3).state_dict
+    assert first["layers.1.mlp.router.expert_bias"].abs().sum() > 0
+    args = ["--load", str(folder / "ckpt_ep4"), "--iteration", "5", "--save", str(tmp_path / "r")]
     reshard(args + ["--target-tensor-parallel-size", "2", "--target-pipeline-parallel-size", "2"])
     for source in (folder / "ckpt_ep4", tmp_path / "r"):  # saved at EP 4; resharded to TP 2 PP 2
-        split = read_checkpoint(str(source), 3).state_dict
+        split = read_checkpoint(str(source), 5).state_dict
         assert split.keys() == whole.keys()
         for name, tensor in whole.items():
             torch.testing.assert_close(split[name].float(), tensor.float(), rtol=1e-5, atol=1e-6)
