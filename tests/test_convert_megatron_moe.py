@@ -14,6 +14,7 @@ Three models: Mixtral-like (softmax top-2 of 4, every layer MoE), the same with 
 (Qwen3-MoE-like) and DeepSeek-like (a dense first layer, sigmoid top-2 with 2 groups, scaling,
 expert bias, shared expert). Converted to our checkpoint and to Hugging Face, our logits equal
 megatron-core's within 1e-5 and transformers' (Mixtral, Qwen3-MoE, GLM-4.5) within 1e-5.
+Expert parallelism and the legacy GroupedMLP: tests/test_convert_megatron_moe_ep.py.
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ def _args(model: str, tp: int, pp: int, ckpt_format: str):
     return args
 
 
-def _build(model: str, pre: bool, post: bool):
-    """megatron-core's GPTModel (local spec) of the Llama-style body with MoE layers."""
+def _build(model: str, pre: bool, post: bool, **extra):
+    """megatron-core's GPTModel (local spec) of the Llama-style body with MoE layers; `extra`:
+    more TransformerConfig fields (expert parallelism, the legacy GroupedMLP)."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -101,7 +103,7 @@ def _build(model: str, pre: bool, post: bool):
         persist_layer_norm=False, gradient_accumulation_fusion=False, pipeline_dtype=torch.float32,
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
-        moe_token_dispatcher_type="allgather", **MOE[model],
+        moe_token_dispatcher_type="allgather", **MOE[model], **extra,
     )  # fmt: skip
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
     return GPTModel(
@@ -253,16 +255,17 @@ def test_moe_logits_equal_megatron_core(saved, tmp_path, capsys, checkpoint):
 
 
 def test_moe_settings_we_cannot_compute_are_refused(saved, tmp_path):
-    """A gated shared expert and legacy GroupedMLP weights are named in the one error."""
+    """A gated shared expert and probabilities applied on the input are named in the one error
+    (legacy GroupedMLP weights are read: tests/test_convert_megatron_moe_ep.py)."""
     root, _ = saved
     source = root / "mixtral-tp2-torch-te" / f"iter_{ITERATION:07d}"
     bad = tmp_path / "bad" / f"iter_{ITERATION:07d}"
     for rank in ("mp_rank_00", "mp_rank_01"):
         checkpoint = torch.load(source / rank / "model_optim_rng.pt", weights_only=False)
         checkpoint["args"].moe_shared_expert_gate = True
-        checkpoint["args"].moe_use_legacy_grouped_gemm = True
+        checkpoint["args"].moe_apply_probs_on_input = True
         (bad / rank).mkdir(parents=True)
         torch.save(checkpoint, bad / rank / "model_optim_rng.pt")
-    with pytest.raises(UserError, match="moe_shared_expert_gate=True.*moe_use_legacy_grouped_gemm"):
+    with pytest.raises(UserError, match="moe_shared_expert_gate=True.*moe_apply_probs_on_input"):
         convert_from_megatron.main(["--load", str(bad), "--save", str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()

@@ -1,11 +1,11 @@
 #!/usr/bin/env python
-"""Convert a Megatron-LM checkpoint (megatron-core GPT, any TP/PP) to ours and/or Hugging Face.
+"""Convert a Megatron-LM checkpoint (megatron-core GPT, any TP/PP/EP) to ours and/or Hugging Face.
 
     python tools/convert_from_megatron.py --load megatron_ckpt --save checkpoints/from_megatron \\
         --target-tensor-parallel-size 2 --target-pipeline-parallel-size 1
     python tools/convert_from_megatron.py --load megatron_ckpt --output-dir hf_export/from_megatron
 
-Reads Megatron-LM's `torch` format (iter_<N>/mp_rank_XX[_YYY]/model_optim_rng.pt, the iteration
+Reads Megatron-LM's `torch` format (iter_<N>/mp_rank_XX[_YYY][_ZZZ]/model_optim_rng.pt, the iteration
 named by latest_checkpointed_iteration.txt unless --iteration) and its `torch_dist` format
 (.metadata + __*.distcp + common.pt, read with torch's distributed-checkpoint reader). The
 model is described by the checkpoint's saved `args`; weights only (no optimizer state). With
@@ -104,9 +104,8 @@ def main(argv=None) -> None:
         ck = with_vocab_size(ck, tokenizer.vocab_size)
     if args.output_dir:
         hf_flavour(ck.config)  # an inexpressible model fails before anything is written
-    tp, pp = ck.layout
     print(
-        f"read {ck.path} ({ck.checkpoint_format} format, TP={tp}, PP={pp}, iteration "
+        f"read {ck.path} ({ck.checkpoint_format} format, {ck.layout.describe()}, iteration "
         f"{ck.iteration}, {sum(v.numel() for v in ck.state_dict.values()):,} parameters, "
         f"vocabulary {ck.config.vocab_size})"
     )

@@ -29,8 +29,12 @@ renamed; each expert's `linear_fc1` / `linear_fc2` is stacked into our `mlp.expe
 `mlp.experts.local_experts.<e>.linear_fc1.weight`, Transformer Engine's grouped GEMM
 `mlp.experts.linear_fc1.weight<e>` (both in the torch format) and torch_dist's
 `mlp.experts.experts.linear_fc1.weight` (both write that one key, the experts on a global axis).
-Expert shards of TP ranks merge like ours (expert TP 1: whole on every rank; = TP: split). The
-torch format at expert-parallel size > 1 (`mp_rank_XX_YYY_ZZZ`) is refused.
+GroupedMLP's `mlp.experts.weight1` / `weight2` (--moe-use-legacy-grouped-gemm) are split into
+experts first (pretrain/convert/megatron_experts.py). Expert shards of TP ranks merge like ours
+(expert TP 1: whole on every rank; = TP: split). At expert-parallel size EP > 1 the torch format
+has one file per EP rank (pretrain/convert/megatron_files.py names them): EP rank r's local
+expert e is global expert r x E/EP + e, and its dense weights, replicas of EP rank 0's, must equal
+them (a mismatch is refused, naming the tensor and both files).
 """
 
 from __future__ import annotations
@@ -44,16 +48,15 @@ from dataclasses import dataclass
 import torch
 
 from pretrain.checkpoint import safe_load
-from pretrain.convert import megatron_dist
+from pretrain.convert import megatron_dist, megatron_experts, megatron_files
 from pretrain.convert.megatron_args import model_config_from_args
+from pretrain.convert.megatron_files import Layout
 from pretrain.convert.state_dict import expert_tp_of, merge_tp, parameter_partitions, trim_vocab
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
-MODEL_FILE = "model_optim_rng.pt"
 MIN_CHECKPOINT_VERSION = 2.0  # before 2.0, Megatron ordered the fused QKV rows differently
-_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(_\d{3})?$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(
     r"^mlp\.experts\.(?:local_experts\.(\d+)\.)?(?:experts\.)?linear_fc([12])\.(weight|bias)(\d*)$"
@@ -91,7 +94,7 @@ class MegatronCheckpoint:
     args: argparse.Namespace  # Megatron's saved args (its own enums as inert stand-ins)
     config: ModelConfig
     state_dict: dict[str, torch.Tensor]  # full (TP = 1), our names, vocabulary padding removed
-    layout: tuple[int, int]  # (TP, PP) it was saved at
+    layout: Layout  # the TP, PP and EP it was saved at
     checkpoint_format: str  # "torch" or "torch_dist"
 
 
@@ -126,40 +129,6 @@ def find_iteration_dir(load_dir: str, iteration: int | None = None) -> str:
     return step
 
 
-def _rank_files(step_dir: str) -> dict[tuple[int, int], str]:
-    """(tp rank, pp rank) -> model_optim_rng.pt, from the mp_rank_* directory names."""
-    files = {}
-    for name in sorted(os.listdir(step_dir)):
-        match = _RANK_DIR.match(name)
-        if not match or not os.path.isdir(os.path.join(step_dir, name)):
-            continue
-        if match.group(3):
-            raise UserError(
-                f"{step_dir}/{name}: expert-parallel shards (--expert-model-parallel-size > 1) of "
-                f"the torch format are not supported (save with --ckpt-format torch_dist, whose "
-                f"tensors are global at any expert-parallel size)"
-            )
-        files[int(match.group(1)), int(match.group(2) or 0)] = os.path.join(
-            step_dir, name, MODEL_FILE
-        )
-    return files
-
-
-def _check_layout(step_dir: str, files: dict, tp: int, pp: int) -> None:
-    expected = {(t, p) for t in range(tp) for p in range(pp)}
-    missing = sorted(expected - {k for k, path in files.items() if os.path.isfile(path)})
-    extra = sorted(files.keys() - expected)
-    if missing or extra:
-        names = [f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") for t, p in missing]
-        raise UserError(
-            f"{step_dir}: args say TP={tp}, PP={pp}, but "
-            + (f"{MODEL_FILE} is missing in {', '.join(names)}" if missing else "")
-            + (" and " if missing and extra else "")
-            + (f"there are extra rank folders {extra}" if extra else "")
-            + " (copy every rank's folder of this iteration)"
-        )
-
-
 def _chunks(checkpoint: dict, path: str) -> list[dict]:
     """The model state dicts in one file: [model] or [model0, model1, ...] (virtual pipeline)."""
     if "model" in checkpoint:
@@ -180,7 +149,7 @@ def _rename(name: str, offset: int) -> str | None:
     if match:
         layer, rest = int(match.group(1)) + offset, match.group(2)
         expert = _EXPERT.match(rest)
-        if expert:  # one expert's (`#<e>`, stacked by _stack_experts) or all of them
+        if expert:  # one expert's (`#<e>`, stacked by stack_experts) or all of them
             local, fc, kind, grouped = expert.groups()
             index = local if local is not None else grouped
             return f"layers.{layer}.mlp.experts.fc{fc}.{kind}" + (f"#{index}" if index else "")
@@ -200,15 +169,18 @@ def _layers_per_chunk(config: ModelConfig, pp: int, chunks: int) -> int:
     return config.num_layers // (pp * chunks)
 
 
-def _tp_shards(files: dict, checkpoints: dict, config: ModelConfig, tp: int, pp: int) -> list:
-    """Per TP rank: the whole model (all stages and chunks) under our names."""
-    shards: list[dict] = [{} for _ in range(tp)]
+def _tp_shards(files: dict, checkpoints: dict, config: ModelConfig, layout: Layout) -> list[dict]:
+    """Per TP rank: the whole model (all stages, chunks and EP ranks) under our names, experts
+    stacked [E, ...] in global order; `files` / `checkpoints` are keyed (tp, pp, ep) rank."""
+    shards: list[dict] = [{} for _ in range(layout.tp)]
     unknown: set[str] = set()
-    for (t, p), path in files.items():
-        chunks = _chunks(checkpoints[t, p], path)
-        per_chunk = _layers_per_chunk(config, pp, len(chunks))
+    num_local = (config.num_moe_experts or 0) // layout.ep
+    for (t, p, e), path in sorted(files.items()):  # EP rank 0 first: dense weights come from it
+        chunks = _chunks(checkpoints[t, p, e], path)
+        per_chunk = _layers_per_chunk(config, layout.pp, len(chunks))
         for v, chunk in enumerate(chunks):
-            offset = (v * pp + p) * per_chunk  # Megatron's interleaved virtual-stage order
+            offset = (v * layout.pp + p) * per_chunk  # Megatron's interleaved virtual-stage order
+            chunk = megatron_experts.split_grouped_mlp(chunk, num_local, config.hidden_size, path)
             for name, tensor in chunk.items():
                 ours = _rename(name, offset)
                 if ours is None:
@@ -220,8 +192,12 @@ def _tp_shards(files: dict, checkpoints: dict, config: ModelConfig, tp: int, pp:
                     config.untie_embeddings_and_output_weights
                 ):
                     continue  # the last stage's copy of the tied embedding (PP > 1)
+                ours = megatron_experts.expert_offset_name(ours, e * num_local)
+                if e and ours in shards[t]:
+                    _check_replica(shards[t][ours], tensor, ours, files[t, p, 0], path)
+                    continue
                 shards[t][ours] = tensor
-    shards = [_stack_experts(shard, config) for shard in shards]
+    shards = [megatron_experts.stack_experts(s, config.num_moe_experts or 0) for s in shards]
     if unknown:
         raise UserError(
             f"{os.path.dirname(os.path.dirname(next(iter(files.values()))))}: tensors our model "
@@ -231,23 +207,16 @@ def _tp_shards(files: dict, checkpoints: dict, config: ModelConfig, tp: int, pp:
     return shards
 
 
-def _stack_experts(shard: dict[str, torch.Tensor], config: ModelConfig) -> dict:
-    """Per-expert tensors `<name>#<e>` -> `<name>` stacked [E, ...] (expert order)."""
-    out, experts = {}, {}
-    for name, tensor in shard.items():
-        base, _, index = name.partition("#")
-        if index:
-            experts.setdefault(base, {})[int(index)] = tensor
-        else:
-            out[name] = tensor
-    for base, found in experts.items():
-        if sorted(found) != list(range(config.num_moe_experts or 0)):
-            raise UserError(
-                f"{base}: the checkpoint holds experts {sorted(found)}, but args say "
-                f"num_experts={config.num_moe_experts}"
-            )
-        out[base] = torch.stack([found[e] for e in range(len(found))])
-    return out
+def _check_replica(
+    kept: torch.Tensor, replica: torch.Tensor, name: str, kept_path: str, path: str
+) -> None:
+    """A dense weight saved by EP rank > 0 must equal EP rank 0's (both are DP replicas)."""
+    if kept.shape != replica.shape or not torch.equal(kept, replica):
+        raise UserError(
+            f"{path}: {name} differs from its copy in {kept_path} (dense weights are replicas "
+            f"across expert-parallel ranks; the checkpoint mixes files of different runs or "
+            f"iterations: copy every rank's folder of one iteration)"
+        )
 
 
 def _merge(shards: list[dict], config: ModelConfig, step_dir: str) -> dict[str, torch.Tensor]:
@@ -298,26 +267,21 @@ def read_megatron_checkpoint(
     step_dir = find_iteration_dir(load_dir, iteration)
     if megatron_dist.is_torch_dist(step_dir):
         return _read_torch_dist(step_dir, vocab_size)
-    files = _rank_files(step_dir)
-    if (0, 0) not in files or not os.path.isfile(files[0, 0]):
-        raise UserError(
-            f"{step_dir}: no mp_rank_00[_000]/{MODEL_FILE} and no .metadata (not a Megatron-LM "
-            f"checkpoint in the torch or torch_dist format)"
-        )
-    first = _load(files[0, 0])
+    first_path = megatron_files.first_rank_file(step_dir)
+    first = _load(first_path)
     args = first["args"]
-    config = model_config_from_args(args, files[0, 0], vocab_size)
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    _check_layout(step_dir, files, tp, pp)
-    checkpoints = {key: (first if key == (0, 0) else _load(path)) for key, path in files.items()}
-    state_dict = _merge(_tp_shards(files, checkpoints, config, tp, pp), config, step_dir)
+    config = model_config_from_args(args, first_path, vocab_size)
+    layout = megatron_files.layout_from_args(args, first_path)
+    files = megatron_files.rank_files(step_dir, layout)
+    checkpoints = {k: (first if p == first_path else _load(p)) for k, p in files.items()}
+    state_dict = _merge(_tp_shards(files, checkpoints, config, layout), config, step_dir)
     return MegatronCheckpoint(
         path=step_dir,
         iteration=int(first.get("iteration", 0)),
         args=args,
         config=config,
         state_dict=state_dict,
-        layout=(tp, pp),
+        layout=layout,
         checkpoint_format="torch",
     )
 
@@ -329,14 +293,19 @@ def _read_torch_dist(step_dir: str, vocab_size: int | None) -> MegatronCheckpoin
     args = common["args"]
     config = model_config_from_args(args, os.path.join(step_dir, "common.pt"), vocab_size)
     tensors = megatron_dist.read_model_tensors(step_dir, config.num_layers)
-    shards = _tp_shards({(0, 0): step_dir + "/x"}, {(0, 0): {"model": tensors}}, config, 1, 1)
+    whole = {(0, 0, 0): {"model": tensors}}  # global tensors: one "rank" holds them all
+    shards = _tp_shards({(0, 0, 0): step_dir + "/x"}, whole, config, Layout(1, 1, 1))
     return MegatronCheckpoint(
         path=step_dir,
         iteration=int(common.get("iteration", 0)),
         args=args,
         config=config,
         state_dict=_merge(shards, config, step_dir),
-        layout=(args.tensor_model_parallel_size, args.pipeline_model_parallel_size),
+        layout=Layout(
+            args.tensor_model_parallel_size,
+            args.pipeline_model_parallel_size,
+            getattr(args, "expert_model_parallel_size", None) or 1,
+        ),
         checkpoint_format="torch_dist",
     )
 

@@ -8,9 +8,10 @@ counts as absent = the behaviour those versions had (its neutral value below).
 
 Mixture of experts (`num_experts`): the `moe_*` args have our ModelConfig's names (megatron-core's
 TransformerConfig fields); settings our MoE layer does not compute (a gated shared expert,
-probabilities applied on the input, legacy GroupedMLP weights, forced balancing, a latent
-projection, several load-balancing losses at once) are refused with the others. The token
-dispatcher does not change what is computed: `flex` becomes `alltoall`.
+probabilities applied on the input, forced balancing, a latent projection, several
+load-balancing losses at once) are refused with the others. The expert implementation (legacy
+GroupedMLP, TE's grouped GEMM, SequentialMLP) changes only the tensor names, which the reader
+handles. The token dispatcher does not change what is computed: `flex` becomes `alltoall`.
 """
 
 from __future__ import annotations
@@ -66,7 +67,6 @@ NEUTRAL = (
     ("heterogeneous_layers_config_path", None),
     ("moe_shared_expert_gate", False),
     ("moe_apply_probs_on_input", False),
-    ("moe_use_legacy_grouped_gemm", False),
     ("moe_router_force_load_balancing", False),
     ("moe_latent_size", None),
 )
