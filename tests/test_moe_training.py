@@ -70,6 +70,7 @@ MODELS = {
 # (EP, TP, PP, expert TP, ZeRO) at 4 ranks
 LAYOUTS = [
     (1, 1, 1, 1, 1),
+    (1, 1, 1, 1, 3),
     (1, 2, 1, 2, 2),
     (1, 2, 2, 1, 0),
     (2, 1, 1, 1, 0),
