@@ -308,3 +308,30 @@ def save_checkpoints(rank: int, world_size: int, runs: list[tuple]) -> dict:
         dist.barrier()
         ps.destroy_model_parallel()
     return {"tokens": tokens, **logits}
+
+
+def finish_model(folders: list[str], result, logits: dict, name: str) -> None:
+    """The end of one saved model, on every rank: global rank 0 marks each of `folders` as
+    holding ITERATION (Megatron's `latest_checkpointed_iteration.txt`), data-parallel rank 0 of
+    the last stage keeps megatron-core's logits `result` under `name`, then the model-parallel
+    state goes."""
+    from megatron.core import parallel_state as ps
+
+    if dist.get_rank() == 0:
+        for folder in folders:
+            with open(os.path.join(folder, "latest_checkpointed_iteration.txt"), "w") as f:
+                f.write(str(ITERATION))
+    if result is not None and ps.get_data_parallel_rank() == 0:
+        logits[name] = result
+    dist.barrier()
+    ps.destroy_model_parallel()
+
+
+def saved_on_ranks(save, root, world_size: int) -> dict:
+    """`save(rank, world_size, root)` on `world_size` gloo ranks; their results merged."""
+    from distributed import run_on_ranks
+
+    merged = {}
+    for result in run_on_ranks(save, world_size=world_size, args=(str(root),), timeout=600):
+        merged.update(result)
+    return merged

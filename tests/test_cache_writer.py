@@ -6,6 +6,7 @@ fails is a warning for training but an error for `build_data_cache.py`, whose jo
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -167,3 +168,37 @@ def test_wait_all_raises_what_stopped_a_writer(tmp_path):
     with pytest.raises(UserError, match="x-a.npy"):
         cache_writer.wait_all()
     assert not os.path.exists(tmp_path / "x-description.txt")
+
+
+def test_stray_temporaries_go_before_the_build_and_a_live_builders_stay(
+    prefixes, tmp_path, monkeypatch
+):
+    # this host's hidden temporary of one of the blend's caches: a killed builder's before the
+    # build (removed, under the blend's lock), a live builder's while the writer still runs
+    # after the lock is released (left alone: removing it broke that builder's rename)
+    probe = tmp_path / "probe"
+    build_train_valid_test_datasets(config(prefixes, probe), TOKENIZER, [SAMPLES, 0, 0])
+    cache_writer.wait_all()
+    name = per_prefix_files(probe, "-sample_index.npy")[0]
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    stale = cache / f".{name}.{socket.gethostname()}.killed"
+    stale.write_bytes(b"x")
+    release = threading.Event()
+    real = cache_writer.save_arrays
+
+    def held(request, arrays, **kwargs):
+        assert release.wait(60)
+        real(request, arrays, **kwargs)
+
+    monkeypatch.setattr(cache_writer, "save_arrays", held)
+    try:
+        build_train_valid_test_datasets(config(prefixes, cache), TOKENIZER, [SAMPLES, 0, 0])
+        assert not stale.exists()
+        live = cache / f".{name}.{socket.gethostname()}.live"
+        live.write_bytes(b"x")
+    finally:
+        release.set()
+    cache_writer.wait_all()
+    assert live.exists()
+    assert name in os.listdir(cache)

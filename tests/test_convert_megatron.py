@@ -16,6 +16,7 @@ import dataclasses
 import os
 import pickle
 
+import megatron_oracle as oracle
 import pytest
 import torch
 import torch.distributed as dist
@@ -146,7 +147,6 @@ def _save_dist(rank, world_size, root):
     forks its file writers; torch.cuda.synchronize (before copying tensors to host) is a no-op."""
     import multiprocessing
 
-    import megatron_oracle as oracle
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
@@ -178,13 +178,7 @@ def _save_dist(rank, world_size, root):
             os.makedirs(step)
         dist.barrier()
         dist_checkpointing.save(state, step)
-        if rank == 0:
-            with open(os.path.join(root, name, "latest_checkpointed_iteration.txt"), "w") as f:
-                f.write(str(ITERATION))
-        if result is not None and ps.get_data_parallel_rank() == 0:
-            logits[name] = result
-        dist.barrier()
-        ps.destroy_model_parallel()
+        oracle.finish_model([os.path.join(root, name)], result, logits, name)
     return {"tokens": tokens, **logits}
 
 
@@ -192,9 +186,7 @@ def _save_dist(rank, world_size, root):
 def megatron_dist(tmp_path_factory):
     """{name: (torch_dist checkpoint directory, megatron-core's logits)} and the tokens."""
     root = tmp_path_factory.mktemp("megatron_dist")
-    merged = {}
-    for result in run_on_ranks(_save_dist, world_size=2, args=(str(root),), timeout=600):
-        merged.update(result)
+    merged = oracle.saved_on_ranks(_save_dist, root, world_size=2)
     return {name: (root / name, merged[name]) for name in merged if name != "tokens"}, merged[
         "tokens"
     ]

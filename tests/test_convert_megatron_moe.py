@@ -22,12 +22,12 @@ from __future__ import annotations
 import io
 import os
 
+import megatron_oracle as oracle
 import pytest
 import torch
 import torch.distributed as dist
 import transformers
 from convert_fixtures import load_tool
-from distributed import run_on_ranks
 from megatron_oracle import ITERATION, TOKENS
 
 from pretrain.convert.checkpoint_reader import read_checkpoint
@@ -68,8 +68,6 @@ HF_CLASS = {
 
 
 def _args(model: str, tp: int, pp: int, ckpt_format: str):
-    import megatron_oracle as oracle
-
     args = oracle.megatron_args("llama", tp, pp, None)
     fields = dict(MOE[model])
     args.num_experts = fields.pop("num_moe_experts")
@@ -178,7 +176,6 @@ def _save_all(rank, world_size, root):
     import multiprocessing
     import warnings
 
-    import megatron_oracle as oracle
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe import moe_utils
 
@@ -205,23 +202,14 @@ def _save_all(rank, world_size, root):
             _save_torch(folder, args, model, te_names)
         else:
             _save_dist(folder, args, model)
-        if rank == 0:
-            with open(os.path.join(folder, "latest_checkpointed_iteration.txt"), "w") as f:
-                f.write(str(ITERATION))
-        if result is not None and ps.get_data_parallel_rank() == 0:
-            logits[name] = result
-        dist.barrier()
-        ps.destroy_model_parallel()
+        oracle.finish_model([folder], result, logits, name)
     return {"tokens": tokens, **logits}
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron_moe")
-    merged = {}
-    for result in run_on_ranks(_save_all, world_size=2, args=(str(root),), timeout=600):
-        merged.update(result)
-    return root, merged
+    return root, oracle.saved_on_ranks(_save_all, root, world_size=2)
 
 
 @pytest.mark.timeout(900)

@@ -31,12 +31,12 @@ import os
 import shutil
 import zlib
 
+import megatron_oracle as oracle
 import pytest
 import torch
 import torch.distributed as dist
 import transformers
 from convert_fixtures import load_tool
-from distributed import run_on_ranks
 from megatron_oracle import ITERATION, TOKENS
 
 from pretrain.convert.checkpoint_reader import read_checkpoint
@@ -112,7 +112,6 @@ def _save_all(rank, world_size, root):
     import multiprocessing
     import warnings
 
-    import megatron_oracle as oracle
     from megatron.core import parallel_state as ps
     from megatron.core.transformer.moe import grouped_gemm_util, moe_utils
     from test_convert_megatron_moe import _args, _build, _perturb_expert_bias, _save_dist
@@ -149,26 +148,15 @@ def _save_all(rank, world_size, root):
                 os.path.join(root, f"{name}-dist", f"iter_{ITERATION:07d}")
             )
         result = oracle._forward([model], tokens)
-        if rank == 0:
-            for folder in (name, f"{name}-dist") if experts == "grouped" else (name,):
-                with open(
-                    os.path.join(root, folder, "latest_checkpointed_iteration.txt"), "w"
-                ) as f:
-                    f.write(str(ITERATION))
-        if result is not None and ps.get_data_parallel_rank() == 0:
-            logits[name] = result
-        dist.barrier()
-        ps.destroy_model_parallel()
+        folders = (name, f"{name}-dist") if experts == "grouped" else (name,)
+        oracle.finish_model([os.path.join(root, f) for f in folders], result, logits, name)
     return {"tokens": tokens, **logits}
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron_moe_ep")
-    merged = {}
-    for result in run_on_ranks(_save_all, world_size=4, args=(str(root),), timeout=600):
-        merged.update(result)
-    return root, merged
+    return root, oracle.saved_on_ranks(_save_all, root, world_size=4)
 
 
 @pytest.mark.timeout(900)

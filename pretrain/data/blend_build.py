@@ -29,7 +29,12 @@ from filelock import FileLock, Timeout
 
 from pretrain.data import blend_cache
 from pretrain.data.blended_dataset import BlendedDataset
-from pretrain.data.cache import NO_CACHE, load_or_build_all, try_load
+from pretrain.data.cache import (
+    NO_CACHE,
+    load_or_build_all,
+    remove_stray_temporaries_of,
+    try_load,
+)
 from pretrain.data.cache_writer import CacheWriter
 from pretrain.data.config import DataConfig
 from pretrain.data.gpt_dataset import GPTDataset, IndexSpec
@@ -181,6 +186,7 @@ def _build(request: BlendRequest, present, cfg: DataConfig, path: str, descripti
     writer = CacheWriter(f"{request.split} split")
     try:
         requests = [s.cache_request(s.default_cache_dir()) for s in specs]
+        remove_stray_temporaries_of(requests)  # left by killed builders (we hold the lock)
         batch = load_or_build_all(requests, threads, writer.add)
         datasets = [GPTDataset.from_spec(s, a) for s, a in zip(specs, batch.arrays, strict=True)]
         weights, size = request.blend_weights(present)

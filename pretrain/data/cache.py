@@ -328,6 +328,17 @@ def load_or_build(request: CacheRequest) -> dict[str, np.ndarray]:
         lock.release()
 
 
+def remove_stray_temporaries_of(requests: Sequence[CacheRequest]) -> None:
+    """`remove_stray_temporaries` for many caches, one listing per folder: for a caller that holds
+    the lock that makes it the only builder of them (`blend_build.py`, before it builds)."""
+    folders: dict[str, set[str]] = {}
+    for request in requests:
+        if request.directory is not None:
+            folders.setdefault(request.directory, set()).add(request.base_name)
+    for directory, names in folders.items():
+        remove_stray_temporaries(directory, names)
+
+
 def make_folders(requests: Sequence[CacheRequest]) -> None:
     """Create the cache folders of `requests`; one that cannot be made is a UserError naming
     --data-cache-path."""

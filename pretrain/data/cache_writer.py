@@ -14,7 +14,9 @@ does not wait for the writer: a `pretrain_gpt.py` rank that built the caches sta
 its writer finishes (a non-daemon thread, so the process ends after it). A writer that fails (a
 full disk) logs one warning and stops; `wait_all` raises its error instead where the process
 said it would (`caller_reports`: `build_data_cache.py`, whose job is the files). An interrupted writer leaves arrays without descriptions: nobody trusts
-them, and the next build replaces them.
+them, and the next build replaces them. The writer removes no one's temporaries: it may still run
+after the blend's lock is released, when a temporary of one of its caches belongs to a live
+builder (the blend's builder removes stray ones before it builds, holding the lock).
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from pretrain.data.cache import (
     CacheRequest,
     drop_description,
     make_folders,
-    remove_stray_temporaries,
     save_arrays,
     save_description,
 )
@@ -100,15 +101,10 @@ class CacheWriter:
 
     @staticmethod
     def _commit(written: list[CacheRequest], mode: int) -> None:
-        folders: dict[str, set[str]] = {}
-        for request in written:
-            folders.setdefault(request.directory, set()).add(request.base_name)
-        for directory in folders:
+        for directory in dict.fromkeys(r.directory for r in written):
             sync_filesystem(directory)
         for request in written:
             save_description(request, fsync=False, mode=mode, in_place=True)
-        for directory, names in folders.items():
-            remove_stray_temporaries(directory, names)
 
 
 def caller_reports() -> None:
