@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pretrain.checkpoint.full_state import write_shard
+from pretrain.checkpoint.full_state import FullState, write_shard
 from pretrain.parallel import state
 from pretrain.training.distributed import collective_device
 
@@ -214,6 +214,41 @@ def write_full_state_shard(
         extra=extra,
         write=write,
     )
+
+
+def split_over_ep(param: torch.Tensor) -> bool:
+    """True for an expert parameter whose experts are split over EP ranks (EP > 1)."""
+    return getattr(param, "expert_parallel", False) and (
+        state.get_expert_model_parallel_world_size() > 1
+    )
+
+
+def all_experts(tensor: torch.Tensor) -> torch.Tensor:
+    """This EP rank's experts (dim 0) -> every expert, all-gathered over EP (a collective): how
+    either backend puts experts into the full state."""
+    parts = [torch.empty_like(tensor) for _ in range(state.get_expert_model_parallel_world_size())]
+    torch.distributed.all_gather(
+        parts, tensor.contiguous(), group=state.get_expert_model_parallel_group()
+    )
+    return torch.cat(parts)
+
+
+def local_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every expert (dim 0) -> this EP rank's, for each tensor (`pretrain.model.moe.layer.
+    local_experts`: rank r holds experts [r E/EP, (r+1) E/EP))."""
+    ep, rank = state.get_expert_model_parallel_world_size(), state.get_expert_model_parallel_rank()
+    return {k: v.chunk(ep)[rank] for k, v in tensors.items()}
+
+
+@torch.no_grad()
+def set_buffers(buffers: dict[str, torch.Tensor], full: FullState) -> None:
+    """Set `buffers` (this rank's persistent buffers by GPTModel name) from the full state `full`;
+    a state saved before buffers were part of it leaves them as they are (the expert bias then
+    restarts at 0)."""
+    saved = set(full.names())
+    for name, buffer in buffers.items():
+        if name in saved:
+            buffer.copy_(full.entry(name).param)
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -34,7 +34,14 @@ from pretrain.training.backends.deepspeed.masters import (
     masters,
     set_loss_scale_state,
 )
-from pretrain.training.engine import Carried, write_full_state_shard
+from pretrain.training.engine import (
+    Carried,
+    all_experts,
+    local_experts,
+    set_buffers,
+    split_over_ep,
+    write_full_state_shard,
+)
 
 if TYPE_CHECKING:
     from pretrain.training.backends.deepspeed.engine import DeepSpeedEngine as Engine
@@ -81,29 +88,6 @@ def _gpt_names(engine: Engine, named: dict, owned: bool) -> dict:
     return out
 
 
-def _split_over_ep(param: torch.Tensor) -> bool:
-    """True for an expert parameter whose experts are split over EP ranks."""
-    return getattr(param, "expert_parallel", False) and (
-        state.get_expert_model_parallel_world_size() > 1
-    )
-
-
-def _all_experts(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's experts -> every expert: all-gathered over EP along dim 0 (a collective)."""
-    parts = [torch.empty_like(tensor) for _ in range(state.get_expert_model_parallel_world_size())]
-    torch.distributed.all_gather(
-        parts, tensor.contiguous(), group=state.get_expert_model_parallel_group()
-    )
-    return torch.cat(parts)
-
-
-def _local_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every expert -> this EP rank's (`pretrain.model.moe.experts`: rank r holds experts
-    [r E/ep, (r+1) E/ep))."""
-    ep, rank = state.get_expert_model_parallel_world_size(), state.get_expert_model_parallel_rank()
-    return {k: v.chunk(ep)[rank] for k, v in tensors.items()}
-
-
 def _collect(engine: Engine, keep: Callable[[int], bool]) -> dict[str, dict]:
     """The entries (fp32 master, moments) of the parameters, then the persistent buffers, that
     `keep(i)` selects (i: position in this rank's order), on the CPU. Every rank gathers every
@@ -116,8 +100,8 @@ def _collect(engine: Engine, keep: Callable[[int], bool]) -> dict[str, dict]:
     params = _named_parameters(engine, owned=True)
     for i, (name, param) in enumerate(params.items()):
         entry = {"partition": _partition(param), **source.get(param)}
-        if _split_over_ep(param):
-            entry.update({k: _all_experts(entry[k]) for k in TENSOR_KEYS if k in entry})
+        if split_over_ep(param):
+            entry.update({k: all_experts(entry[k]) for k in TENSOR_KEYS if k in entry})
         if keep(i):
             entries[name] = {
                 k: v.detach().to("cpu", torch.float32, copy=True) if torch.is_tensor(v) else v
@@ -161,16 +145,6 @@ def _set_module_weight(engine: Engine, param: torch.nn.Parameter, value: torch.T
         param.copy_(value.to(param.dtype))
 
 
-@torch.no_grad()
-def _set_buffers(engine: Engine, full: FullState) -> None:
-    """Set this rank's persistent buffers from `full`; a state saved before buffers were part
-    of it leaves them as they are (the expert bias then restarts at 0)."""
-    saved = set(full.names())
-    for name, buffer in _named_buffers(engine).items():
-        if name in saved:
-            buffer.copy_(full.entry(name).param)
-
-
 def load_full_state(
     engine: Engine, step_dir: str, *, vocab_size: int, with_optimizer: bool, with_schedule: bool
 ) -> Carried:
@@ -194,11 +168,11 @@ def load_full_state(
         local = full.local(
             name, tp_rank=tp_rank, tp_size=tp, padded_vocab_size=engine.padded_vocab_size
         )
-        if _split_over_ep(param):
-            local = _local_experts(local)
+        if split_over_ep(param):
+            local = local_experts(local)
         _set_module_weight(engine, param, local["param"])
         target.set(param, local, with_optimizer)
-    _set_buffers(engine, full)
+    set_buffers(_named_buffers(engine), full)
     if with_schedule:
         engine.scheduler.load_state_dict(full.extra["lr_scheduler"])
     return Carried(

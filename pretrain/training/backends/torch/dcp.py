@@ -41,9 +41,9 @@ from pretrain.checkpoint import safe_load
 from pretrain.errors import UserError
 from pretrain.parallel import state
 from pretrain.testing_hooks import stream_watcher
-from pretrain.training.backends.torch.experts import split_over_ep
 from pretrain.training.backends.torch.full_state import persistent_buffers
 from pretrain.training.checkpoint_writes import RankFiles
+from pretrain.training.engine import split_over_ep
 
 if TYPE_CHECKING:
     from pretrain.training.backends.torch.engine import TorchEngine

@@ -65,24 +65,3 @@ def shard_layer_experts(layer: torch.nn.Module, mesh: DeviceMesh | None, options
     # gloo has no pre-multiplied sum; a one-rank mesh divides once already, and twice with
     # sum reductions forced (torch 2.13's copy path, then its post-divide)
     experts.set_force_sum_reduction_for_comms(mesh.size() > 1)
-
-
-def split_over_ep(param: torch.Tensor) -> bool:
-    """True for an expert parameter whose experts are split over EP ranks."""
-    return getattr(param, "expert_parallel", False) and sharded_apart()
-
-
-def all_experts(tensor: torch.Tensor) -> torch.Tensor:
-    """This EP rank's experts (dim 0) -> every expert, all-gathered over EP (a collective)."""
-    parts = [torch.empty_like(tensor) for _ in range(state.get_expert_model_parallel_world_size())]
-    torch.distributed.all_gather(
-        parts, tensor.contiguous(), group=state.get_expert_model_parallel_group()
-    )
-    return torch.cat(parts)
-
-
-def local_experts(tensor: torch.Tensor) -> torch.Tensor:
-    """Every expert (dim 0) -> this EP rank's (`pretrain.model.moe.layer.local_experts`: rank r
-    holds experts [r E/EP, (r+1) E/EP))."""
-    ep = state.get_expert_model_parallel_world_size()
-    return tensor.chunk(ep)[state.get_expert_model_parallel_rank()]

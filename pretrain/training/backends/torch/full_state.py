@@ -25,9 +25,16 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from pretrain.checkpoint.full_state import FullState
 from pretrain.errors import UserError
 from pretrain.parallel import state
-from pretrain.training.backends.torch.experts import all_experts, local_experts, split_over_ep
 from pretrain.training.backends.torch.stages import saved_name
-from pretrain.training.engine import Carried, Write, write_full_state_shard
+from pretrain.training.engine import (
+    Carried,
+    Write,
+    all_experts,
+    local_experts,
+    set_buffers,
+    split_over_ep,
+    write_full_state_shard,
+)
 
 if TYPE_CHECKING:
     from pretrain.training.backends.torch.engine import TorchEngine
@@ -108,16 +115,6 @@ def _like(param: DTensor, value: torch.Tensor) -> DTensor:
     )
 
 
-@torch.no_grad()
-def _set_buffers(engine: TorchEngine, full: FullState) -> None:
-    """This rank's persistent buffers from `full`; a state saved without them (before MoE
-    buffers were saved, or a dense model) leaves them as they are."""
-    saved = set(full.names())
-    for name, buffer in persistent_buffers(engine.model).items():
-        if name in saved:
-            buffer.copy_(full.entry(name).param)
-
-
 def load_full_state(
     engine: TorchEngine,
     step_dir: str,
@@ -142,7 +139,7 @@ def load_full_state(
             name, tp_rank=tp_rank, tp_size=tp, padded_vocab_size=engine.padded_vocab_size
         )
         if split_over_ep(param):
-            local = {key: local_experts(value) for key, value in local.items()}
+            local = local_experts(local)
         with torch.no_grad():
             param.to_local().copy_(_like(param, local["param"]).to_local())
         if with_optimizer:
@@ -150,7 +147,7 @@ def load_full_state(
                 "step": torch.tensor(float(full.step(name))),
                 **{key: _like(param, local[key]) for key in MOMENTS},
             }
-    _set_buffers(engine, full)
+    set_buffers(persistent_buffers(engine.model), full)
     if with_schedule:
         engine.scheduler.load_state_dict(full.extra["lr_scheduler"])
     return Carried(
