@@ -29,7 +29,7 @@ from training_fixtures import PYTHON, REPO, model_flags, run
 from training_fixtures import test_env as clean_env  # (pytest would collect test_env)
 
 from pretrain.cli import data_tool_parser, parse_data_tool_args
-from pretrain.data import cache_writer, gpt_dataset
+from pretrain.data import blend_cache, cache_writer, gpt_dataset
 from pretrain.data.builder import build_train_valid_test_datasets
 from pretrain.data.config import DataConfig
 from pretrain.data.describe import describe, describe_blend
@@ -152,6 +152,45 @@ def test_blend_equals_megatron_and_megatron_caches_are_read_both_ways(data, tmp_
     assert built == []
     for ours_ds, their_ds in zip(again.datasets, theirs.datasets, strict=True):
         assert_same_arrays(ours_ds, their_ds, GPT_ARRAYS)
+
+
+def test_blend_cache_file_is_the_same_with_parts_joined_or_written_one_by_one(tmp_path, monkeypatch):
+    """A group's small pieces are joined before writing, big ones written as they are: the file,
+    and what it reads back as, do not depend on which."""
+    rng = np.random.default_rng(3)
+    parts = [
+        blend_cache.Part(
+            position=i,
+            num_samples=n,
+            fingerprint=f"fp{i}",
+            arrays={
+                "document_index": rng.integers(0, 50, n + 3).astype(np.int32),
+                "sample_index": rng.integers(0, 50, (n + 1, 2)).astype([np.int32, np.int64][i % 2]),
+                "shuffle_index": rng.permutation(n).astype(np.uint32),
+            },
+        )
+        for i, n in enumerate([5, 1, 9, 4])
+    ]
+    blend = {
+        "dataset_index": rng.integers(0, 4, 19).astype(np.int16),
+        "dataset_sample_index": rng.integers(0, 9, 19).astype(np.int64),
+    }
+    written = {}
+    for join_bytes in (0, 1 << 30):
+        monkeypatch.setattr(blend_cache, "_JOIN_BYTES", join_bytes)
+        path = str(tmp_path / f"{join_bytes}-BlendCache-train.bin")
+        blend_cache.write(path, "the description", parts, blend)
+        written[join_bytes] = open(path, "rb").read()
+        (got, got_blend), why = blend_cache.read(path, "the description")
+        assert why == "" and [p.position for p in got] == [0, 1, 2, 3]
+        for part, back in zip(parts, got, strict=True):
+            assert (back.num_samples, back.fingerprint) == (part.num_samples, part.fingerprint)
+            for name, arr in part.arrays.items():
+                assert back.arrays[name].dtype == arr.dtype
+                np.testing.assert_array_equal(back.arrays[name], arr)
+        for name, arr in blend.items():
+            np.testing.assert_array_equal(got_blend[name], arr)
+    assert written[0] == written[1 << 30]
 
 
 def training_argv(data_args: str, cache: str) -> list[str]:

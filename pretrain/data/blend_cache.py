@@ -38,9 +38,9 @@ from pretrain.atomic import atomic_write
 MAGIC = b"PRETRAIN-BLEND-CACHE/1\n"
 _LENGTH = struct.Struct("<Q")
 _ALIGN = 64
-_BLOCK = 64 << 20  # bytes: small arrays are joined into writes of about this size
 INDEX_NAMES = ("document_index", "sample_index", "shuffle_index")
 BLEND_NAMES = ("dataset_index", "dataset_sample_index")
+_JOIN_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,9 @@ def _group(arr: np.ndarray, name: str) -> str:
 
 
 def _layout(parts: Sequence[Part], blend: dict[str, np.ndarray]):
-    """(header tables, [(offset, array)] in payload order, payload length)."""
+    """(header tables, [(offset, array)] in payload order, payload length): a group's pieces
+    joined into one array (one copy in C, not thousands of small writes) up to `_JOIN_BYTES`,
+    beyond that passed as they are (no second copy of a big blend's indices)."""
     groups: dict[str, list[np.ndarray]] = {}
     rows: dict[str, int] = {}  # rows of each group so far
     where = []
@@ -85,36 +87,25 @@ def _layout(parts: Sequence[Part], blend: dict[str, np.ndarray]):
     for name in BLEND_NAMES:
         groups[name] = [blend[name]]
     tables, chunks, offset = {}, [], 0
-    rows.update({name: len(blend[name]) for name in BLEND_NAMES})
     for group, pieces in groups.items():
-        shape = [rows[group], *pieces[0].shape[1:]]
+        shape = [sum(len(piece) for piece in pieces), *pieces[0].shape[1:]]
         tables[group] = [pieces[0].dtype.str, shape, offset]
+        if len(pieces) > 1 and sum(piece.nbytes for piece in pieces) <= _JOIN_BYTES:
+            pieces = [np.concatenate(pieces)]
         for piece in pieces:
-            chunks.append((offset, piece))
+            chunks.append((offset, np.ascontiguousarray(piece)))
             offset += piece.nbytes
         offset = -(-offset // _ALIGN) * _ALIGN
     return {"arrays": tables, "parts": where}, chunks, offset
 
 
 def _blocks(chunks, payload_bytes: int) -> list:
-    """The payload as a few buffers: runs of small arrays (and the zeros between them) joined,
-    an array of `_BLOCK` bytes or more passed as it is."""
-    blocks, pieces, pending, end = [], [], 0, 0
+    """The payload as buffers for `f.write`: the arrays and the zeros between groups."""
+    blocks, end = [], 0
     for offset, arr in chunks:
-        view = memoryview(np.ascontiguousarray(arr)).cast("B")
-        pieces.append(bytes(offset - end))
-        end = offset + len(view)
-        if len(view) >= _BLOCK:
-            blocks += [b"".join(pieces), view]
-            pieces, pending = [], 0
-            continue
-        pieces.append(view)
-        pending += len(view)
-        if pending >= _BLOCK:
-            blocks.append(b"".join(pieces))
-            pieces, pending = [], 0
-    pieces.append(bytes(payload_bytes - end))
-    return [*blocks, b"".join(pieces)]
+        blocks += [bytes(offset - end), memoryview(arr).cast("B")]
+        end = offset + arr.nbytes
+    return [*blocks, bytes(payload_bytes - end)]
 
 
 def write(path: str, description: str, parts: Sequence[Part], blend: dict[str, np.ndarray]) -> None:

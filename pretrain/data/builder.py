@@ -17,6 +17,7 @@ from pretrain.data.blended_dataset import normalize
 from pretrain.data.cache import load_or_build
 from pretrain.data.config import Blend, DataConfig, Split
 from pretrain.data.fingerprint import PrefixFiles
+from pretrain.data.gc_pause import gc_paused
 from pretrain.data.gpt_dataset import GPTDataset, IndexSpec, index_spec, split_ranges
 from pretrain.data.indexed_dataset import IndexedDataset
 from pretrain.data.mixture import MixturePlan
@@ -147,6 +148,7 @@ class _Builder:
         return out
 
 
+@gc_paused()
 def build_train_valid_test_datasets(
     cfg: DataConfig,
     tokenizer,

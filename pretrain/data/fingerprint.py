@@ -23,6 +23,7 @@ import numpy as np
 from pretrain.atomic import atomic_write_bytes
 from pretrain.data import token_stats
 from pretrain.data.config import DataConfig
+from pretrain.data.gc_pause import gc_paused
 from pretrain.data.indexed_dataset import IndexedDataset, get_idx_path
 from pretrain.errors import UserError, check_json_types
 from pretrain.tokenizer.fingerprint import (
@@ -225,6 +226,7 @@ def check_prefix(
         )
 
 
+@gc_paused()
 def check_data(
     cfg: DataConfig,
     tok_cfg,
