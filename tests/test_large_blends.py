@@ -154,7 +154,7 @@ def test_blend_equals_megatron_and_megatron_caches_are_read_both_ways(data, tmp_
         assert_same_arrays(ours_ds, their_ds, GPT_ARRAYS)
 
 
-def test_blend_cache_file_is_the_same_with_parts_joined_or_written_one_by_one(tmp_path, monkeypatch):
+def test_blend_cache_file_is_the_same_joined_or_one_by_one(tmp_path, monkeypatch):
     """A group's small pieces are joined before writing, big ones written as they are: the file,
     and what it reads back as, do not depend on which."""
     rng = np.random.default_rng(3)
