@@ -53,8 +53,10 @@ def test_the_blend_is_ready_before_megatrons_files_and_descriptions_come_last(
     cache = tmp_path / "cache"
     release, first_written = threading.Event(), threading.Event()
     real = cache_writer.save_arrays
+    niceness = []  # the writer's, as it writes
 
     def held(request, arrays, **kwargs):  # the first prefix's arrays go through, then wait
+        niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
         if first_written.is_set():
             assert release.wait(60)
         real(request, arrays, **kwargs)
@@ -70,6 +72,9 @@ def test_the_blend_is_ready_before_megatrons_files_and_descriptions_come_last(
         assert first_written.wait(60)
         assert len(per_prefix_files(cache, ".npy")) == 3  # one prefix's arrays: the writer is held
         assert per_prefix_files(cache, "-description.txt") == []  # none before the flush
+        # the writer yields the CPU to the ranks' own work (nice + 10), the builder does not
+        ours = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        assert niceness[0] == min(19, ours + 10), (niceness, ours)
         release.set()
         cache_writer.wait_all()
         assert len(per_prefix_files(cache, ".npy")) == 9

@@ -2,26 +2,29 @@
 
 A cold blend of thousands of prefixes builds thousands of small caches; creating their files (four
 per prefix, in one folder) costs as much as computing them. `CacheWriter` creates them on a
-background thread while the builder goes on computing (file system calls release the GIL), with
-the guarantee `pretrain/data/cache.py` describes: arrays first, created under their final names,
-then one flush of each file system, then the descriptions, so a description is never durable
-before its arrays. A description is created in place too (no temporary and rename): a reader of
-ours trusts a cache only if its description is complete and equal to the expected one, and
-Megatron-LM only checks that the four files exist, by which time the arrays are durable.
+background thread while the builder goes on computing (file system calls release the GIL), at a
+lower scheduling priority than the ranks' own work (`NICENESS`), with the guarantee
+`pretrain/data/cache.py` describes: arrays first, created under their final names, then one flush
+of each file system, then the descriptions, so a description is never durable before its arrays. A
+description is created in place too (no temporary and rename): a reader of ours trusts a cache only
+if its description is complete and equal to the expected one, and Megatron-LM only checks that the
+four files exist, by which time the arrays are durable.
 
-The blend's own consolidated cache (`blend_cache.py`) is what this project reads, so training
-does not wait for the writer: a `pretrain_gpt.py` rank that built the caches starts training while
-its writer finishes (a non-daemon thread, so the process ends after it). A writer that fails (a
-full disk) logs one warning and stops; `wait_all` raises its error instead where the process
-said it would (`caller_reports`: `build_data_cache.py`, whose job is the files). An interrupted writer leaves arrays without descriptions: nobody trusts
-them, and the next build replaces them. The writer removes no one's temporaries: it may still run
-after the blend's lock is released, when a temporary of one of its caches belongs to a live
-builder (the blend's builder removes stray ones before it builds, holding the lock).
+The blend's own consolidated cache (`blend_cache.py`) is what this project reads, so training does
+not wait for the writer: a `pretrain_gpt.py` rank that built the caches starts training while its
+writer finishes (a non-daemon thread, so the process ends after it). A writer that fails (a full
+disk) logs one warning and stops; `wait_all` raises its error instead where the process said it
+would (`caller_reports`: `build_data_cache.py`, whose job is the files). An interrupted writer
+leaves arrays without descriptions: nobody trusts them, and the next build replaces them. The
+writer removes no one's temporaries: it may still run after the blend's lock is released, when a
+temporary of one of its caches belongs to a live builder (the blend's builder removes stray ones
+before it builds, holding the lock).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 
@@ -39,6 +42,7 @@ from pretrain.data.cache import (
 log = logging.getLogger(__name__)
 
 _END = object()
+NICENESS = 10
 _running: list[CacheWriter] = []
 _running_lock = threading.Lock()
 _caller_reports = False
@@ -78,6 +82,7 @@ class CacheWriter:
             raise self._error
 
     def _run(self) -> None:
+        _yield_the_cpu()
         written: list[CacheRequest] = []
         folders: set[str] = set()
         mode = file_mode()
@@ -105,6 +110,19 @@ class CacheWriter:
             sync_filesystem(directory)
         for request in written:
             save_description(request, fsync=False, mode=mode, in_place=True)
+
+
+def _yield_the_cpu() -> None:
+    """Lower this thread's scheduling priority (Linux: `nice` is per thread) by `NICENESS`: on a
+    machine where the other ranks are starting up, creating thousands of files (kernel time that
+    grows when the file system recently freed many inodes) must not slow them down."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(
+            os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + NICENESS)
+        )
+    except (AttributeError, OSError):  # not Linux, or not allowed: the default priority
+        pass
 
 
 def caller_reports() -> None:
