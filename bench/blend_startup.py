@@ -86,8 +86,8 @@ def _ranks_peak_rss(stop: threading.Event, peaks: dict[int, int]) -> None:
 
 def run_once(ranks: int, args_file: str, cache: str) -> dict:
     """One launch: seconds to the first iteration line, lines before it, peak RSS per rank. The
-    disk is flushed first, as in bench/large_blend.py (small-file creation on ext4 otherwise
-    pays for the dirty inode tables an earlier run left)."""
+    disk is flushed first, as in bench/large_blend.py (whose docstring says why small-file
+    creation on this disk wants nothing deleted in the 6 minutes before)."""
     os.sync()
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = ROOT

@@ -16,13 +16,19 @@ Cold, each in a fresh process and a fresh cache folder, on the same files and fl
     data checks (largest token id of every `.bin`: there is no sidecar), the split checks and the
     build).
 
-Each side is timed inside its process from the parsed arguments to the written caches (imports
-excluded), in wall and CPU seconds (CPU time is what a busy machine does not distort; file
-creation under contention is not in it); the whole process's wall time (imports included) too. After both, every GPTDataset and the
-BlendedDataset cache of both folders are compared array by array (same file names, dtypes,
-values). The last line is one JSON object; "ratio" = megatron seconds / our seconds (> 1: we are
-faster), the median of `--repeats` alternating runs; "cpu_ratio" and "process_ratio" the same
-for CPU seconds and whole processes.
+Each side is timed inside its process (megatron-core first in even repeats, ours in odd ones) from
+the parsed arguments to the written caches (imports excluded), in wall and CPU seconds; the whole
+process's wall time (imports included) too. After both, every GPTDataset and the BlendedDataset
+cache of both folders are compared array by array (same file names, dtypes, values). The last line
+is one JSON object; "ratio" = megatron seconds / our seconds (> 1: we are faster), the median of
+`--repeats` runs; "cpu_ratio" and "process_ratio" the same for CPU seconds and whole processes.
+
+Both sides create the same thousands of small files. On ext4 without a journal (this machine's
+disk) creating one skips every free inode freed in the last minute, or the last 6 minutes when its
+inode-table block is dirty (which creating files beside it makes it): after a mass deletion (a test
+run, this bench's own cleanup) a small file costs up to 0.7 ms of kernel CPU instead of 0.02 ms,
+at random per new folder. The disk is flushed before each run (`sync`); run the bench when nothing
+was deleted in the last 6 minutes (`sleep 360` between two runs of it).
 
     .venv/bin/python bench/large_blend.py --prefixes 2000 [--repeats 3] [--data /tmp/blend2000]
 """
@@ -217,10 +223,12 @@ def main() -> None:
             theirs = os.path.join(work, f"megatron{repeat}")
             clear_token_scans(prefixes)
             tools = os.path.join(ROOT, "tools")
-            runs["ours"].append(
-                run_timed(OURS.format(root=ROOT, tools=tools, argv=our_argv(args_file, mine)))
-            )
-            runs["megatron"].append(run_timed(MEGATRON.format(cache=theirs, **fmt)))
+            codes = {
+                "ours": OURS.format(root=ROOT, tools=tools, argv=our_argv(args_file, mine)),
+                "megatron": MEGATRON.format(cache=theirs, **fmt),
+            }
+            for side in sorted(codes, reverse=repeat % 2 == 1):  # each side first in turn
+                runs[side].append(run_timed(codes[side]))
             print(
                 "run {}: ours {:.2f} s (CPU {:.2f} s, process {:.1f} s), megatron-core {:.2f} s "
                 "(CPU {:.2f} s, process {:.1f} s), load {:.1f}".format(
