@@ -19,7 +19,9 @@ expert gradients are summed over expert DP and divided by DP (FSDP2's own divisi
 DP size fails it: measured, see docs/MOE.md), clipping counts every expert once (every step is
 clipped at 0.05), and the aux losses reach the gradients with the scale each schedule gives the
 loss. A Mixtral-like bf16 run at DP 4 EP 2 stays finite and within 2e-3 of fp32 per iteration
-(the project's bf16 criterion, tests/test_bf16.py), and is not fp32's to the last digit.
+(the project's bf16 criterion, tests/test_bf16.py), and is not fp32's to the last digit. With
+--cpu-offload (FSDP2's CPUOffloadPolicy, the experts' sharding included) DP 4 EP 2 equals the run
+without it within 1e-6.
 
 Resumes (DeepSeek-like, whose expert bias moves by 0.05 an iteration and must come back): a
 DeepSpeed EP 2 (ZeRO-0) checkpoint at iteration 3 resumes on the torch backend at EP 4; a torch
@@ -77,6 +79,7 @@ RUNS = {
     "ref_deepseek": (1, "deepseek", 2, 5, []),
     "mixtral_dp4_ep2": (4, "mixtral", 2, 3, TORCH + _ep(2)),
     "mixtral_dp4_ep2_bf16": (4, "mixtral", 2, 3, TORCH + _ep(2) + ["--bf16"]),
+    "mixtral_dp4_ep2_offload": (4, "mixtral", 2, 3, TORCH + _ep(2) + ["--cpu-offload"]),
     "deepseek_tp2_dp2_ep2": (4, "deepseek", 2, 3, TORCH + _tp(2) + SP + _ep(2)),
     "mixtral_tp2_dp2_ep2_etp2": (4, "mixtral", 2, 3, TORCH + _tp(2) + SP + _ep(2, 2)),
     "mixtral_4_layers_pp2_dp2_ep2_zbv": (4, "mixtral", 4, 3, TORCH + ZBV + _ep(2)),
@@ -140,6 +143,7 @@ def _assert_close(got: dict, expected: dict, rtol: float, name: str, keys=("lm-l
     "name",
     [
         "mixtral_dp4_ep2",
+        "mixtral_dp4_ep2_offload",
         "deepseek_tp2_dp2_ep2",
         "mixtral_tp2_dp2_ep2_etp2",
         "mixtral_4_layers_pp2_dp2_ep2_zbv",
@@ -152,6 +156,11 @@ def test_torch_backend_moe_matches_one_process(runs, name):
     assert sorted(got) == list(range(1, RUNS[name][3] + 1))
     _assert_close(got, reference, RTOL, name)
     assert all(reference[it]["grad-norm"] > 0.05 for it in reference)  # every step clipped
+
+
+def test_cpu_offload_changes_nothing(runs):
+    """FSDP2's CPUOffloadPolicy (--cpu-offload) on the experts' own fully_shard and the layers'."""
+    _assert_close(runs["mixtral_dp4_ep2_offload"], runs["mixtral_dp4_ep2"], 1e-6, "offload")
 
 
 def test_the_expert_bias_moved_and_is_in_the_checkpoints(runs):

@@ -1,5 +1,6 @@
-"""Signals from schedulers: --exit-signal-handler saves and resumes exactly; ranks die with their
-launcher. Real `deepspeed` launches of two ranks, real signals."""
+"""Signals from schedulers: --exit-signal-handler saves and resumes exactly (a dense model, and an
+MoE model at EP 2); ranks die with their launcher. Real `deepspeed` launches of two ranks, real
+signals."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 from signal_fixtures import finish, job, kill_group, wait_for_iterations
+from test_moe_training import MODELS as MOE
 from training_fixtures import (
     deepspeed_cmd,
     layout_flags,
@@ -27,22 +29,31 @@ ITERS = 20
 GONE_WITHIN_SECONDS = 15
 
 
-def _flags(corpus: str, iters: int, metrics: Path, *extra: str) -> list[str]:
-    dropout = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
+DROPOUT = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
+# the dense GPT-2, and a DeepSeek-like MoE at EP 2: each rank saves and loads its own experts and
+# the routers' state (whether the expert bias is 0 where it stops depends on the iteration:
+# tests/test_moe_training.py resumes where it is not)
+MODELS = {
+    "gpt2": model_flags("gpt2") + DROPOUT,
+    "moe_ep2": model_flags("llama") + MOE["deepseek"] + ["--expert-model-parallel-size", "2"],
+}
+
+
+def _flags(corpus: str, iters: int, metrics: Path, *extra: str, model: str = "gpt2") -> list[str]:
     return (
-        model_flags("gpt2")
-        + dropout
+        MODELS[model]
         + train_flags(corpus, iters=iters)
         + layout_flags(1, 1, 1)  # two ranks: DP = 2, ZeRO-1
         + ["--metrics-file", str(metrics), *extra]
     )
 
 
-def test_exit_signal_handler_saves_and_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_exit_signal_handler_saves_and_resumes_exactly(tmp_path, model):
     corpus = make_corpus(tmp_path / "corpus")
     ckpt, metrics = tmp_path / "ckpt", tmp_path / "m.jsonl"
     save = ["--save", str(ckpt), "--save-interval", "1000", "--exit-signal-handler"]
-    proc = start(deepspeed_cmd(2, _flags(corpus, ITERS, metrics, *save)))
+    proc = start(deepspeed_cmd(2, _flags(corpus, ITERS, metrics, *save, model=model)))
     try:
         wait_for_iterations(proc, metrics, 2)
         job(proc.pid)[0][1].send_signal(signal.SIGTERM)  # one rank only: the ranks must agree
@@ -58,8 +69,8 @@ def test_exit_signal_handler_saves_and_resumes_exactly(tmp_path):
 
     reference = tmp_path / "reference.jsonl"
     runs = [
-        _flags(corpus, ITERS, reference),
-        _flags(corpus, ITERS, tmp_path / "resumed.jsonl", "--load", str(ckpt)),
+        _flags(corpus, ITERS, reference, model=model),
+        _flags(corpus, ITERS, tmp_path / "resumed.jsonl", "--load", str(ckpt), model=model),
     ]
     result = run(multirun_cmd(2, runs, tmp_path / "runs.json"), timeout=400)
     assert result.returncode == 0, result.stdout[-6000:]
