@@ -11,21 +11,11 @@ after a seeded random number of bytes, a commit step right after it ran.
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
-from training_fixtures import (
-    PYTHON,
-    REPO,
-    layout_flags,
-    make_corpus,
-    model_flags,
-    read_metrics,
-    run,
-    train_flags,
-)
-from training_fixtures import test_env as clean_env
+from signal_fixtures import check_kill_trial, run_kill_trials
+from training_fixtures import layout_flags, make_corpus, model_flags, train_flags
 
 from pretrain.checkpoint.integrity import choose_checkpoint
 
@@ -108,57 +98,23 @@ def _check_events(trial: dict, saves: list[list[str]]) -> None:
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_sigkill_at_every_save_event_never_damages_the_checkpoint_latest_names(tmp_path, world):
-    corpus = make_corpus(tmp_path / "corpus")
     trials = _trials(world)
-    final = 2 + sum(t["kind"] == "resume" for t in trials)
     flags = (
         model_flags("gpt2")
         + ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
-        + train_flags(corpus, iters=2)
+        + train_flags(make_corpus(tmp_path / "corpus"), iters=2)
         + layout_flags(1, 1, SAVES[world][0])
         + ["--save-interval", "1", "--save-total-limit", "2"]
-        + ["--lr-decay-iters", str(final)]  # one schedule whatever --train-iters a trial has
     )
-    spec = {
-        "flags": flags,
-        "world": world,
-        "save": str(tmp_path / "ckpt"),
-        "metrics": str(tmp_path / "m.jsonl"),
-        "reference": {"save": str(tmp_path / "ref"), "iters": final, "metrics": str(tmp_path / "ref.jsonl")},
-        "trials": trials,
-    }  # fmt: skip
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    result = run(
-        [PYTHON, str(REPO / "tests" / "checkpoint_kill_trials.py"), str(tmp_path / "spec.json")],
-        timeout=850,
-        env=clean_env(),
-    )
-    assert result.returncode == 0, result.stdout[-6000:]
-    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    phases = [r for r in lines if "phase" in r]
-    assert [p["status"] for p in phases] == [[0] * world] * 2, phases
-    done = [r for r in lines if "trial" in r]
-    assert len(done) == len(trials)
-    reference = read_metrics(tmp_path / "ref.jsonl")
+    done, reference = run_kill_trials(tmp_path, flags, world, trials)
     follows_rename = False
     for t in done:
-        context = {k: v for k, v in t.items() if k != "tail"}
-        before = int(t["latest_before"].removeprefix("global_step"))
-        # the step `latest` named loaded (on every rank: DeepSpeed's load is collective)
-        assert t["loaded"] == before, (context, t["tail"])
-        assert not t["traceback"] and t["every_file_loads"], (context, t["tail"])
-        metrics = read_metrics(t["metrics"]) if t["kind"] != "relaunch" else {}
         if t["kind"] != "resume":  # nothing is saved over the step `latest` names
-            assert t["status"] == [0] * world and t["latest_after"] == t["latest_before"], context
+            before = int(t["latest_before"].removeprefix("global_step"))
+            assert t["loaded"] == before and not t["traceback"] and t["every_file_loads"], t
+            assert t["status"] == [0] * world and t["latest_after"] == t["latest_before"], t
             continue
+        context = check_kill_trial(t, reference, COMMITTED)
         _check_events(context, _save_events(world, follows_rename))
-        killed = t["event"] is not None
-        assert t["status"][t["rank"] if killed else 0] == (-9 if killed else 0), context
-        saved = t["event"] in COMMITTED or not killed
-        assert t["latest_after"] == f"global_step{before + saved}", context
-        # this launch's own metrics file: it resumed at the step it loaded, with the losses of
-        # the uninterrupted run (a fresh start would write iteration 1, with other losses)
-        assert sorted(metrics) == [before + 1], context
-        assert metrics[before + 1]["lm-loss"] == reference[before + 1]["lm-loss"], context
         follows_rename = t["event"] == "step renamed into place"
     assert choose_checkpoint(str(tmp_path / "ckpt")).note is None

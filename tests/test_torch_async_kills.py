@@ -15,20 +15,11 @@ step of the same protocol).
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
-from training_fixtures import (
-    PYTHON,
-    REPO,
-    make_corpus,
-    model_flags,
-    read_metrics,
-    run,
-    train_flags,
-)
-from training_fixtures import test_env as clean_env
+from signal_fixtures import check_kill_trial, run_kill_trials
+from training_fixtures import make_corpus, model_flags, train_flags
 
 from pretrain.checkpoint.integrity import choose_checkpoint
 
@@ -76,48 +67,15 @@ def _check_events(trial: dict) -> None:
 
 
 def test_sigkill_during_a_background_save_never_damages_the_checkpoint_latest_names(tmp_path):
-    corpus = make_corpus(tmp_path / "corpus")
     trials = _trials()
-    final = 2 + len(trials)
     flags = (
         model_flags("gpt2")
         + ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]  # the RNG files count too
-        + train_flags(corpus, iters=2)
+        + train_flags(make_corpus(tmp_path / "corpus"), iters=2)
         + ["--use-torch-fsdp2", "--async-save", "--ckpt-format", "torch_dist"]
-        + ["--save-interval", "1", "--save-total-limit", "2", "--lr-decay-iters", str(final)]
+        + ["--save-interval", "1", "--save-total-limit", "2"]
     )
-    spec = {
-        "flags": flags,
-        "world": WORLD,
-        "save": str(tmp_path / "ckpt"),
-        "metrics": str(tmp_path / "m.jsonl"),
-        "reference": {"save": str(tmp_path / "ref"), "iters": final, "metrics": str(tmp_path / "ref.jsonl")},
-        "trials": trials,
-    }  # fmt: skip
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    result = run(
-        [PYTHON, str(REPO / "tests" / "checkpoint_kill_trials.py"), str(tmp_path / "spec.json")],
-        timeout=850,
-        env=clean_env(),
-    )
-    assert result.returncode == 0, result.stdout[-6000:]
-    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    phases = [r for r in lines if "phase" in r]
-    assert [p["status"] for p in phases] == [[0] * WORLD] * 2, phases
-    done = [r for r in lines if "trial" in r]
-    assert len(done) == len(trials)
-    reference = read_metrics(tmp_path / "ref.jsonl")
+    done, reference = run_kill_trials(tmp_path, flags, WORLD, trials)
     for t in done:
-        context = {k: v for k, v in t.items() if k != "tail"}
-        before = int(t["latest_before"].removeprefix("global_step"))
-        assert t["loaded"] == before, (context, t["tail"])
-        assert not t["traceback"] and t["every_file_loads"], (context, t["tail"])
-        _check_events(context)
-        killed = t["event"] is not None
-        assert t["status"][t["rank"] if killed else 0] == (-9 if killed else 0), context
-        saved = t["event"] in COMMITTED or not killed
-        assert t["latest_after"] == f"global_step{before + saved}", context
-        metrics = read_metrics(t["metrics"])
-        assert sorted(metrics) == [before + 1], context  # resumed, not started afresh
-        assert metrics[before + 1]["lm-loss"] == reference[before + 1]["lm-loss"], context
+        _check_events(check_kill_trial(t, reference, COMMITTED))
     assert choose_checkpoint(str(tmp_path / "ckpt")).note is None
