@@ -206,6 +206,7 @@ def changes(f) -> dict:
         "--exit-interval": ["2"], "--exit-duration-in-mins": ["5"],
         "--exit-signal-handler": [], "--exit-signal": ["SIGUSR1"], "--iterations-to-skip": ["2", "4-5"],
         "--no-check-for-nan-in-loss-and-grad": [],
+        "--manual-gc": [], "--manual-gc-interval": ["10"], "--no-manual-gc-eval": [],
         "--check-for-spiky-loss": [], "--spiky-loss-policy": ["skip"], "--spiky-loss-window": ["16"],
         "--spiky-loss-factor": ["3"], "--spiky-loss-min-window": ["4"],
         # checkpointing
@@ -271,7 +272,6 @@ NOOP_VALUES = {
     "--rope-type": ["rope"],
     "--transformer-impl": ["transformer_engine"],
     "--empty-unused-memory-level": ["1"],
-    "--manual-gc-interval": ["10"],
     "--per-dataset-sequences-path": ["sequences.json"],
     "--timing-log-level": ["2"],
     "--profile-step-start": ["4"],

@@ -49,6 +49,7 @@ from pretrain.training.checkpointing import CheckpointConfig
 from pretrain.training.evaluator import EvalConfig
 from pretrain.training.logging import LoggingConfig
 from pretrain.training.loop import TrainingConfig
+from pretrain.training.manual_gc import ManualGCConfig
 from pretrain.training.optimizer import OptimizerConfig
 from pretrain.training.run import Prepared, RunConfig
 from pretrain.training.spikes import SpikeConfig
@@ -195,7 +196,8 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
     checkpoint = CheckpointConfig(**section_values(ns, "checkpoint"))
     check_nvme_checkpoints(parallel, save=checkpoint.save, load=checkpoint.load)
     spikes = SpikeConfig(**section_values(ns, "spikes"))
-    if problems := spikes.problems(save=checkpoint.save):
+    manual_gc = ManualGCConfig(**section_values(ns, "manual_gc"))
+    if problems := spikes.problems(save=checkpoint.save) + manual_gc.problems():
         raise UserError("; ".join(problems))
     if checkpoint.save is not None and checkpoint.save_interval is None:
         if not ns.training__exit_interval:  # 0: no exit interval, as in Megatron
@@ -289,6 +291,7 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
             seq_length=ns.seq_length,
             seed=ns.seed,
             spikes=spikes,
+            manual_gc=manual_gc,
         ),
         schedule=schedule,
         optimizer=OptimizerConfig(**section_values(ns, "optimizer")),

@@ -21,6 +21,7 @@ from pretrain.training.divergence import DivergenceCheck
 from pretrain.training.evaluator import Evaluator
 from pretrain.training.exit_signal import ExitSignal
 from pretrain.training.logging import MetricsLogger, logger
+from pretrain.training.manual_gc import ManualGC, ManualGCConfig
 from pretrain.training.skip import flatten_iterations, skip_iteration
 from pretrain.training.spikes import Rewinder, SpikeConfig, SpikePolicy
 from pretrain.training.state import TrainState
@@ -69,6 +70,8 @@ class TrainingConfig:
     (--check-for-nan-in-loss-and-grad; off: --no-check-for-nan-in-loss-and-grad)."""
     spikes: SpikeConfig = SpikeConfig()
     """Loss-spike detection and policy (--check-for-spiky-loss, --spiky-loss-*)."""
+    manual_gc: ManualGCConfig = ManualGCConfig()
+    """When the garbage collector runs (--manual-gc, --manual-gc-interval, --no-manual-gc-eval)."""
 
 
 def _should_exit(config: TrainingConfig, iteration: int, started: float) -> bool:
@@ -120,62 +123,66 @@ def train(
     to_skip = flatten_iterations(config.iterations_to_skip)
     divergence = DivergenceCheck(config.check_for_nan_in_loss_and_grad, engine)
     spikes = SpikePolicy(config.spikes, train_state, rewinder)
-    while train_state.iteration < config.train_iters and not _tokens_done(config, train_state):
-        # Megatron's update_num_microbatches(consumed): the batch of this iteration
-        global_batch, num_microbatches = _batch_at(config, train_state.consumed_train_samples)
-        engine.set_global_batch_size(global_batch)
-        if train_state.iteration + 1 in to_skip:
-            skip_iteration(train_batches, num_microbatches, global_batch, train_state)
-            continue
-        if spikes.pending():  # a batch a spike rewind marked
-            reason = "--spiky-loss-policy rewind"
-            skip_iteration(train_batches, num_microbatches, global_batch, train_state, reason)
-            continue
-        step_start = time.perf_counter()
-        spikes.before_step()
-        with model_iteration(engine, num_microbatches, lambda: spikes.applied):
-            loss = engine.train_step(
-                train_batches, num_microbatches, use_document_ids, device, spikes.judge
+    gc_points = ManualGC(config.manual_gc)
+    with gc_points.running():
+        while train_state.iteration < config.train_iters and not _tokens_done(config, train_state):
+            # Megatron's update_num_microbatches(consumed): the batch of this iteration
+            global_batch, num_microbatches = _batch_at(config, train_state.consumed_train_samples)
+            engine.set_global_batch_size(global_batch)
+            if train_state.iteration + 1 in to_skip:
+                skip_iteration(train_batches, num_microbatches, global_batch, train_state)
+                continue
+            if spikes.pending():  # a batch a spike rewind marked
+                reason = "--spiky-loss-policy rewind"
+                skip_iteration(train_batches, num_microbatches, global_batch, train_state, reason)
+                continue
+            step_start = time.perf_counter()
+            spikes.before_step()
+            with model_iteration(engine, num_microbatches, lambda: spikes.applied):
+                loss = engine.train_step(
+                    train_batches, num_microbatches, use_document_ids, device, spikes.judge
+                )
+            if not spikes.applied:  # a spike under skip/rewind: no update was made
+                train_batches = spikes.withhold(global_batch, train_batches)
+                continue
+            seconds = time.perf_counter() - step_start
+            train_state.iteration += 1
+            train_state.consumed_train_samples += global_batch
+            source_tokens = _count_sources(train_state, mixture, config.seq_length)
+            metrics.record_iteration(
+                iteration=train_state.iteration,
+                consumed_samples=train_state.consumed_train_samples,
+                global_batch_size=global_batch,
+                loss=loss,
+                seconds=seconds,
+                learning_rate=engine.learning_rate(),  # after the step, as Megatron logs it
+                grad_norm=engine.grad_norm(),
+                loss_scale=engine.loss_scale(),
+                skipped_steps=engine.skipped_steps,
+                source_tokens=source_tokens,
             )
-        if not spikes.applied:  # a spike under skip/rewind: no update was made
-            train_batches = spikes.withhold(global_batch, train_batches)
-            continue
-        seconds = time.perf_counter() - step_start
-        train_state.iteration += 1
-        train_state.consumed_train_samples += global_batch
-        source_tokens = _count_sources(train_state, mixture, config.seq_length)
-        metrics.record_iteration(
-            iteration=train_state.iteration,
-            consumed_samples=train_state.consumed_train_samples,
-            global_batch_size=global_batch,
-            loss=loss,
-            seconds=seconds,
-            learning_rate=engine.learning_rate(),  # after the step, as Megatron logs it
-            grad_norm=engine.grad_norm(),
-            loss_scale=engine.loss_scale(),
-            skipped_steps=engine.skipped_steps,
-            source_tokens=source_tokens,
-        )
-        divergence.after_step(train_state.iteration, loss, checkpointer.newest_checkpoint)
-        if evaluator.should_evaluate(train_state.iteration):
-            evaluator.evaluate(engine, train_state)
-        checkpointer.poll(engine)  # commits a background save once every rank has written it
-        if checkpointer.should_save(train_state.iteration):
-            checkpointer.save(engine, train_state)
-        if _should_exit(config, train_state.iteration, started):
-            checkpointer.save_if_unsaved(engine, train_state)
-            logger.info(
-                f"exiting after iteration {train_state.iteration} (--exit-interval / "
-                f"--exit-duration-in-mins)"
-            )
-            return False
-        if exit_signal is not None and exit_signal.requested():
-            checkpointer.save_if_unsaved(engine, train_state)
-            logger.info(
-                f"exiting after iteration {train_state.iteration}: {exit_signal.name} received "
-                f"(--exit-signal-handler)"
-            )
-            return False
+            divergence.after_step(train_state.iteration, loss, checkpointer.newest_checkpoint)
+            gc_points.after_iteration(train_state.iteration)
+            if evaluator.should_evaluate(train_state.iteration):
+                with gc_points.evaluation():
+                    evaluator.evaluate(engine, train_state)
+            checkpointer.poll(engine)  # commits a background save once every rank has written it
+            if checkpointer.should_save(train_state.iteration):
+                checkpointer.save(engine, train_state)
+            if _should_exit(config, train_state.iteration, started):
+                checkpointer.save_if_unsaved(engine, train_state)
+                logger.info(
+                    f"exiting after iteration {train_state.iteration} (--exit-interval / "
+                    f"--exit-duration-in-mins)"
+                )
+                return False
+            if exit_signal is not None and exit_signal.requested():
+                checkpointer.save_if_unsaved(engine, train_state)
+                logger.info(
+                    f"exiting after iteration {train_state.iteration}: {exit_signal.name} received "
+                    f"(--exit-signal-handler)"
+                )
+                return False
     if train_state.iteration > first_iteration:
         _count_sources(train_state, mixture, config.seq_length)  # after skipped iterations
         checkpointer.save_if_unsaved(engine, train_state)
