@@ -16,6 +16,8 @@ import contextlib
 import gc
 from dataclasses import dataclass
 
+from pretrain.data.gc_pause import gc_paused
+
 
 @dataclass(frozen=True, kw_only=True)
 class ManualGCConfig:
@@ -50,14 +52,9 @@ class ManualGC:
         if not self.config.enabled:
             yield
             return
-        was_enabled = gc.isenabled()
-        gc.disable()
-        gc.collect()
-        try:
+        with gc_paused():
+            gc.collect()
             yield
-        finally:
-            if was_enabled:
-                gc.enable()
 
     def after_iteration(self, iteration: int) -> None:
         """A full collection after every --manual-gc-interval-th iteration."""
