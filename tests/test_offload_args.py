@@ -26,6 +26,10 @@ def _json(tmp_path, zero: dict) -> str:
     return str(path)
 
 
+NVME = pytest.mark.needs_async_io  # NVMe offload needs DeepSpeed's async_io op (libaio)
+
+
+@NVME
 def test_flags_write_deepspeeds_sections(corpus, tmp_path):
     cpu = ds_config(_parse(corpus, "--zero-stage", "2", "--cpu-offload"))
     assert cpu["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": False}
@@ -60,8 +64,8 @@ def test_flags_write_deepspeeds_sections(corpus, tmp_path):
         (["--zero-stage", "3", "--offload-param", "nvme", "--offload-nvme-path", "/nonexistent/swap"], ["--offload-nvme-path /nonexistent/swap: no such folder"]),
         (["--zero-stage", "3", "--offload-param", "nvme", "--offload-nvme-path", "/proc/self"], ["--offload-nvme-path /proc/self: cannot write there"]),
         # DeepSpeed 0.19's checkpoints of NVMe-offloaded runs resume wrongly (docs/TRAINING.md)
-        (["--zero-stage", "3", "--offload-optimizer", "nvme", "--offload-nvme-path", "/tmp", "--save", "/tmp/ck", "--save-interval", "2"], ["--save /tmp/ck with --offload-optimizer nvme", "do not resume correctly"]),
-        (["--zero-stage", "3", "--offload-optimizer", "nvme", "--offload-nvme-path", "/tmp", "--load", "/tmp/ck"], ["--load /tmp/ck with --offload-optimizer nvme", "use --cpu-offload"]),
+        pytest.param(["--zero-stage", "3", "--offload-optimizer", "nvme", "--offload-nvme-path", "/tmp", "--save", "/tmp/ck", "--save-interval", "2"], ["--save /tmp/ck with --offload-optimizer nvme", "do not resume correctly"], marks=NVME),
+        pytest.param(["--zero-stage", "3", "--offload-optimizer", "nvme", "--offload-nvme-path", "/tmp", "--load", "/tmp/ck"], ["--load /tmp/ck with --offload-optimizer nvme", "use --cpu-offload"], marks=NVME),
     ],
 )  # fmt: skip
 def test_refusals_are_one_line(corpus, extra, words):
@@ -71,6 +75,7 @@ def test_refusals_are_one_line(corpus, extra, words):
     assert "\n" not in str(err.value)
 
 
+@NVME
 def test_json_offload_is_respected(corpus, tmp_path):
     swap = tmp_path / "swap"
     swap.mkdir()

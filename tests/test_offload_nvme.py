@@ -10,6 +10,7 @@ cached in ~/.cache/torch_extensions afterwards), which tests/op_builds.py starts
 at the beginning of the session; the fixture below waits for it on torch's build lock.
 """
 
+import op_builds
 import pytest
 from training_fixtures import (
     layout_flags,
@@ -21,25 +22,20 @@ from training_fixtures import (
     train_flags,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
+pytestmark = [pytest.mark.slow, pytest.mark.needs_async_io, pytest.mark.timeout(2400)]
 
 ITERS, STOP_AT = 4, 2
 RTOL = 1e-6
 
 
-def _async_io_builder():
-    from deepspeed.accelerator import get_accelerator
-
-    return get_accelerator().create_op_builder("AsyncIOBuilder")
-
-
 @pytest.fixture(scope="module")
 def async_io():
     """DeepSpeed's async_io op, built (or loaded from the cache) before any run needs it."""
-    builder = _async_io_builder()
-    if builder is None or not builder.is_compatible(verbose=False):
-        pytest.skip("DeepSpeed's async_io op cannot build here (install libaio-dev)")
-    return builder.load(verbose=False)
+    if not op_builds.async_io_buildable():
+        pytest.skip(op_builds.ASYNC_IO_MISSING)
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().create_op_builder("AsyncIOBuilder").load(verbose=False)
 
 
 def _flags(corpus, tmp, name, *extra):
