@@ -13,12 +13,19 @@ replaces `latest`; a final agreement. A failure on any rank (a full disk) is one
 rank, the temporary folder is removed, and the previous checkpoint is untouched. A process
 killed at any point leaves `latest` naming a complete checkpoint. A save whose weights or
 optimizer state hold NaN/Inf on any rank writes nothing (one warning; `pretrain.training.divergence`).
+
+A stop never abandons a finished step (docs/RELIABILITY.md, "Stops and pending async saves"): a
+background save (--async-save) was finite when staged, so before any stop it is committed:
+`committed_before_stop` for the stops every rank takes together (a divergence, --exit-interval,
+an exit signal, a spike rewind), `committing_on_error` around the loop for an exception.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import datetime
 import json
 import os
 import random
@@ -126,6 +133,11 @@ def rng_state() -> dict:
     return rng
 
 
+STOP_SECONDS = 60
+"""How long a rank that stopped with an exception waits for every other rank to stop too before
+it gives a pending background save up (uncommitted: the other ranks went on, or died)."""
+
+
 @dataclass
 class _Pending:
     """A background save (--async-save) whose files are being written."""
@@ -173,6 +185,14 @@ class Checkpointer:
         self.last_saved: int | None = None
         self._cleaned = False
         self._pending: _Pending | None = None  # a background save not yet committed
+        # after an exception the default group may be what failed: the commit goes over this one
+        self._stop_group = (
+            torch.distributed.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=STOP_SECONDS)
+            )
+            if config.async_save and config.save
+            else None
+        )
 
     def should_save(self, iteration: int) -> bool:
         """True at every --save-interval iteration (with --save)."""
@@ -223,6 +243,44 @@ class Checkpointer:
             self._pending.done.result()
             self._finish(engine)
 
+    def committed_before_stop(self, engine: Engine) -> str | None:
+        """Before a stop every rank takes at the same point: commit the background save (it was
+        finite when staged), waiting for its writes; return the step a relaunch resumes from
+        (`newest_checkpoint`). A failed commit is one warning and the stop goes on. A
+        collective while a background save runs."""
+        try:
+            self.wait(engine)
+        except UserError as err:
+            logger.warning(f"WARNING: {err}")
+        return self.newest_checkpoint()
+
+    @contextlib.contextmanager
+    def committing_on_error(self, engine: Engine):
+        """Around the training loop: an exception on every rank (within `STOP_SECONDS` of each
+        other) commits the pending background save before it goes on; on some ranks only, the
+        save stays uncommitted (one warning; the next run removes its temporary folder)."""
+        try:
+            yield
+        except Exception:
+            if self._pending is not None:
+                self._commit_after_error(engine)
+            raise
+
+    def _commit_after_error(self, engine: Engine) -> None:
+        """`committing_on_error`'s commit, over the stop group: first every rank must be here."""
+        iteration = self._pending.train_state.iteration
+        try:
+            here = torch.ones(1)
+            torch.distributed.all_reduce(here, group=self._stop_group)
+            self._pending.done.result()
+            self._finish(engine, self._stop_group)
+        except (RuntimeError, UserError) as err:
+            self._pending = None
+            logger.warning(
+                f"WARNING: the background save of iteration {iteration} is not committed after "
+                f"the error below: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+            )
+
     def _start_background(
         self, engine: Engine, train_state: TrainState, tmp_name: str, unique: str
     ) -> _Pending:
@@ -236,12 +294,13 @@ class Checkpointer:
         )
         return _Pending(copy.deepcopy(train_state), tmp_name, unique, files, done)
 
-    def _finish(self, engine: Engine) -> None:
-        """Commit the background save, whose files every rank has written."""
+    def _finish(self, engine: Engine, group=None) -> None:
+        """Commit the background save, whose files every rank has written (agreeing over
+        `group`, None: the default group)."""
         pending, self._pending = self._pending, None
         with armed_save(pending.train_state.iteration):
             self._conclude(
-                engine, pending.train_state, pending.tmp_name, pending.unique, pending.files
+                engine, pending.train_state, pending.tmp_name, pending.unique, pending.files, group
             )
 
     def _conclude(
@@ -251,14 +310,16 @@ class Checkpointer:
         tmp_name: str,
         unique: str,
         files: RankFiles,
+        group=None,
     ) -> None:
-        """The ranks agree that every write succeeded, rank 0 commits, they agree again; a
-        failure on any rank is one UserError on every rank (the temporary folder removed)."""
-        failure = agree(self._failure_line(engine, files))
+        """The ranks agree (over `group`) that every write succeeded, rank 0 commits, they agree
+        again; a failure on any rank is one UserError on every rank (the temporary folder
+        removed)."""
+        failure = agree(self._failure_line(engine, files), group)
         if failure is None:  # (agreeing on an agreed failure again would name the rank twice)
             if torch.distributed.get_rank() == 0:
                 failure = self._commit(engine, train_state, tmp_name, unique)
-            failure = agree(failure)
+            failure = agree(failure, group)
         if failure is not None:
             if torch.distributed.get_rank() == 0:
                 shutil.rmtree(os.path.join(self.config.save, tmp_name), ignore_errors=True)
