@@ -16,12 +16,12 @@ from concurrent.futures import Future
 import torch
 
 
-def agree(problem: str | None, group=None) -> str | None:
+def agree(problem: str | None) -> str | None:
     """The first rank's problem (naming the rank), the same on every rank; None if none had one.
-    Also a barrier (over `group`, a group of every rank; None: the default group)."""
-    world = torch.distributed.get_world_size(group)
+    Also a barrier."""
+    world = torch.distributed.get_world_size()
     problems: list[str | None] = [None] * world
-    torch.distributed.all_gather_object(problems, problem, group=group)
+    torch.distributed.all_gather_object(problems, problem)
     for rank, found in enumerate(problems):
         if found is not None:
             return found if world == 1 else f"rank {rank}: {found}"

@@ -17,7 +17,8 @@ optimizer state hold NaN/Inf on any rank writes nothing (one warning; `pretrain.
 A stop never abandons a finished step (docs/RELIABILITY.md, "Stops and pending async saves"): a
 background save (--async-save) was finite when staged, so before any stop it is committed:
 `committed_before_stop` for the stops every rank takes together (a divergence, --exit-interval,
-an exit signal, a spike rewind), `committing_on_error` around the loop for an exception.
+an exit signal), `wait` before a spike rewind, `committing_on_error` around the loop for an
+exception.
 """
 
 from __future__ import annotations
@@ -185,7 +186,8 @@ class Checkpointer:
         self.last_saved: int | None = None
         self._cleaned = False
         self._pending: _Pending | None = None  # a background save not yet committed
-        # after an exception the default group may be what failed: the commit goes over this one
+        # after an exception: are all ranks here? (a collective of the default group could meet
+        # a rank still inside the step's collectives)
         self._stop_group = (
             torch.distributed.new_group(
                 backend="gloo", timeout=datetime.timedelta(seconds=STOP_SECONDS)
@@ -267,13 +269,12 @@ class Checkpointer:
             raise
 
     def _commit_after_error(self, engine: Engine) -> None:
-        """`committing_on_error`'s commit, over the stop group: first every rank must be here."""
+        """`committing_on_error`'s commit: once every rank has met on the stop group (the default
+        group may hold a rank still inside the step), the usual wait and commit."""
         iteration = self._pending.train_state.iteration
         try:
-            here = torch.ones(1)
-            torch.distributed.all_reduce(here, group=self._stop_group)
-            self._pending.done.result()
-            self._finish(engine, self._stop_group)
+            torch.distributed.all_reduce(torch.ones(1), group=self._stop_group)
+            self.wait(engine)
         except (RuntimeError, UserError) as err:
             self._pending = None
             logger.warning(
@@ -294,13 +295,12 @@ class Checkpointer:
         )
         return _Pending(copy.deepcopy(train_state), tmp_name, unique, files, done)
 
-    def _finish(self, engine: Engine, group=None) -> None:
-        """Commit the background save, whose files every rank has written (agreeing over
-        `group`, None: the default group)."""
+    def _finish(self, engine: Engine) -> None:
+        """Commit the background save, whose files every rank has written."""
         pending, self._pending = self._pending, None
         with armed_save(pending.train_state.iteration):
             self._conclude(
-                engine, pending.train_state, pending.tmp_name, pending.unique, pending.files, group
+                engine, pending.train_state, pending.tmp_name, pending.unique, pending.files
             )
 
     def _conclude(
@@ -310,16 +310,14 @@ class Checkpointer:
         tmp_name: str,
         unique: str,
         files: RankFiles,
-        group=None,
     ) -> None:
-        """The ranks agree (over `group`) that every write succeeded, rank 0 commits, they agree
-        again; a failure on any rank is one UserError on every rank (the temporary folder
-        removed)."""
-        failure = agree(self._failure_line(engine, files), group)
+        """The ranks agree that every write succeeded, rank 0 commits, they agree again; a
+        failure on any rank is one UserError on every rank (the temporary folder removed)."""
+        failure = agree(self._failure_line(engine, files))
         if failure is None:  # (agreeing on an agreed failure again would name the rank twice)
             if torch.distributed.get_rank() == 0:
                 failure = self._commit(engine, train_state, tmp_name, unique)
-            failure = agree(failure, group)
+            failure = agree(failure)
         if failure is not None:
             if torch.distributed.get_rank() == 0:
                 shutil.rmtree(os.path.join(self.config.save, tmp_name), ignore_errors=True)
