@@ -6,7 +6,11 @@ the stop's line names it, whatever stops the run:
   the `error:` line names it (it used to be left as `.global_stepN.tmp-*`, the line naming N - 1);
 - an exception in the step (the test hook PRETRAIN_TEST_RAISE_IN_STEP): the pending step is
   committed before the traceback, and a resume from it trains an uninterrupted run's losses;
-- --exit-interval: the exit line names the step a relaunch resumes from, which resumes exactly.
+- --exit-interval: the exit line names the step a relaunch resumes from, which resumes exactly
+  (and on DeepSpeed, whose saves block, the line names its step too).
+
+The exception also at two ranks (DP 2, the deepspeed launcher): the ranks meet on the
+checkpointer's stop group before the commit.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import pytest
 from training_fixtures import (
     PYTHON,
     REPO,
+    deepspeed_cmd,
     make_corpus,
     model_flags,
     multirun_outputs,
@@ -71,7 +76,13 @@ def stopped(tmp_path_factory):
         _flags(corpus, tmp / "raised.jsonl", *ASYNC, "--save", str(tmp / "raised")),
         **{RAISE_IN_STEP: str(RAISED)},
     )
+    raised_dp2 = run(
+        deepspeed_cmd(2, _flags(corpus, tmp / "dp2.jsonl", *ASYNC, "--save", str(tmp / "dp2"))),
+        timeout=400,
+        env=clean_env(**{RAISE_IN_STEP: str(RAISED)}),
+    )
     exited = ["--save", str(tmp / "exited"), "--exit-interval", str(EXIT)]
+    ds_exited = ["--save", str(tmp / "ds_exited"), "--save-interval", "1"]
     runs = [
         _flags(corpus, tmp / "reference.jsonl", "--use-torch-fsdp2"),
         _flags(corpus, tmp / "exited.jsonl", *ASYNC, *exited),
@@ -79,10 +90,11 @@ def stopped(tmp_path_factory):
         + ["--save", str(tmp / "raised_resumed")],
         _flags(corpus, tmp / "exited_resumed.jsonl", *ASYNC, "--load", str(tmp / "exited"))
         + ["--save", str(tmp / "exited_resumed")],
+        _flags(corpus, tmp / "ds_exited.jsonl", *ds_exited, "--exit-interval", str(EXIT)),
     ]
     result = one_rank_multirun(runs, tmp / "runs.json", timeout=600)
     assert result.returncode == 0, result.stdout[-6000:]
-    return tmp, nan, raised, multirun_outputs(result.stdout)
+    return tmp, nan, (raised, raised_dp2), multirun_outputs(result.stdout)
 
 
 def _losses(path: Path) -> dict[int, float]:
@@ -105,7 +117,7 @@ def test_a_nan_stop_commits_the_finite_step_staged_before_it(stopped):
 
 
 def test_an_exception_in_the_step_commits_the_pending_step_which_resumes_exactly(stopped):
-    tmp, _, raised, outputs = stopped
+    tmp, _, (raised, _), outputs = stopped
     assert raised.returncode == 1, raised.stdout[-6000:]
     assert f"RuntimeError: {RAISE_IN_STEP}={RAISED}: the test hook's exception" in raised.stdout
     steps = [f"global_step{i}" for i in range(1, RAISED)]
@@ -129,3 +141,23 @@ def test_an_exit_names_the_committed_step_which_resumes_exactly(stopped):
     reference = _losses(tmp / "reference.jsonl")
     resumed = _losses(tmp / "exited_resumed.jsonl")
     assert resumed == {i: reference[i] for i in range(EXIT + 1, ITERS + 1)}
+
+
+def test_an_exception_on_every_rank_of_two_commits_the_pending_step(stopped):
+    tmp, _, (_, raised), _ = stopped
+    assert raised.returncode != 0, raised.stdout[-6000:]
+    assert f"RuntimeError: {RAISE_IN_STEP}={RAISED}: the test hook's exception" in raised.stdout
+    steps = [f"global_step{i}" for i in range(1, RAISED)]
+    assert _left(tmp / "dp2") == (steps, f"global_step{RAISED - 1}"), raised.stdout[-6000:]
+    assert "is not committed" not in raised.stdout
+
+
+def test_an_exit_on_deepspeed_names_its_step(stopped):
+    tmp, *_, outputs = stopped
+    step = tmp / "ds_exited" / f"global_step{EXIT}"
+    assert (
+        f"exiting after iteration {EXIT} (--exit-interval / --exit-duration-in-mins); a "
+        in (outputs[4])
+    )
+    assert f"a relaunch resumes from {step}" in outputs[4]
+    assert (tmp / "ds_exited" / "latest").read_text() == step.name
