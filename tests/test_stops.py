@@ -64,8 +64,9 @@ def _left(ckpt: Path) -> tuple[list[str], str]:
 
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory):
-    """The NaN run and the run the hook raises in (each a process), then one process: an
-    uninterrupted reference, the --exit-interval run, and resumes of the raised and exited runs."""
+    """The NaN run and the run the hook raises in (each a process of one rank), the raised run
+    at two ranks (a launch), then one process: an uninterrupted reference, the --exit-interval
+    run, resumes of the raised and exited runs, and DeepSpeed's --exit-interval run."""
     tmp = tmp_path_factory.mktemp("stops")
     corpus = make_corpus(tmp / "corpus")
     nan = _one_rank(
