@@ -21,6 +21,9 @@ Points (environment variable = value):
                                           the files queued behind them) are events too, named
                                           by their base name (`__0_0.distcp`), through
                                           `stream_watcher`, and cut the same way
+    PRETRAIN_TEST_RAISE_IN_STEP           "<iteration>": every rank raises a RuntimeError as
+                                          that iteration's step begins (an exception, not a
+                                          kill: what follows it in the process runs)
     PRETRAIN_TEST_SAVE_EVENTS             "<file>": every event of every save is appended to
                                           <file> as one line "<iteration> <event>" (before a
                                           kill at it), so a test can see which events a save
@@ -38,6 +41,7 @@ import threading
 SIGKILL_BEFORE_COMMIT = "PRETRAIN_TEST_SIGKILL_BEFORE_COMMIT"
 SIGKILL_IN_SAVE = "PRETRAIN_TEST_SIGKILL_IN_SAVE"
 SAVE_EVENTS = "PRETRAIN_TEST_SAVE_EVENTS"
+RAISE_IN_STEP = "PRETRAIN_TEST_RAISE_IN_STEP"
 
 # during an armed save: {"iteration", "target": event name or None, "bytes", "log": path or None}
 _armed: dict | None = None
@@ -47,6 +51,12 @@ def kill_here(point: str, iteration: int) -> None:
     """SIGKILL this process if the test hook `point` is armed for `iteration`."""
     if os.environ.get(point) == str(iteration):
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def raise_here(point: str, iteration: int) -> None:
+    """Raise a RuntimeError if the test hook `point` is armed for `iteration`."""
+    if os.environ.get(point) == str(iteration):
+        raise RuntimeError(f"{point}={iteration}: the test hook's exception")
 
 
 def _die() -> None:

@@ -128,6 +128,7 @@ def changes(f) -> dict:
     groups = moe + ["--moe-router-num-groups", "2"]
     no_bias = moe + ["--disable-bias-linear"]
     moe_tp2 = no_bias + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+    none = ["--load", f["dir"] + "-none", "--save", f["dir"] + "-none", "--save-interval", "2"]
     return {
         # model
         "--num-layers": ["4"], "--hidden-size": ["64"], "--ffn-hidden-size": ["64"],
@@ -214,7 +215,7 @@ def changes(f) -> dict:
         "--save-interval": ["2"], "--load": [f["dir"]], "--no-save-rng": [], "--no-save-full-state": [], "--no-load-optim": [],
         "--save-total-limit": (d + ["--save-interval", "2", "--save", f["dir"]], d + ["--save-interval", "2", "--save", f["dir"], "--save-total-limit", "2"], None),
         "--no-load-rng": [], "--finetune": (d + ["--load", f["dir"]], d + ["--load", f["dir"], "--finetune"], None),
-        "--use-checkpoint-args": (d + ["--load", f["dir"] + "-none"], d + ["--load", f["dir"] + "-none", "--use-checkpoint-args"], None),
+        "--use-checkpoint-args": (d + none, d + none + ["--use-checkpoint-args"], None),
         "--override-opt_param-scheduler": [], "--use-checkpoint-opt_param-scheduler": [],
         # logging
         "--log-interval": ["5"], "--tensorboard-dir": [f["dir"]], "--tensorboard-log-interval": ["5"],

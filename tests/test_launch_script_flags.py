@@ -297,7 +297,8 @@ def test_use_checkpoint_args_needs_load_and_says_when_there_is_no_checkpoint(
     with pytest.raises(UserError, match=re.escape("--use-checkpoint-args needs --load")):
         parse_args(tiny(corpus, "--use-checkpoint-args"), env=ONE_RANK)
     empty = tmp_path / "none"
-    cfg = parse_args(tiny(corpus, "--load", str(empty), "--use-checkpoint-args"), env=ONE_RANK)
+    requeue = ("--load", str(empty), "--save", str(empty), "--save-interval", "1")  # first launch
+    cfg = parse_args(tiny(corpus, *requeue, "--use-checkpoint-args"), env=ONE_RANK)
     assert cfg.model.num_layers == 2
     assert f"no checkpoint in --load {empty} yet; using the command line's model flags" in (
         capsys.readouterr().err

@@ -1,6 +1,7 @@
-"""`--load` loads what you meant: a step folder is that step; a file, a Hugging Face export or a
-folder without a checkpoint (not --save) is one line; another tokenizer is refused; other data is
-said; a file copied in from another step is refused by name.
+"""`--load` loads what you meant: a step folder is that step; a file, a Hugging Face export, a
+path that does not exist or a folder without a checkpoint (either not --save) is one line;
+another tokenizer is refused; other data is said; a file copied in from another step is refused
+by name.
 
 Real runs of pretrain_gpt.py at one rank (ZeRO-1, dropout 0), real checkpoint files.
 """
@@ -123,6 +124,11 @@ NOT_A_CHECKPOINT = {
     "file": ["is a file; --load takes a checkpoint folder"],
     "hf_export": ["is a Hugging Face model folder", "tools/convert_from_hf.py --load"],
     "empty": ["holds no checkpoint", "is not the --save folder", "drop --load"],
+    "missing": [
+        "does not exist: check the path",
+        "drop --load",
+        "same folder to --load and --save",
+    ],
     "incomplete_step": ["this step folder is not a complete checkpoint", MODEL],
 }
 
@@ -140,6 +146,8 @@ def _not_a_checkpoint(base, case: str) -> tuple[list[str], Path, Path]:
         _hf_export(target)
     elif case == "empty":
         target.mkdir()
+    elif case == "missing":
+        pass  # a typo: the path is not there at all
     else:
         shutil.copytree(base[2] / "global_step2", target)
         (target / MODEL).unlink()
@@ -158,13 +166,15 @@ def test_what_is_not_a_checkpoint_is_one_line(runs, case):
 
 
 def _requeue(base) -> tuple[list[str], list[str]]:
-    """The requeue idiom: the same command (--load = --save) launched twice; the second run
-    (a longer --train-iters lengthens the default decay span: the flags' schedule, explicitly)."""
+    """The requeue idiom: the same command (--load = --save) launched twice, the first time with
+    the folder spelled `X/` for --load (it does not exist yet); the second run (a longer
+    --train-iters lengthens the default decay span: the flags' schedule, explicitly)."""
     tmp, corpus, _ = base
     folder = tmp / "requeue"
     shutil.rmtree(folder, ignore_errors=True)
     same = ["--load", str(folder), "--save", str(folder), "--save-interval", "1"]
     first = _flags(corpus, 2, tmp / "requeue.jsonl", *same)
+    first[first.index("--load") + 1] = f"{folder}/"
     return first, _flags(corpus, 3, tmp / "requeue.jsonl", *same, "--override-opt_param-scheduler")
 
 
@@ -174,7 +184,7 @@ def test_a_new_or_empty_load_that_is_save_starts_fresh_and_then_resumes(base, ru
     folder = tmp / "requeue"
     (first,), (second,) = runs["requeue_first"], runs["requeue_second"]
     assert (
-        f"--load {folder}: no checkpoint there (yet); starting from scratch: the first launch of a job that "
+        f"--load {folder}/: no checkpoint there (yet); starting from scratch: the first launch of a job that "
         f"resumes itself" in first
     )
     assert sorted(read_metrics(tmp / "requeue.jsonl")) == [1, 2, 3]

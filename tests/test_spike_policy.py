@@ -84,6 +84,12 @@ def corpus(tmp_path_factory) -> str:
     return _write(root / "bad", docs)
 
 
+TORCH = "--use-torch-fsdp2"
+# a save every iteration, written in the background: the one staged at SPIKE - 1 is pending at
+# the spike (torch backend: DeepSpeed's saves block)
+REWIND_ASYNC = f"--spiky-loss-policy rewind {TORCH} --async-save --save-interval 1"
+
+
 def _losses(metrics: dict) -> dict[int, float]:
     return {i: m["lm-loss"] for i, m in metrics.items() if "lm-loss" in m}
 
@@ -104,6 +110,8 @@ POLICY_RUNS = {
     "rewind": f"{DETECT} --spiky-loss-policy rewind --save {{tmp}}/rewind --save-interval 6",
     "rewind_without": f"{DETECT} --spiky-loss-policy rewind --save {{tmp}}/rewind_without "
     "--save-interval 10",
+    "torch_ref": f"{TORCH} --iterations-to-skip {SPIKE}",
+    "rewind_async": f"{DETECT} {REWIND_ASYNC} --save {{tmp}}/rewind_async",
 }
 
 
@@ -205,6 +213,32 @@ def test_rewind_reloads_the_checkpoint_and_skips_the_batch(policy_runs, referenc
     assert meta["skipped_train_samples"] == [[64, 72]] and meta["spike_pending_skips"] == []
 
 
+def _rewound_to_the_pending_step(out: str, ckpt: Path, lines: list[str]) -> None:
+    """The rewind of an --async-save run went to SPIKE - 1, staged just before the spike, and no
+    save after it was refused; `lines`: the run's metrics file."""
+    assert f"rewound to iteration {SPIKE - 1} (--spiky-loss-policy rewind)" in out, out[-4000:]
+    assert f"loaded checkpoint {ckpt}/global_step{SPIKE - 1} at iteration {SPIKE - 1}" in out
+    assert "from an earlier run" not in out and "not saving iteration" not in out
+    trained = [json.loads(x)["iteration"] for x in lines if "lm-loss" in x]
+    assert trained == [i for i in range(1, ITERS + 1) if i != SPIKE]  # nothing to train again
+    _, meta = find_checkpoint(str(ckpt), ITERS)
+    assert meta["skipped_train_samples"] == [[64, 72]] and meta["spike_pending_skips"] == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_rewind_under_async_save_goes_to_the_pending_step(policy_runs):
+    """The torch backend with --async-save every iteration: the save of iteration 8 is still
+    pending at the spike; the rewind commits it first and goes to it (it used to go to 7, and
+    then the pending save was committed after the rewind, and the second save of 8 refused as
+    "from an earlier run"). The losses are the --iterations-to-skip run's."""
+    tmp, runs = policy_runs
+    out, metrics = runs["rewind_async"]
+    lines = (tmp / "rewind_async.jsonl").read_text().splitlines()
+    _rewound_to_the_pending_step(out, tmp / "rewind_async", lines)
+    assert _losses(metrics) == _losses(runs["torch_ref"][1])
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_rewind_without_a_checkpoint_skips(policy_runs, reference):
@@ -220,12 +254,15 @@ TWO_RANK_LAYOUTS = {
     "--num-virtual-stages-per-pipeline-rank 2 --pipeline-schedule zbv-zero-bubble",
 }
 
+ASYNC_LAYOUT = "torch-pp2-zbv"  # --async-save is the torch backend's
+
 
 @pytest.fixture(scope="module")
-def two_rank_runs(corpus, tmp_path_factory) -> dict[tuple[str, str], tuple[str, dict]]:
+def two_rank_runs(corpus, tmp_path_factory) -> tuple[Path, dict[tuple[str, str], tuple[str, dict]]]:
     """One two-rank launch of tests/training_multirun.py: at each layout of TWO_RANK_LAYOUTS,
-    with dropout, the --iterations-to-skip run ("ref") and the skip-policy run ("skip"):
-    (layout, name) -> (the run's output, its losses). Each run ends in a barrier on every rank,
+    with dropout, the --iterations-to-skip run ("ref") and the skip-policy run ("skip"), and at
+    ASYNC_LAYOUT the rewind policy under --async-save ("rewind_async"): (the runs' folder,
+    (layout, name) -> (the run's output, its losses)). Each run ends in a barrier on every rank,
     so its lines come before rank 0's header of the next run."""
     tmp, runs = tmp_path_factory.mktemp("two_ranks"), {}
     for layout, flags in TWO_RANK_LAYOUTS.items():
@@ -234,12 +271,15 @@ def two_rank_runs(corpus, tmp_path_factory) -> dict[tuple[str, str], tuple[str, 
             policy = "--spiky-loss-policy skip" if name == "skip" else ""
             metrics = tmp / f"{layout}-{name}.jsonl"
             runs[layout, name] = (_flags(corpus, extra, policy, layout_flags), metrics)
+    pp2 = TWO_RANK_LAYOUTS[ASYNC_LAYOUT] + " --hidden-dropout 0.1 --attention-dropout 0.1"
+    rewind = f"{DETECT} {REWIND_ASYNC} --save {tmp / 'rewind_async'}"
+    runs[ASYNC_LAYOUT, "rewind_async"] = (_flags(corpus, rewind, pp2), tmp / "rewind_async.jsonl")
     argvs = [[*flags, "--metrics-file", str(metrics)] for flags, metrics in runs.values()]
     out = run(multirun_cmd(2, argvs, tmp / "runs.json"), timeout=900)
     assert out.returncode == 0, out.stdout[-4000:]
     outputs = multirun_outputs(out.stdout)
     assert len(outputs) == len(runs), out.stdout[-4000:]
-    return {
+    return tmp, {
         key: (output, _losses(read_metrics(metrics)))
         for (key, (_, metrics)), output in zip(runs.items(), outputs, strict=True)
     }
@@ -254,10 +294,24 @@ def test_two_ranks_take_the_same_decision(two_rank_runs, layout):
     the pipeline engine steps inside train_batch; the judge runs at its optimizer step, on the
     last stage's loss broadcast to the first. Either way the skip run equals the
     --iterations-to-skip run at the same layout (RNG states put back, too)."""
-    (_, ref), (out, skip) = two_rank_runs[layout, "ref"], two_rank_runs[layout, "skip"]
+    runs = two_rank_runs[1]
+    (_, ref), (out, skip) = runs[layout, "ref"], runs[layout, "skip"]
     lines = _spike_lines(out)  # warnings come from every rank
     assert len(lines) == 2 and all("update withheld" in x for x in lines)
     assert skip == ref and SPIKE not in skip
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_rewind_under_async_save_at_pp2_goes_to_the_pending_step(two_rank_runs):
+    """test_rewind_under_async_save_goes_to_the_pending_step at PP 2 (the torch backend's ZBV
+    schedule, two chunks per rank, dropout): every rank waits for the pending save before the
+    rewind, and the losses are the --iterations-to-skip run's at the same layout."""
+    tmp, runs = two_rank_runs
+    (out, rewound), (_, ref) = (runs[ASYNC_LAYOUT, k] for k in ("rewind_async", "ref"))
+    lines = (tmp / "rewind_async.jsonl").read_text().splitlines()
+    _rewound_to_the_pending_step(out, tmp / "rewind_async", lines)
+    assert rewound == ref
 
 
 def test_policies_refused_where_they_cannot_work(tmp_path):

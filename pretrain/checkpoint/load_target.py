@@ -7,12 +7,11 @@ accepts"):
 - one step folder (`X/global_step<N>`, holding `pretrain_meta.json`): exactly that step, as
   `tools/convert_to_hf.py --load` takes it; an incomplete one is refused (no fallback: it was
   named);
-- a folder that does not exist, or one without a checkpoint that is also `--save`: None, a fresh
-  start (the first launch of a job that resumes itself: the same command, `--load` = `--save`,
-  launched again and again);
+- `--save` itself, not there yet or without a checkpoint: None, a fresh start (the first launch
+  of a job that resumes itself: the same command, `--load` = `--save`, launched again and again);
 - refused in one line: a file, a Hugging Face export (`config.json` + weights: the way in is
-  `tools/convert_from_hf.py`), and a folder without a checkpoint that is not `--save` (a wrong
-  path would otherwise train from scratch).
+  `tools/convert_from_hf.py`), and a path that does not exist or a folder without a checkpoint,
+  either not `--save` (a wrong path would otherwise train from scratch).
 """
 
 from __future__ import annotations
@@ -75,8 +74,14 @@ def choose_load(load: str, save: str | None) -> Choice | None:
             f"pretrain_gpt.py checkpoint: import it with tools/convert_from_hf.py --load {load} "
             f"--save NEW_DIR, then train with --load NEW_DIR --finetune (docs/CONVERSION.md)"
         )
+    if not os.path.exists(load) and not same_folder(load, save):
+        raise UserError(
+            f"--load {load} does not exist: check the path, drop --load to start from scratch, "
+            f"or give the same folder to --load and --save (a job that resumes itself starts "
+            f"from scratch there the first time)"
+        )
     choice = choose_checkpoint(load)
-    if choice is not None or not os.path.isdir(load) or same_folder(load, save):
+    if choice is not None or same_folder(load, save):
         return choice
     raise UserError(
         f"--load {load} holds no checkpoint (no {LATEST_FILE} file, no global_step<N> folders) "

@@ -13,12 +13,20 @@ replaces `latest`; a final agreement. A failure on any rank (a full disk) is one
 rank, the temporary folder is removed, and the previous checkpoint is untouched. A process
 killed at any point leaves `latest` naming a complete checkpoint. A save whose weights or
 optimizer state hold NaN/Inf on any rank writes nothing (one warning; `pretrain.training.divergence`).
+
+A stop never abandons a finished step (docs/RELIABILITY.md, "Stops and pending async saves"): a
+background save (--async-save) was finite when staged, so before any stop it is committed:
+`committed_before_stop` for the stops every rank takes together (a divergence, --exit-interval,
+an exit signal), `wait` before a spike rewind, `committing_on_error` around the loop for an
+exception.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import datetime
 import json
 import os
 import random
@@ -126,6 +134,11 @@ def rng_state() -> dict:
     return rng
 
 
+STOP_SECONDS = 60
+"""How long a rank that stopped with an exception waits for every other rank to stop too before
+it gives a pending background save up (uncommitted: the other ranks went on, or died)."""
+
+
 @dataclass
 class _Pending:
     """A background save (--async-save) whose files are being written."""
@@ -173,6 +186,15 @@ class Checkpointer:
         self.last_saved: int | None = None
         self._cleaned = False
         self._pending: _Pending | None = None  # a background save not yet committed
+        # after an exception: are all ranks here? (a collective of the default group could meet
+        # a rank still inside the step's collectives)
+        self._stop_group = (
+            torch.distributed.new_group(
+                backend="gloo", timeout=datetime.timedelta(seconds=STOP_SECONDS)
+            )
+            if config.async_save and config.save
+            else None
+        )
 
     def should_save(self, iteration: int) -> bool:
         """True at every --save-interval iteration (with --save)."""
@@ -222,6 +244,43 @@ class Checkpointer:
         if self._pending is not None:
             self._pending.done.result()
             self._finish(engine)
+
+    def committed_before_stop(self, engine: Engine) -> str | None:
+        """Before a stop every rank takes at the same point: commit the background save (it was
+        finite when staged), waiting for its writes; return the step a relaunch resumes from
+        (`newest_checkpoint`). A failed commit is one warning and the stop goes on. A
+        collective while a background save runs."""
+        try:
+            self.wait(engine)
+        except UserError as err:
+            logger.warning(f"WARNING: {err}")
+        return self.newest_checkpoint()
+
+    @contextlib.contextmanager
+    def committing_on_error(self, engine: Engine):
+        """Around the training loop: an exception on every rank (within `STOP_SECONDS` of each
+        other) commits the pending background save before it goes on; on some ranks only, the
+        save stays uncommitted (one warning; the next run removes its temporary folder)."""
+        try:
+            yield
+        except Exception:
+            if self._pending is not None:
+                self._commit_after_error(engine)
+            raise
+
+    def _commit_after_error(self, engine: Engine) -> None:
+        """`committing_on_error`'s commit: once every rank has met on the stop group (the default
+        group may hold a rank still inside the step), the usual wait and commit."""
+        iteration = self._pending.train_state.iteration
+        try:
+            torch.distributed.all_reduce(torch.ones(1), group=self._stop_group)
+            self.wait(engine)
+        except (RuntimeError, UserError) as err:
+            self._pending = None
+            logger.warning(
+                f"WARNING: the background save of iteration {iteration} is not committed after "
+                f"the error below: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+            )
 
     def _start_background(
         self, engine: Engine, train_state: TrainState, tmp_name: str, unique: str

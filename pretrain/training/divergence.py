@@ -3,9 +3,10 @@
 `--check-for-nan-in-loss-and-grad` (Megatron-LM main's flag, on by default;
 `--no-check-for-nan-in-loss-and-grad` turns it off): after every iteration the ranks agree, with
 one all-reduce of two flags, whether the loss or the global grad norm was NaN/Inf anywhere. If
-so, rank 0 prints one `error: iteration N: ...` line (what was non-finite, the fix, the checkpoint
-to resume from), the other ranks wait for it, and every rank exits with status 2
-(`EXIT_USER_ERROR`) at that iteration, before the evaluator or the checkpointer run. With fp16, a
+so, a background save staged before it (finite) is committed, rank 0 prints one `error: iteration
+N: ...` line (what was non-finite, the fix, the newest committed checkpoint to resume from), the
+other ranks wait for it, and every rank exits with status 2 (`EXIT_USER_ERROR`) at that
+iteration, before the evaluator or the checkpointer's save of that iteration run. With fp16, a
 non-finite grad norm on a step the loss scaler skipped (an overflow: the weights were not
 updated, the scale is lowered) is not a divergence; a non-finite loss always is.
 
@@ -80,8 +81,9 @@ class DivergenceCheck:
 
     def after_step(self, iteration: int, loss: float, resume: Callable[[], str | None]) -> None:
         """Stop every rank here (SystemExit, status 2; rank 0 prints the one line, naming
-        `resume()`, the checkpoint to resume from) if this iteration's loss or grad norm was
-        NaN/Inf on any rank (a grad norm the fp16 loss scaler skipped the step for excepted)."""
+        `resume()`, the checkpoint to resume from: called on every rank, it may be a collective
+        that commits what is pending) if this iteration's loss or grad norm was NaN/Inf on any
+        rank (a grad norm the fp16 loss scaler skipped the step for excepted)."""
         skipped = self.engine.skipped_steps != self._skipped
         self._skipped = self.engine.skipped_steps
         if not self.enabled:
@@ -97,8 +99,9 @@ class DivergenceCheck:
         bad = (bool(flags[0]), bool(flags[1]))
         if not any(bad):
             return
+        where = resume()
         if torch.distributed.get_rank() == 0:
-            message = _message(iteration, loss, grad_norm, bad, resume())
+            message = _message(iteration, loss, grad_norm, bad, where)
             print(f"error: {message}", file=sys.stderr, flush=True)
         torch.distributed.barrier()  # the line is out before any rank exits (and its launcher kills)
         raise SystemExit(EXIT_USER_ERROR)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pretrain.data.mixture_dataset import MixtureCounter, consumed_tokens
+from pretrain.testing_hooks import RAISE_IN_STEP, raise_here
 from pretrain.training.batch_schedule import BatchSchedule
 from pretrain.training.checkpointing import Checkpointer
 from pretrain.training.distributed import any_rank
@@ -124,7 +125,7 @@ def train(
     divergence = DivergenceCheck(config.check_for_nan_in_loss_and_grad, engine)
     spikes = SpikePolicy(config.spikes, train_state, rewinder)
     gc_points = ManualGC(config.manual_gc)
-    with gc_points.running():
+    with gc_points.running(), checkpointer.committing_on_error(engine):
         while train_state.iteration < config.train_iters and not _tokens_done(config, train_state):
             # Megatron's update_num_microbatches(consumed): the batch of this iteration
             global_batch, num_microbatches = _batch_at(config, train_state.consumed_train_samples)
@@ -137,12 +138,15 @@ def train(
                 skip_iteration(train_batches, num_microbatches, global_batch, train_state, reason)
                 continue
             step_start = time.perf_counter()
+            raise_here(RAISE_IN_STEP, train_state.iteration + 1)
             spikes.before_step()
             with model_iteration(engine, num_microbatches, lambda: spikes.applied):
                 loss = engine.train_step(
                     train_batches, num_microbatches, use_document_ids, device, spikes.judge
                 )
             if not spikes.applied:  # a spike under skip/rewind: no update was made
+                if config.spikes.policy == "rewind":  # to the newest step: a pending one too
+                    checkpointer.wait(engine)
                 train_batches = spikes.withhold(global_batch, train_batches)
                 continue
             seconds = time.perf_counter() - step_start
@@ -161,7 +165,9 @@ def train(
                 skipped_steps=engine.skipped_steps,
                 source_tokens=source_tokens,
             )
-            divergence.after_step(train_state.iteration, loss, checkpointer.newest_checkpoint)
+            divergence.after_step(
+                train_state.iteration, loss, lambda: checkpointer.committed_before_stop(engine)
+            )
             gc_points.after_iteration(train_state.iteration)
             if evaluator.should_evaluate(train_state.iteration):
                 with gc_points.evaluation():
@@ -170,23 +176,28 @@ def train(
             if checkpointer.should_save(train_state.iteration):
                 checkpointer.save(engine, train_state)
             if _should_exit(config, train_state.iteration, started):
-                checkpointer.save_if_unsaved(engine, train_state)
-                logger.info(
-                    f"exiting after iteration {train_state.iteration} (--exit-interval / "
-                    f"--exit-duration-in-mins)"
-                )
+                why = " (--exit-interval / --exit-duration-in-mins)"
+                _stop(engine, train_state, checkpointer, why)
                 return False
             if exit_signal is not None and exit_signal.requested():
-                checkpointer.save_if_unsaved(engine, train_state)
-                logger.info(
-                    f"exiting after iteration {train_state.iteration}: {exit_signal.name} received "
-                    f"(--exit-signal-handler)"
-                )
+                why = f": {exit_signal.name} received (--exit-signal-handler)"
+                _stop(engine, train_state, checkpointer, why)
                 return False
     if train_state.iteration > first_iteration:
         _count_sources(train_state, mixture, config.seq_length)  # after skipped iterations
         checkpointer.save_if_unsaved(engine, train_state)
     return True
+
+
+def _stop(engine: Engine, train_state: TrainState, checkpointer: Checkpointer, why: str) -> None:
+    """An early exit: save this iteration (with --save) and commit it, then one line naming
+    the step a relaunch resumes from."""
+    checkpointer.save_if_unsaved(engine, train_state)
+    resume = checkpointer.committed_before_stop(engine)
+    logger.info(
+        f"exiting after iteration {train_state.iteration}{why}"
+        + (f"; a relaunch resumes from {resume}" if resume else "; no checkpoint to resume from")
+    )
 
 
 def _count_sources(

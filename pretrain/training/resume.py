@@ -28,7 +28,7 @@ from pretrain.checkpoint.format import (
 )
 from pretrain.checkpoint.full_state import has_full_state, shard_payloads
 from pretrain.checkpoint.integrity import Choice, check_finite
-from pretrain.checkpoint.load_target import choose_load, same_folder
+from pretrain.checkpoint.load_target import choose_load
 from pretrain.checkpoint.relayout import is_full_state_only
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
@@ -264,14 +264,11 @@ def load_folder(config: CheckpointConfig, choice: Choice) -> str:
 
 
 def _fresh_start(config: CheckpointConfig) -> str:
-    """The one line saying why a run with --load starts from scratch."""
-    itself = (
-        ": the first launch of a job that resumes itself (--load = --save)"
-        if same_folder(config.load, config.save)
-        else ""
-    )
+    """The one line saying why a run with --load starts from scratch (--load is --save: any other
+    --load without a checkpoint was refused by `choose_load`)."""
     return (
-        f"WARNING: --load {config.load}: no checkpoint there (yet); starting from scratch{itself}"
+        f"WARNING: --load {config.load}: no checkpoint there (yet); starting from scratch: the "
+        f"first launch of a job that resumes itself (--load = --save)"
     )
 
 
