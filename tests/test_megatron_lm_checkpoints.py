@@ -28,7 +28,7 @@ import torch
 import transformers
 from convert_fixtures import load_tool
 
-from pretrain.checkpoint import safe_load
+from pretrain.checkpoint import dcp_reader, safe_load
 from pretrain.convert.checkpoint_reader import read_checkpoint
 from pretrain.convert.verify import our_model
 from pretrain.errors import UserError
@@ -221,7 +221,7 @@ def test_torch_dist_common_state_with_an_os_system_payload_is_refused(tmp_path, 
 
     step = tmp_path / DIST / f"iter_{ITERATION:07d}"
     shutil.copytree(FIXTURES / DIST, tmp_path / DIST)
-    metadata = megatron_dist._metadata(str(step))
+    metadata = dcp_reader.read_metadata(str(step))
     index, place = next(
         (i, p) for i, p in metadata.storage_data.items() if i.fqn.startswith("common_state")
     )
