@@ -11,6 +11,7 @@ MARKER never appears; torch's own reader on the same folder runs the payload (it
 
 from __future__ import annotations
 
+import ast
 import importlib
 import io
 import os
@@ -203,3 +204,42 @@ def test_a_data_file_outside_the_folder_is_refused(tmp_path):
         pickle.dump(metadata, f)
     with pytest.raises(UserError, match=r"is stored in '\.\./\.\./etc/passwd', not a file of this"):
         dcp_reader.load(folder, _tensors())
+
+
+_READ_NAMES = {"load", "load_state_dict", "FileSystemReader", "DefaultLoadPlanner", "StorageReader"}
+
+
+def _dcp_reads(path: Path) -> list[str]:
+    """`line: name` of each DCP read API a module imports or uses (through any alias of
+    torch.distributed.checkpoint)."""
+    package, found, aliases = "torch.distributed.checkpoint", [], set()
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases |= {a.asname or a.name for a in node.names if a.name.startswith(package)}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(package):
+            found += [f"{node.lineno}: {a.name}" for a in node.names if a.name in _READ_NAMES]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in _READ_NAMES:
+            if ast.unparse(node.value) in aliases:
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_no_other_module_reads_a_dcp_folder(tmp_path):
+    """DCP's load and its readers are used in dcp_reader.py only (the torch backend's dcp.py and
+    the Megatron converter call `dcp_reader.load`); before, each had its own `_SafeReader`."""
+    root = Path(__file__).resolve().parents[1]
+    users = {
+        str(path.relative_to(root)): reads
+        for path in [*root.glob("pretrain/**/*.py"), *root.glob("tools/*.py")]
+        if (reads := _dcp_reads(path))
+    }
+    assert list(users) == ["pretrain/checkpoint/dcp_reader.py"], users
+    bad = tmp_path / "bad.py"  # the check sees both spellings
+    bad.write_text(
+        "import torch.distributed.checkpoint as d\n"
+        "from torch.distributed.checkpoint import FileSystemReader\n"
+        "d.load({}, storage_reader=FileSystemReader('x'))\n"
+    )
+    assert _dcp_reads(bad) == ["2: FileSystemReader", "3: d.load"]

@@ -248,3 +248,20 @@ def test_torch_dist_common_state_with_an_os_system_payload_is_refused(tmp_path, 
         convert_from_megatron.main(["--load", str(tmp_path / DIST), "--save", str(tmp_path / "o")])
     assert not marker.exists()
     assert not (tmp_path / "o").exists()
+
+
+def test_torch_dist_weight_marked_a_byte_item_is_never_unpickled(tmp_path):
+    """The torch_dist fixture whose `.metadata` marks a weight a byte item at an os.system
+    payload appended to the .distcp: the converter never reads it (it reads tensor entries and
+    `common_state` only) and stops with one line; the command never runs."""
+    from test_dcp_reader import _Payload, _with_object_at
+
+    shutil.copytree(FIXTURES / DIST, tmp_path / DIST)
+    step = tmp_path / DIST / f"iter_{ITERATION:07d}"
+    marker = tmp_path / "pwned"
+    _with_object_at(str(step), "embedding.word_embeddings.weight", _Payload(marker), as_bytes=True)
+    with pytest.raises(UserError) as refused:
+        convert_from_megatron.main(["--load", str(tmp_path / DIST), "--save", str(tmp_path / "o")])
+    assert "\n" not in str(refused.value)
+    assert not marker.exists()
+    assert not (tmp_path / "o").exists()
