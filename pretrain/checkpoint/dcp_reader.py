@@ -172,7 +172,8 @@ def byte_item_refusal(where: str) -> str:
 
 
 def _check_byte_items(folder: str, metadata: Metadata, keys, objects: frozenset) -> None:
-    """Refuse, before DCP starts, a byte item at a key of `keys` outside `objects`."""
+    """Refuse, before DCP starts, a byte item at a key of `keys` outside `objects` (what
+    `SafeReader` refuses too, here before any rank enters DCP's collectives)."""
     for key in keys:
         if key in objects or not isinstance(
             metadata.state_dict_metadata.get(key), BytesStorageMetadata
