@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import ast
 import importlib
-import io
 import os
 import pickle
 import pkgutil
@@ -22,26 +21,16 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from dcp_fixtures import Payload, point_at_object
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
 from pretrain.checkpoint import dcp_reader
 from pretrain.errors import UserError
 
 FIXTURE = Path(__file__).parent / "fixtures" / "megatron_lm" / "llama-torch-dist" / "iter_0000003"
 KEY = "tp00.layers.0.mlp.fc1.weight.exp_avg"
-
-
-class _Payload:
-    """Unpickling this runs `touch MARKER`."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
 
 
 def _tensors() -> dict[str, torch.Tensor]:
@@ -123,35 +112,11 @@ def test_every_other_class_of_the_dcp_package_is_refused(tmp_path):
         assert str(refused.value).startswith(refusal)
 
 
-def _with_object_at(folder: str, key: str, obj, *, as_bytes: bool) -> None:
-    """`obj` torch.saved at the end of `__0_0.distcp`, every chunk of `key` pointing at it
-    (`as_bytes`: the entry marked a byte item instead, as DCP marks non-tensors)."""
-    blob = io.BytesIO()
-    torch.save(obj, blob)
-    shard = os.path.join(folder, "__0_0.distcp")
-    offset = os.path.getsize(shard)
-    with open(shard, "ab") as f:
-        f.write(blob.getvalue())
-    with open(os.path.join(folder, ".metadata"), "rb") as f:
-        metadata = pickle.load(f)
-    chunks = [i for i in metadata.storage_data if i.fqn == key]
-    assert chunks, key
-    if as_bytes:
-        metadata.state_dict_metadata[key] = BytesStorageMetadata()
-        for index in chunks:
-            del metadata.storage_data[index]
-        chunks = [MetadataIndex(key)]
-    for index in chunks:
-        metadata.storage_data[index] = _StorageInfo("__0_0.distcp", offset, len(blob.getvalue()))
-    with open(os.path.join(folder, ".metadata"), "wb") as f:
-        pickle.dump(metadata, f)
-
-
 def test_a_byte_item_at_a_tensor_key_is_refused(tmp_path):
     """The issue's payload: refused before DCP starts, and by the reader itself under torch's
     own planner; torch's FileSystemReader runs it."""
     folder, marker = _ours(tmp_path / "step"), tmp_path / "MARKER"
-    _with_object_at(folder, KEY, _Payload(marker), as_bytes=True)
+    point_at_object(folder, KEY, Payload(marker), as_bytes=True)
     refusal = (
         f"{folder}/__0_0.distcp ({KEY}): refused: .metadata marks it a pickled object "
         f"(BytesStorageMetadata), which this checkpoint's writer never stores there"
@@ -169,7 +134,7 @@ def test_a_byte_item_at_a_tensor_key_is_refused(tmp_path):
 
 def test_a_payload_in_a_tensors_place_is_refused(tmp_path):
     folder, marker = _ours(tmp_path / "step"), tmp_path / "MARKER"
-    _with_object_at(folder, KEY, _Payload(marker), as_bytes=False)
+    point_at_object(folder, KEY, Payload(marker), as_bytes=False)
     with pytest.raises(UserError) as refused:
         dcp_reader.load(folder, _tensors())
     assert str(refused.value).startswith(
@@ -188,7 +153,7 @@ def test_byte_items_only_where_allowed_and_through_the_allowlist(tmp_path):
     assert torch.equal(loaded[KEY], _tensors()[KEY])
     with pytest.raises(UserError, match=r"\(common_state\): refused: \.metadata marks it"):
         dcp_reader.load(folder, {"common_state": None})
-    _with_object_at(folder, "common_state", [_Payload(tmp_path / "MARKER")], as_bytes=True)
+    point_at_object(folder, "common_state", [Payload(tmp_path / "MARKER")], as_bytes=True)
     with pytest.raises(UserError, match=r"\(common_state\): refused to load: .*posix\.system"):
         dcp_reader.load(folder, {"common_state": None}, objects=["common_state"])
     assert not (tmp_path / "MARKER").exists()

@@ -254,12 +254,12 @@ def test_torch_dist_weight_marked_a_byte_item_is_never_unpickled(tmp_path):
     """The torch_dist fixture whose `.metadata` marks a weight a byte item at an os.system
     payload appended to the .distcp: the converter never reads it (it reads tensor entries and
     `common_state` only) and stops with one line; the command never runs."""
-    from test_dcp_reader import _Payload, _with_object_at
+    from dcp_fixtures import Payload, point_at_object
 
     shutil.copytree(FIXTURES / DIST, tmp_path / DIST)
     step = tmp_path / DIST / f"iter_{ITERATION:07d}"
     marker = tmp_path / "pwned"
-    _with_object_at(str(step), "embedding.word_embeddings.weight", _Payload(marker), as_bytes=True)
+    point_at_object(str(step), "embedding.word_embeddings.weight", Payload(marker), as_bytes=True)
     with pytest.raises(UserError) as refused:
         convert_from_megatron.main(["--load", str(tmp_path / DIST), "--save", str(tmp_path / "o")])
     assert "\n" not in str(refused.value)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_dcp_reader import _with_object_at
+from dcp_fixtures import point_at_object
 from training_fixtures import (
     REPO,
     deepspeed_cmd,
@@ -148,7 +148,7 @@ DCP_ENTRIES = {"bytes.pt": True, "tensor.pt": False}
 
 def _in_dcp(step: Path, entry: str, payload) -> str:
     """Point `DCP_KEY` at `payload` as `entry` says; the `FILE (key)` the refusal names."""
-    _with_object_at(str(step), DCP_KEY, payload, as_bytes=DCP_ENTRIES[entry])
+    point_at_object(str(step), DCP_KEY, payload, as_bytes=DCP_ENTRIES[entry])
     return f"{step / '__0_0.distcp'} ({DCP_KEY})"
 
 
