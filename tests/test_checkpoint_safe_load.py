@@ -121,3 +121,41 @@ def test_damaged_file(tmp_path):
     (tmp_path / "bad.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(UserError, match=r"bad\.pt: cannot be read"):
         safe_load.load(str(tmp_path / "bad.pt"))
+
+
+class _Plain:
+    """A class outside every allowlist, harmless to unpickle."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def test_checked_torch_loads_checks_the_calling_thread_only(tmp_path):
+    """Inside `checked_torch_loads` this thread's torch.load refuses a foreign class, while
+    another thread (as the background checkpoint writer) loads the same file with torch's own
+    load meanwhile; afterwards torch.load is torch's again."""
+    import threading
+
+    path = str(tmp_path / "plain.pt")
+    torch.save({"obj": _Plain(7)}, path)
+    inside, done, seen = threading.Event(), threading.Event(), {}
+
+    def other_thread():
+        inside.wait(timeout=60)
+        try:
+            seen["value"] = torch.load(path, weights_only=False)["obj"].value
+        except UserError as err:
+            seen["value"] = err
+        done.set()
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    original = torch.load
+    with safe_load.checked_torch_loads():
+        inside.set()
+        assert done.wait(timeout=60)
+        with pytest.raises(UserError, match=r"plain\.pt: refused to load: .*_Plain"):
+            torch.load(path, weights_only=False)
+    thread.join()
+    assert seen["value"] == 7
+    assert torch.load is original

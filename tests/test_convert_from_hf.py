@@ -4,6 +4,9 @@ original checkpoint gives."""
 
 from __future__ import annotations
 
+import json
+import struct
+
 import pytest
 import tokenizers
 import torch
@@ -271,3 +274,50 @@ def test_ours_to_hf_to_ours_is_identical_and_training_continues_at_the_same_loss
         original, imported = (read_metrics(metrics[flavour, t]) for t in ("original", "imported"))
         assert list(original) == list(imported) == [1]  # --finetune restarts at iteration 0
         assert abs(original[1]["lm-loss"] - imported[1]["lm-loss"]) < 2e-6, (original, imported)
+
+
+def _header(entries: dict, data: bytes = b"\0" * 16) -> bytes:
+    """A safetensors file: its 8-byte header length, the JSON header, the data."""
+    header = json.dumps(entries).encode()
+    return struct.pack("<Q", len(header)) + header + data
+
+
+HOSTILE_WEIGHTS = {
+    # model.safetensors: safetensors checks the header before it allocates anything
+    "huge-header-length": struct.pack("<Q", 1 << 60) + b"{}",
+    "header-past-the-end": struct.pack("<Q", 1000) + b"{}",
+    "bad-json": struct.pack("<Q", 5) + b"{abc}",
+    "offsets-out-of-range": _header(
+        {"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 1 << 40]}}
+    ),
+    "unknown-dtype": _header({"w": {"dtype": "Q8", "shape": [4], "data_offsets": [0, 16]}}),
+    "shape-past-the-data": _header(
+        {"w": {"dtype": "F32", "shape": [1 << 20, 1 << 20], "data_offsets": [0, 16]}}
+    ),
+    # model.safetensors.index.json (before: a traceback; a shard outside the folder was read)
+    "index-bad-json": "{nope",
+    "index-without-weight-map": "{}",
+    "index-weight-map-a-list": '{"weight_map": ["model.safetensors"]}',
+    "index-shard-outside-the-folder": '{"weight_map": {"w": "../outside.bin"}}',
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE_WEIGHTS))
+def test_a_hostile_weights_file_is_one_line_naming_it(tmp_path, case):
+    """A damaged or doctored safetensors header or shard index in the folder convert_from_hf.py
+    reads: one UserError line naming the file, nothing written."""
+    hf = tmp_path / "hf"
+    transformers.AutoModelForCausalLM.from_config(HF_MODELS["gpt2-tied"]).save_pretrained(hf)
+    content = HOSTILE_WEIGHTS[case]
+    if case.startswith("index-"):
+        torch.save({"w": torch.ones(1)}, tmp_path / "outside.bin")
+        name = "model.safetensors.index.json"
+        (hf / name).write_text(content)
+    else:
+        name = "model.safetensors"
+        (hf / name).write_bytes(content)
+    with pytest.raises(UserError) as refused:
+        convert_from_hf.main(["--load", str(hf), "--save", str(tmp_path / "out")])
+    line = str(refused.value)
+    assert line.startswith(f"{hf / name}: ") and "\n" not in line, line
+    assert not (tmp_path / "out").exists()

@@ -95,8 +95,8 @@ def test_importing_the_converters_loads_neither_deepspeed_nor_the_cli():
 
 # A backend's library is imported by that backend's package only. The exceptions read other
 # tools' checkpoint *files*: the unpickling allowlist names DeepSpeed's pickled classes, the
-# converter reads ZeRO partitions with DeepSpeed's own zero_to_fp32 and Megatron-LM's torch_dist
-# checkpoints with DCP's reader.
+# converter reads ZeRO partitions with DeepSpeed's own zero_to_fp32, and every DCP folder (ours,
+# Megatron-LM's torch_dist) is read through the one guarded reader, pretrain/checkpoint/dcp_reader.
 BACKEND_LIBRARIES = {
     "deepspeed": "pretrain.training.backends.deepspeed",
     "torch.distributed.fsdp": "pretrain.training.backends.torch",
@@ -106,7 +106,7 @@ BACKEND_LIBRARIES = {
 FILE_FORMAT_READERS = {
     ("pretrain.checkpoint.safe_load", "deepspeed"),
     ("pretrain.convert.checkpoint_reader", "deepspeed"),
-    ("pretrain.convert.megatron_dist", "torch.distributed.checkpoint"),
+    ("pretrain.checkpoint.dcp_reader", "torch.distributed.checkpoint"),
 }
 
 

@@ -28,7 +28,7 @@ import torch
 import transformers
 from convert_fixtures import load_tool
 
-from pretrain.checkpoint import safe_load
+from pretrain.checkpoint import dcp_reader, safe_load
 from pretrain.convert.checkpoint_reader import read_checkpoint
 from pretrain.convert.verify import our_model
 from pretrain.errors import UserError
@@ -221,7 +221,7 @@ def test_torch_dist_common_state_with_an_os_system_payload_is_refused(tmp_path, 
 
     step = tmp_path / DIST / f"iter_{ITERATION:07d}"
     shutil.copytree(FIXTURES / DIST, tmp_path / DIST)
-    metadata = megatron_dist._metadata(str(step))
+    metadata = dcp_reader.read_metadata(str(step))
     index, place = next(
         (i, p) for i, p in metadata.storage_data.items() if i.fqn.startswith("common_state")
     )
@@ -246,5 +246,22 @@ def test_torch_dist_common_state_with_an_os_system_payload_is_refused(tmp_path, 
         UserError, match=r"__0_0\.distcp \(common_state.*refused to load: .* posix\."
     ):
         convert_from_megatron.main(["--load", str(tmp_path / DIST), "--save", str(tmp_path / "o")])
+    assert not marker.exists()
+    assert not (tmp_path / "o").exists()
+
+
+def test_torch_dist_weight_marked_a_byte_item_is_never_unpickled(tmp_path):
+    """The torch_dist fixture whose `.metadata` marks a weight a byte item at an os.system
+    payload appended to the .distcp: the converter never reads it (it reads tensor entries and
+    `common_state` only) and stops with one line; the command never runs."""
+    from dcp_fixtures import Payload, point_at_object
+
+    shutil.copytree(FIXTURES / DIST, tmp_path / DIST)
+    step = tmp_path / DIST / f"iter_{ITERATION:07d}"
+    marker = tmp_path / "pwned"
+    point_at_object(str(step), "embedding.word_embeddings.weight", Payload(marker), as_bytes=True)
+    with pytest.raises(UserError) as refused:
+        convert_from_megatron.main(["--load", str(tmp_path / DIST), "--save", str(tmp_path / "o")])
+    assert "\n" not in str(refused.value)
     assert not marker.exists()
     assert not (tmp_path / "o").exists()

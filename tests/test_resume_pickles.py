@@ -1,10 +1,13 @@
-"""No pickled code runs from a checkpoint, also when resuming (pretrain/checkpoint/safe_load.py).
+"""No pickled code runs from a checkpoint, also when resuming (pretrain/checkpoint/safe_load.py,
+dcp_reader.py).
 
 Real checkpoints of a tiny run at two ranks (DP2 ZeRO-0, DP2 ZeRO-1 bf16, DP2 ZeRO-2, DP2 ZeRO-3,
-PP2: model, optimizer, pipeline-layer, RNG and full-state files), each saved at iteration 2. One
-file at a time gets a payload (a pickled global that calls `os.system("touch MARKER")` while it
-is unpickled), and the checkpoint's file list in pretrain_meta.json is re-written with the new
-sizes, as an attacker would, so the checkpoint is "complete". Then every reader of that file
+PP2: model, optimizer, pipeline-layer, RNG and full-state files; DP2 on the torch backend: DCP
+`.metadata` and `.distcp` shards, `train_state.pt`), each saved at iteration 2. One file at a
+time gets a payload (a pickled global that calls `os.system("touch MARKER")` while it is
+unpickled; in a DCP step, an object appended to `__0_0.distcp` that `.metadata` points a tensor
+at, marked a byte item or not), and the checkpoint's file list in pretrain_meta.json is
+re-written with the new sizes, as an attacker would, so the checkpoint is "complete". Then every reader of that file
 (`pretrain_gpt.py --load` at the saved layout, at another layout, with --finetune;
 `tools/reshard_checkpoint.py`; `tools/convert_to_hf.py`) must stop with the one-line refusal
 naming the file and the global, exit non-zero, and the MARKER must not exist.
@@ -25,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from dcp_fixtures import point_at_object
 from training_fixtures import (
     REPO,
     deepspeed_cmd,
@@ -47,6 +51,7 @@ LAYOUTS = {
     "z2": (1, 1, 2, []),
     "z3": (1, 1, 3, []),
     "pp2": (1, 2, 0, []),
+    "fsdp2": (1, 1, None, ["--use-torch-fsdp2"]),  # DP2, FSDP2-sharded, DCP files
 }
 # clean resumes: name -> (checkpoint, layout the run uses, extra flags)
 RESUMES = {
@@ -68,7 +73,8 @@ class _Payload:
 
 def _flags(corpus, layout, *extra):
     tp, pp, zero, more = LAYOUTS[layout]
-    argv = model_flags("gpt2") + train_flags(corpus, iters=ITERS) + layout_flags(tp, pp, zero)
+    layout_argv = layout_flags(tp, pp, zero) if zero is not None else []  # no ZeRO flag: FSDP2
+    argv = model_flags("gpt2") + train_flags(corpus, iters=ITERS) + layout_argv
     return argv + more + list(extra)
 
 
@@ -112,19 +118,38 @@ def test_a_clean_checkpoint_resumes(saved, name):
 
 def _hostile_copy(tmp, ckpt: str, file: str, legacy: bool = False) -> tuple[str, str, str]:
     """(a copy of checkpoint `ckpt` whose `file` carries the payload (`legacy`: in torch's
-    non-zip format), listed at its new size; the path of that file; the MARKER the payload
-    would create)."""
+    non-zip format; a DCP step's `file` is `DCP_KEY` with the kind of entry: see `_in_dcp`),
+    listed at its new size; the path named in the refusal; the MARKER the payload would
+    create)."""
     copy = Path(tempfile.mkdtemp(prefix=f"{ckpt}-{file[:-3]}-", dir=tmp)) / "checkpoint"
     shutil.copytree(tmp / ckpt, copy)
     step = copy / f"global_step{SAVED_AT}"
     marker = copy.parent / "MARKER"
-    state = torch.load(step / file, weights_only=False)  # our own clean file
-    state["payload"] = _Payload(marker)
-    torch.save(state, step / file, _use_new_zipfile_serialization=not legacy)
+    if file in DCP_ENTRIES:
+        path = _in_dcp(step, file, _Payload(marker))
+    else:
+        state = torch.load(step / file, weights_only=False)  # our own clean file
+        state["payload"] = _Payload(marker)
+        torch.save(state, step / file, _use_new_zipfile_serialization=not legacy)
+        path = str(step / file)
     meta = json.loads((step / "pretrain_meta.json").read_text())
-    meta["files"][file] = os.path.getsize(step / file)  # the attacker re-lists the size
+    for name in meta["files"]:  # the attacker re-lists the sizes
+        meta["files"][name] = os.path.getsize(step / name)
     (step / "pretrain_meta.json").write_text(json.dumps(meta))
-    return str(copy), str(step / file), str(marker)
+    return str(copy), path, str(marker)
+
+
+# DCP entries of the torch backend's step that `.metadata` points at a payload appended to
+# __0_0.distcp: "bytes" marked a byte item (torch's planner unpickles those with
+# weights_only=False), "tensor" left a tensor
+DCP_KEY = "tp00.layers.0.attention.qkv.weight.exp_avg"
+DCP_ENTRIES = {"bytes.pt": True, "tensor.pt": False}
+
+
+def _in_dcp(step: Path, entry: str, payload) -> str:
+    """Point `DCP_KEY` at `payload` as `entry` says; the `FILE (key)` the refusal names."""
+    point_at_object(str(step), DCP_KEY, payload, as_bytes=DCP_ENTRIES[entry])
+    return f"{step / '__0_0.distcp'} ({DCP_KEY})"
 
 
 def _assert_refused(result, path: str, marker: str) -> None:
@@ -133,14 +158,14 @@ def _assert_refused(result, path: str, marker: str) -> None:
     _assert_refusal_line(result.stdout, path, marker)
 
 
-def _assert_refusal_line(output: str, path: str, marker: str) -> None:
-    """`output` holds the one-line refusal naming `path` and the global, no traceback; the
+REFUSAL = r"refused to load: it holds pickled global\(s\) (posix|os)\.system,"
+BYTE_ITEM_REFUSAL = r"refused: \.metadata marks it a pickled object \(BytesStorageMetadata\)"
+
+
+def _assert_refusal_line(output: str, path: str, marker: str, refused: str = REFUSAL) -> None:
+    """`output` holds the one-line refusal naming `path` (and the global), no traceback; the
     payload did not run (no MARKER)."""
-    refusal = re.compile(
-        rf"^error: (rank \d: )?{re.escape(path)}: refused to load: it holds pickled global\(s\) "
-        rf"(posix|os)\.system,",
-        re.M,
-    )
+    refusal = re.compile(rf"^error: (rank \d: )?{re.escape(path)}: {refused}", re.M)
     assert refusal.search(output), output[-4000:]
     assert "Traceback" not in output, output[-4000:]
     assert not os.path.exists(marker)
@@ -167,6 +192,11 @@ RESUME_ATTACKS = {
     "layer_pp2_legacy": ("pp2", "layer_00-model_00-model_states.pt", "pp2", []),
     "rng_state_z0": ("z0", "rng_state_1.pt", "z0", []),
     "full_state_relayout": ("z0", "full_state_tp00_pp00.pt", "z0", ["--zero-stage", "1"]),
+    # the torch backend's files: the issue's payload (a byte item at a tensor's key), the same
+    # object in a tensor's place, and train_state.pt
+    "dcp_byte_item_fsdp2": ("fsdp2", "bytes.pt", "fsdp2", []),
+    "dcp_tensor_fsdp2": ("fsdp2", "tensor.pt", "fsdp2", []),
+    "train_state_fsdp2": ("fsdp2", "train_state.pt", "fsdp2", []),
 }
 
 
@@ -196,14 +226,21 @@ def test_resuming_refuses_a_payload(refused_resumes, name):
     """A resume from a checkpoint with a payload in any file it reads stops with the one-line
     refusal naming that file, and the payload does not run."""
     output, files = refused_resumes
-    _assert_refusal_line(output, *files[name])
+    refused = BYTE_ITEM_REFUSAL if RESUME_ATTACKS[name][1] == "bytes.pt" else REFUSAL
+    _assert_refusal_line(output, *files[name], refused)
 
 
-def test_a_refused_resume_exits_non_zero(saved):
-    """pretrain_gpt.py under the real launcher ends a refused resume with a non-zero exit."""
+@pytest.mark.parametrize("name", ["model_states_z0", "dcp_byte_item_fsdp2"])
+def test_a_refused_resume_exits_non_zero(saved, name):
+    """pretrain_gpt.py under the real launcher ends a refused resume with a non-zero exit
+    (`--use-torch-fsdp2 --load` of the issue's payload: before, it ran it and exited 0)."""
     tmp, corpus = saved
-    argv, path, marker = _hostile_resume(tmp, corpus, "model_states_z0")
-    _assert_refused(run(deepspeed_cmd(2, argv), timeout=300), path, marker)
+    argv, path, marker = _hostile_resume(tmp, corpus, name)
+    result = run(deepspeed_cmd(2, argv), timeout=300)
+    assert result.returncode != 0, result.stdout[-4000:]
+    _assert_refusal_line(
+        result.stdout, path, marker, BYTE_ITEM_REFUSAL if "dcp" in name else REFUSAL
+    )
 
 
 def test_reshard_checkpoint_refuses_a_payload(saved):

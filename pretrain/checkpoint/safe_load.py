@@ -21,12 +21,12 @@ Anything else (e.g. `os.system`, `builtins.eval`, a custom class) is refused wit
 `UserError` naming every such global in the file; the restricted unpickler stops at the first one,
 before anything from the file is called.
 
-torch.distributed.checkpoint's `.metadata` index is a plain pickle (torch reads it with
-`pickle.load`): `dcp_metadata` reads it allowing DCP's own classes only (the torch backend's
-checkpoints and Megatron-LM's torch_dist both have one).
+torch.distributed.checkpoint folders (`.metadata`, the byte items in `.distcp` files) are read
+by `pretrain/checkpoint/dcp_reader.py`, whose byte items come here (`load(..., data=)`).
 
 Third-party readers (DeepSpeed's engine load, zero_to_fp32) call `torch.load(weights_only=False)`
-themselves: they run inside `checked_torch_loads`, which routes each of their reads through `load`.
+themselves: they run inside `checked_torch_loads`, which routes each of their reads on the calling
+thread through `load` (other threads' `torch.load` calls are torch's own meanwhile).
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ import argparse
 import contextlib
 import io
 import os
-import pickle
 import pickletools
 import re
 import signal
+import threading
 import zipfile
 from typing import Any
 
@@ -58,6 +58,10 @@ MEGATRON_TYPES = [argparse.Namespace, io.BytesIO, signal.Signals]
 MEGATRON_PREFIX = "megatron."
 _UNSUPPORTED = re.compile(r"GLOBAL ([\w.]+)")  # torch's message names the refused global
 _TORCH_LOAD = torch.load  # torch's own: `checked_torch_loads` replaces torch.load while it runs
+_CHECKED = threading.local()  # .depth: how many `checked_torch_loads` this thread is inside
+_INSTALLED = threading.Lock()  # guards torch.load's replacement and `_inside`
+_inside = 0  # `checked_torch_loads` open in this process, all threads together
+_ALLOWLIST = threading.RLock()  # one `_only` at a time: each restores what the one before set
 
 
 class ForeignValue:
@@ -92,10 +96,11 @@ def _deepspeed_types() -> list:
     return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 
 
-def pickled_globals(path: str) -> list[str]:
-    """Every `module.name` global that the pickle inside a torch.save zip file refers to."""
+def pickled_globals(path: str | bytes) -> list[str]:
+    """Every `module.name` global that the pickle inside a torch.save zip file (or those bytes)
+    refers to."""
     try:
-        with zipfile.ZipFile(path) as archive:
+        with zipfile.ZipFile(io.BytesIO(path) if isinstance(path, bytes) else path) as archive:
             pickle_name = next(n for n in archive.namelist() if n.endswith("data.pkl"))
             data = archive.read(pickle_name)
     except (zipfile.BadZipFile, StopIteration, OSError):
@@ -114,7 +119,7 @@ def pickled_globals(path: str) -> list[str]:
     return sorted(set(names))
 
 
-def _allowed(megatron: bool, deepspeed: bool, path: str) -> list:
+def _allowed(megatron: bool, deepspeed: bool, path: str | bytes) -> list:
     allowed: list = list(NUMPY_RNG_TYPES)
     if deepspeed:
         allowed += _deepspeed_types()
@@ -124,7 +129,8 @@ def _allowed(megatron: bool, deepspeed: bool, path: str) -> list:
     return allowed
 
 
-def _refusal(path: str, names: list[str]) -> UserError:
+def refused(path: str, names: list[str]) -> UserError:
+    """The one-line refusal of `path` for the pickled globals `names`."""
     return UserError(
         f"{path}: refused to load: it holds pickled global(s) {', '.join(names)}, which a checkpoint "
         f"does not need and which could run code while loading (only tensors, plain containers "
@@ -137,44 +143,61 @@ def _refusal(path: str, names: list[str]) -> UserError:
 def _only(allowed: list):
     """Exactly `allowed` on top of torch's own safe types while loading: libraries may widen
     torch's process-wide allowlist at import (megatron.core adds argparse.Namespace and more)."""
-    previous = torch.serialization.get_safe_globals()
-    torch.serialization.clear_safe_globals()
-    torch.serialization.add_safe_globals(allowed)
-    try:
-        yield
-    finally:
+    with _ALLOWLIST:
+        previous = torch.serialization.get_safe_globals()
         torch.serialization.clear_safe_globals()
-        torch.serialization.add_safe_globals(previous)
+        torch.serialization.add_safe_globals(allowed)
+        try:
+            yield
+        finally:
+            torch.serialization.clear_safe_globals()
+            torch.serialization.add_safe_globals(previous)
 
 
-def load(path: str, *, megatron: bool = False, deepspeed: bool = False, mmap: bool = False) -> Any:
+def load(
+    path: str,
+    *,
+    megatron: bool = False,
+    deepspeed: bool = False,
+    mmap: bool = False,
+    data: bytes | None = None,
+) -> Any:
     """`torch.load(path)` on CPU with the restricted unpickler and this module's allowlist
-    (`mmap`: tensors memory-mapped from the file, read only when used).
+    (`mmap`: tensors memory-mapped from the file, read only when used). `data`: the torch.save
+    bytes to read instead of the file (a byte range of a larger file, which `path` then names).
 
     UserError (one line) for a file that names a global outside the allowlist (all of them are
     listed) and for a damaged or unreadable file.
     """
-    if not os.path.isfile(path):
+    if data is None and not os.path.isfile(path):
         raise UserError(f"{path}: no such file (the checkpoint is incomplete)")
-    allowed = _allowed(megatron, deepspeed, path)
+    source = path if data is None else data
+    allowed = _allowed(megatron, deepspeed, source)
     permitted = _permitted(allowed)
     try:
         with _only(allowed):
-            return _TORCH_LOAD(path, map_location="cpu", weights_only=True, mmap=mmap)
+            opened = path if data is None else io.BytesIO(data)
+            return _TORCH_LOAD(opened, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as err:  # noqa: BLE001 - classified below, re-raised as one line
         message = str(err)
-        refused = _UNSUPPORTED.search(message)
-        if refused:
+        first = refused_global(err)
+        if first:
             foreign = [
                 n
-                for n in pickled_globals(path)
-                if n not in permitted and not _torch_allows(n) and n != refused.group(1)
+                for n in pickled_globals(source)
+                if n not in permitted and not _torch_allows(n) and n != first
             ]
-            raise _refusal(path, [refused.group(1), *foreign]) from None
+            raise refused(path, [first, *foreign]) from None
         raise UserError(
             f"{path}: cannot be read ({type(err).__name__}: {message.splitlines()[-1][:300]}); "
             f"the file is damaged or not a torch checkpoint"
         ) from None
+
+
+def refused_global(err: BaseException) -> str | None:
+    """The global that torch's restricted unpickler refused, as its error `err` names it."""
+    found = _UNSUPPORTED.search(str(err))
+    return found.group(1) if found else None
 
 
 def _permitted(allowed: list) -> set[str]:
@@ -204,9 +227,18 @@ def _checked_torch_load(f, map_location=None, *args, **kwargs) -> Any:
     return load(path, deepspeed=True, mmap=bool(kwargs.get("mmap")) and zipfile.is_zipfile(path))
 
 
+def _torch_load_of_this_thread(f, *args, **kwargs) -> Any:
+    """What `torch.load` is while any thread is inside `checked_torch_loads`: `load`'s behaviour
+    on those threads, torch's own load unchanged on every other."""
+    if getattr(_CHECKED, "depth", 0):
+        return _checked_torch_load(f, *args, **kwargs)
+    return _TORCH_LOAD(f, *args, **kwargs)
+
+
 @contextlib.contextmanager
 def checked_torch_loads():
-    """While open, every `torch.load(path, ...)` in this process is `load(path, deepspeed=True)`.
+    """While open, every `torch.load(path, ...)` this thread makes is `load(path, deepspeed=True)`;
+    other threads (the background checkpoint writer) load as torch does.
 
     DeepSpeed's checkpoint loading unpickles with `torch.load(weights_only=False)` from several
     places (its checkpoint engine for model, optimizer and pipeline-layer files, zero_to_fp32 for
@@ -214,12 +246,19 @@ def checked_torch_loads():
     those reads the allowlisted one: the file that is checked is the file that is loaded, and a
     refused global is the one-line UserError of `load`.
     """
-    previous = torch.load
-    torch.load = _checked_torch_load
+    global _inside
+    with _INSTALLED:
+        _inside += 1
+        torch.load = _torch_load_of_this_thread
+    _CHECKED.depth = getattr(_CHECKED, "depth", 0) + 1
     try:
         yield
     finally:
-        torch.load = previous
+        _CHECKED.depth -= 1
+        with _INSTALLED:
+            _inside -= 1
+            if not _inside:
+                torch.load = _TORCH_LOAD
 
 
 def refusal(path: str, *, megatron: bool = False, deepspeed: bool = False) -> str | None:
@@ -233,7 +272,7 @@ def refusal(path: str, *, megatron: bool = False, deepspeed: bool = False) -> st
     permitted = _permitted(_allowed(megatron, deepspeed, path))
     names = pickled_globals(path) if zipfile.is_zipfile(path) else _legacy_globals(path)
     foreign = [n for n in names if n not in permitted and not _torch_allows(n)]
-    return str(_refusal(path, sorted(set(foreign)))) if foreign else None
+    return str(refused(path, sorted(set(foreign)))) if foreign else None
 
 
 def _legacy_globals(path: str) -> list[str]:
@@ -249,40 +288,3 @@ def _legacy_globals(path: str) -> list[str]:
     except (ValueError, OSError):
         pass  # not (or not all) pickles: torch.load reports it
     return names
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles `.metadata` allowing only what torch's checkpoint index is made of: the
-    classes of torch.distributed.checkpoint, torch.Size, dtypes, layouts and memory formats.
-    Anything else (a function to call, a foreign class) is refused by name: torch's own reader
-    uses plain `pickle.load`, which would run whatever a doctored `.metadata` names."""
-
-    def find_class(self, module: str, name: str):  # noqa: D102 (pickle API)
-        found = super().find_class(module, name)
-        torch_value = module == "torch" and isinstance(
-            found, torch.dtype | torch.layout | torch.memory_format
-        )
-        checkpoint_class = module.startswith("torch.distributed.checkpoint.") and isinstance(
-            found, type
-        )
-        plain = (module, name) in {
-            ("torch", "Size"),
-            ("collections", "OrderedDict"),
-            ("torch.serialization", "_get_layout"),  # "torch.strided" -> the layout, nothing else
-        }
-        if torch_value or checkpoint_class or plain:
-            return found
-        raise pickle.UnpicklingError(f"{module}.{name}")
-
-
-def dcp_metadata(path: str):
-    """A torch.distributed.checkpoint `.metadata` file, unpickled allowing DCP's own classes
-    only; UserError (one line) naming anything else it refers to."""
-    with open(path, "rb") as f:
-        try:
-            return _MetadataUnpickler(f).load()
-        except pickle.UnpicklingError as err:
-            raise UserError(
-                f"{path}: refused: it names {err}, which a checkpoint index never holds "
-                f"(a doctored or foreign file; nothing was run)"
-            ) from None

@@ -126,14 +126,36 @@ def build_hf_model(
     return model.eval()
 
 
+def _indexed_shards(index: str) -> list[str]:
+    """The shard file names `model.safetensors.index.json` maps weights to: each a
+    `.safetensors` file of its folder; UserError (one line) for any other index."""
+    try:
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+    except (OSError, ValueError, AttributeError) as err:
+        raise UserError(
+            f"{index}: not a readable JSON index ({type(err).__name__}: {err})"
+        ) from None
+    names = list(weight_map.values()) if isinstance(weight_map, dict) else [None]
+    for name in names:
+        if (
+            not isinstance(name, str)
+            or os.path.basename(name) != name
+            or not name.endswith(".safetensors")
+        ):
+            raise UserError(
+                f"{index}: its weight_map must map each weight to a .safetensors file of this "
+                f"folder, not {name!r} (a damaged or doctored index)"
+            )
+    return sorted(set(names))
+
+
 def _read_weights(folder: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        paths = [os.path.join(folder, name) for name in files]
+        paths = [os.path.join(folder, name) for name in _indexed_shards(index)]
     elif os.path.isfile(os.path.join(folder, "model.safetensors")):
         paths = [os.path.join(folder, "model.safetensors")]
     else:

@@ -13,9 +13,10 @@ In the step folder, beside our metadata, RNG and full-state files:
 Weights and moments are FSDP2's DTensors over the data-parallel mesh (experts at EP > 1: over the
 expert-data-parallel mesh), so DCP stores each once whatever the data-parallel size; TP shards
 are plain tensors, told apart by their `tp<t>.` key, EP ranks' experts by `ep<e>.`.
-Only tensors go into DCP (no pickled objects in the shards); `.metadata` (a pickle) is read with
-an unpickler that allows DCP's own classes only, the shards with `weights_only=True` (torch's
-reader), `train_state.pt` with `pretrain.checkpoint.safe_load`.
+Only tensors go into DCP (no byte items, no pickled objects in the shards): it is read through
+`pretrain.checkpoint.dcp_reader` (`.metadata` admitting DCP's own classes only, the tensors with
+`weights_only=True`, a byte item at any key refused naming its file and key, unread),
+`train_state.pt` with `pretrain.checkpoint.safe_load`.
 
 DCP coordinates over a gloo group of its own (`checkpoint_group`), so a background save's
 collectives never interleave with training's. `async_save` stages (copies) this rank's state to
@@ -32,13 +33,12 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import StorageMeta
 
-from pretrain.checkpoint import safe_load
-from pretrain.errors import UserError
+from pretrain.checkpoint import dcp_reader, safe_load
 from pretrain.parallel import state
 from pretrain.testing_hooks import stream_watcher
 from pretrain.training.backends.torch.full_state import persistent_buffers
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from pretrain.training.backends.torch.engine import TorchEngine
 
 TRAIN_STATE_FILE = "train_state.pt"
-METADATA_FILE = ".metadata"
+METADATA_FILE = dcp_reader.METADATA_FILE
 MOMENTS = ("exp_avg", "exp_avg_sq", "step")
 
 
@@ -106,15 +106,6 @@ class _Writer(FileSystemWriter):
         return StorageMeta(checkpoint_id=str(self.path), save_id=self.save_id)
 
 
-def _failure_reason(err: BaseException) -> str:
-    """One line for a failed DCP save or load (its CheckpointException holds every rank's
-    exception, with tracebacks): the first rank's exception type and first line."""
-    failures = getattr(err, "failures", None)
-    if failures:
-        err = next(iter(failures.values()))[0]
-    return f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0]}"
-
-
 def save(
     engine: TorchEngine, path: str, client_state: dict, files: RankFiles, *, background: bool
 ) -> Future | None:
@@ -133,7 +124,7 @@ def save(
     try:
         dcp.save(tensors, storage_writer=_Writer(path), process_group=group)
     except CheckpointException as err:  # raised on every rank alike (a BaseException)
-        files.fail(path, _failure_reason(err))
+        files.fail(path, dcp_reader.failure_reason(err))
     return None
 
 
@@ -146,23 +137,12 @@ def _one_line_failure(writing: Future) -> Future:
         try:
             done.set_result(finished.result())
         except CheckpointException as err:
-            done.set_exception(RuntimeError(_failure_reason(err)))
+            done.set_exception(RuntimeError(dcp_reader.failure_reason(err)))
         except Exception as err:  # noqa: BLE001 - any other failure of the write, as it is
             done.set_exception(err)
 
     writing.add_done_callback(settle)
     return done
-
-
-class _SafeReader(FileSystemReader):
-    """torch's FileSystemReader with `.metadata` unpickled by `safe_load.dcp_metadata`."""
-
-    def read_metadata(self, *args, **kwargs):  # noqa: D102 (torch API)
-        metadata = safe_load.dcp_metadata(os.path.join(self.path, METADATA_FILE))
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
 
 
 def load(
@@ -177,13 +157,8 @@ def load(
     ):
         return None, None
     saved = safe_load.load(train_state_path)
-    # refused here in one line; inside DCP the failure would come with its logged tracebacks
-    safe_load.dcp_metadata(os.path.join(path, METADATA_FILE))
     tensors = _state_dict(engine, optimizer=optimizer)
-    try:
-        dcp.load(tensors, storage_reader=_SafeReader(path), process_group=engine.checkpoint_group)
-    except CheckpointException as err:  # raised on every rank alike (a BaseException)
-        raise UserError(f"{path}: cannot be loaded ({_failure_reason(err)})") from None
+    dcp_reader.load(path, tensors, process_group=engine.checkpoint_group)  # no byte items
     if schedule:
         engine.scheduler.load_state_dict(saved["lr_scheduler"])
     return path, saved["client_state"]
