@@ -46,7 +46,8 @@ def data_iterators(
     """(train batches, validation sets, test batches or None), the train dataset and its
     per-source counter (None without one) of a run; no validation sets without a valid split
     or with --eval-iters 0; train and validation positioned after `train_state`'s consumed
-    samples, whose `data_mixture` record is set to the counter's."""
+    samples, whose `data_mixture` record is set to the counter's; no train batches for a run
+    whose checkpoint is at or past --train-iters."""
     from pretrain.training.per_source import source_names
     from pretrain.training.validation_sets import ValidationSet, set_suffixes
 
@@ -92,7 +93,11 @@ def data_iterators(
         sources = source_names(valid_ds)
         valid_sets = [ValidationSet("", batches(valid_ds, consumed_valid), sources)]
     test = None if test_ds is None or ev.eval_iters == 0 else batches(test_ds, 0)
-    return batches(train_ds, consumed_train), valid_sets, test, train_ds, counter
+    # a finished run launched again (a requeue) trains nothing: its consumed samples may be
+    # all a blend holds (Megatron sizes it exactly), which no sampler can start after
+    done = train_state.iteration >= t.train_iters
+    train = iter(()) if done else batches(train_ds, consumed_train)
+    return train, valid_sets, test, train_ds, counter
 
 
 def rank_batches(cfg: RunConfig, dataset, consumed: int):
