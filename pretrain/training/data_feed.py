@@ -11,7 +11,6 @@ from pretrain.data.builder import build_train_valid_test_datasets
 from pretrain.data.config import train_valid_test_num_samples
 from pretrain.data.mixture import MixturePlan, phase_counts, resolve_mixture
 from pretrain.data.mixture_dataset import MixtureCounter
-from pretrain.data.mixture_report import format_phases
 from pretrain.data.plan import log_plan
 from pretrain.data.samplers import build_pretraining_data_loader
 from pretrain.parallel import state
@@ -70,13 +69,12 @@ def data_iterators(
         files=prepared.files,
         mixture=mixture,
     )
-    # the blend plan table, once (rank 0 logs INFO)
-    log_plan(cfg.data, num_samples, logger, files=prepared.files)
+    changing = mixture is not None and not mixture.megatron
+    counts = phase_counts(mixture, dataset_index=train_ds.dataset_index) if changing else None
+    # the blend plan table (a changing mixture's: per phase), once (rank 0 logs INFO)
+    log_plan(cfg.data, num_samples, logger, files=prepared.files, mixture=mixture, counts=counts)
     counter = None
     if mixture is not None:
-        if not mixture.megatron:
-            counts = phase_counts(mixture, dataset_index=train_ds.dataset_index)
-            logger.info(format_phases(mixture, counts))
         counter = MixtureCounter(train_ds, mixture, cfg.data)
         train_state.data_mixture = counter.record(consumed_train)
     batches = functools.partial(rank_batches, cfg)
