@@ -324,16 +324,19 @@ def duplicate_warnings(cfg: DataConfig) -> list[str]:
         for places in where.values():
             if len(places) < 2:
                 continue
-            name = prefixes[places[0]]
+            name, n = prefixes[places[0]], len(places)
+            spellings = list(dict.fromkeys(prefixes[i] for i in places))
+            spelled = f"as {', '.join(spellings)}; " if len(spellings) > 1 else ""
             if weights is None:
-                how = "no weights: each listing adds the prefix's size, so it is read that often"
+                how = f"{spelled}no weights: each listing adds the prefix's size"
             else:
                 share = sum(weights[i] for i in places) / sum(weights)
                 given = ", ".join(f"{weights[i]:g}" for i in places)
-                how = f"weights {given}: together {100 * share:.1f}% of the blend"
+                how = f"{spelled}weights {given}: together {100 * share:.1f}% of the blend"
             out.append(
-                f"{flag} lists {name} {len(places)} times ({how}); as in Megatron-LM each listing "
-                "is a blend part of its own (list it once, with the summed weight, to silence this)"
+                f"{flag} lists {name} {n} times ({how}); as in Megatron-LM each listing is a "
+                f"blend part of its own over the same documents: their samples are read up to "
+                f"{n} times (list it once, with the summed weight, to silence this)"
             )
     return out
 
