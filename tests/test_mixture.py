@@ -371,3 +371,19 @@ def test_the_start_up_plan_warns_of_the_phases_epochs_not_the_blends(tmp_path, c
     )
     assert over and float(over.group(1)) > 4, text
     assert not re.search(rf"^train\s+{re.escape(a)}\s", text, re.M)
+
+
+def test_more_sources_than_int16_ids_hold_are_refused(tmp_path, corpora):
+    """A record of 33,000 sources (kept: a source never leaves the record) and two drawn ones:
+    one line, before any int16 dataset id wraps."""
+    a, b = corpora["a"], corpora["b"]
+    cfg = _cfg(tmp_path, ([a, b], [0.5, 0.5]))
+    plan = _plan(cfg, 40)
+    built = build_train_valid_test_datasets(cfg, TOKENIZER, [40, 0, 0], mixture=plan)[0]
+    record = MixtureCounter(built, plan, cfg).record(8)
+    old = [{"prefix": f"gone/p{i}", "tokens": 100, "segments": [5], "consumed": 0}
+           for i in range(33_000)]  # fmt: skip
+    record = {**record, "sources": old + record["sources"]}
+    reweighted = _cfg(tmp_path, ([a, b], [0.1, 0.9]))
+    with pytest.raises(UserError, match="has 33,002 sources .* at most 32,766 are supported"):
+        _plan(reweighted, 40, record=record, iteration=2, consumed=8)

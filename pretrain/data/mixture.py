@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from pretrain.data import helpers
-from pretrain.data.blended_dataset import normalize
+from pretrain.data.blended_dataset import MAX_DATASETS, normalize
 from pretrain.data.config import Blend, DataConfig
 from pretrain.data.fingerprint import PrefixFiles
 from pretrain.data.gpt_dataset import split_ranges
@@ -321,12 +321,13 @@ def resolve_mixture(
     placed = _placed(configured_phases(cfg, tokens), *at, global_batch_size, num_samples)
     phases = _merged(history.phases + placed)
     _refuse_listed_twice(phases)
-    names = list(history.sources) + [p for ph in phases for p, _ in ph.weights]
+    names = list(dict.fromkeys([*history.sources, *(p for ph in phases for p, _ in ph.weights)]))
+    _refuse_too_many(names)
     plan = MixturePlan(
         phases=phases,
         sources=tuple(
             Source(prefix=p, tokens=tokens.get(p, 0), segments=(), size=0, consumed=0)
-            for p in dict.fromkeys(names)
+            for p in names
         ),
         num_samples=num_samples,
         start=consumed,
@@ -367,6 +368,16 @@ def _targets(plan: MixturePlan) -> list[int]:
         for prefix, w in phase.weights:
             out[plan.index(prefix)] += math.ceil((end - phase.sample) * w)
     return out
+
+
+def _refuse_too_many(names: list[str]) -> None:
+    """The train order numbers its sources in int16, as Megatron's blend numbers its datasets."""
+    if len(names) >= MAX_DATASETS:
+        raise UserError(
+            f"the data mixture has {len(names):,} sources (the checkpoint's recorded ones and "
+            f"the train blend's); at most {MAX_DATASETS - 1:,} are supported (merge small "
+            f"prefixes with tools/merge_datasets.py)"
+        )
 
 
 def _refuse_listed_twice(phases: tuple[Phase, ...]) -> None:
