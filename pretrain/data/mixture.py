@@ -21,8 +21,9 @@ The record (`TrainState.data_mixture`, saved in every checkpoint; `record` below
 `{"order": {"seq_length", "seed", "train_range"}, "phases": [{"iteration", "sample", "weights":
 [[prefix, weight], ...]}], "sources": [{"prefix", "tokens", "segments": [num_samples, ...],
 "consumed"}], "mixture": bool}`; `mixture`: the sources' orders were sized by a changing
-mixture's phases, not by Megatron's blend (absent in older records: more than one phase). Phase weights are the kernel's (normalized); `consumed` counts the samples of the
-source's own order read before the record's position. A source leaves `sources` never: a dropped
+mixture's phases, not by Megatron's blend (absent in older records: more than one phase). Phase
+weights are the kernel's (normalized); `consumed` counts the samples of the source's own order
+read before the record's position. A source leaves `sources` never: a dropped
 one keeps its position for a later run. A checkpoint whose order identity (sequence length,
 seed, train split range) or a source's token count differs from this run's is not continued
 (one line says so): its order would be another.

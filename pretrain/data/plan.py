@@ -321,10 +321,9 @@ def log_plan(
         return []
     rows = plan_blend(cfg, num_samples, files, mixture)
     # every row at --logging-level 10 (DEBUG)
-    table = format_plan(
-        rows, cfg.seq_length, None if log.isEnabledFor(logging.DEBUG) else LOGGED_ROWS
-    )
-    text = [table, *warning_summaries(rows, max_epochs)]
+    shown = None if log.isEnabledFor(logging.DEBUG) else LOGGED_ROWS
+    text = [format_plan(rows, cfg.seq_length, shown)] if rows else []
+    text += warning_summaries(rows, max_epochs)
     if mixture is not None and not mixture.megatron:
         counts = phase_counts(mixture) if counts is None else counts
         text += [format_phases(mixture, counts), *phase_warnings(mixture, counts, max_epochs)]
