@@ -5,7 +5,7 @@ s * 1000 + 1, + 2, ... in file order; the EOD is 3000), and the model's embeddin
 token ids of every micro-batch it receives (on the first pipeline stage, TP rank 0), at every
 layout. The expected train order is built from the oracles only: megatron-core's GPTDataset of
 each source (its own order) and megatron-core's greedy blending kernel per phase (weights
-normalized here), each source continuing its own order across phases. Seven runs, all of 8
+normalized here), each source continuing its own order across phases. Nine runs, all of 8
 iterations of 4 samples:
 
 - R1 (DP 1): --data-path 0.5 A 0.5 B, stopped and saved after iteration 3 (sample 12); its
