@@ -112,8 +112,9 @@ def test_prefix_listed_twice_is_one_warning(tmp_path, script, capsys):
         stderr = proc.stderr
     said = [line for line in stderr.splitlines() if "lists" in line]
     assert len(said) == 1, stderr
-    assert said[0].startswith(f"warning: --data-path lists {a} 2 times (weights 0.3, 0.2: ")
-    assert "together 50.0% of the blend" in said[0]
+    assert said[0].startswith(f"warning: --data-path lists {a} 2 times (as {a}, {again}; ")
+    assert "weights 0.3, 0.2: together 50.0% of the blend" in said[0]
+    assert "over the same documents: their samples are read up to 2 times" in said[0]
 
 
 MEGATRON_ON_A_PART_WITHOUT_TRAIN_DATA = """

@@ -25,6 +25,7 @@ from training_fixtures import (
     layout_flags,
     make_corpus,
     model_flags,
+    multirun_outputs,
     read_metrics,
     run,
     train_flags,
@@ -237,10 +238,20 @@ def _multirun(runs: list[list[str]], runs_file: Path, **popen) -> subprocess.Com
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
+def _two_prefixes(flags: list[str], second: str) -> list[str]:
+    """`flags` with a second prefix in --data-path (Megatron sizes such a blend exactly)."""
+    i = flags.index("--data-path")
+    return [*flags[: i + 2], second, *flags[i + 2 :]]
+
+
 @pytest.fixture(scope="module")
 def reruns(base):
-    """One process, four runs on copies of the base checkpoint (see the tests below)."""
+    """One process, four runs on copies of the base checkpoint (see the tests below), then a
+    two-prefix blend trained to its end and launched again into its own folder (a requeue)."""
     tmp, corpus, _, _ = base
+    second, blend_ck = make_corpus(tmp / "corpus2", seed=1), tmp / "blend"
+    same = ["--save", str(blend_ck), "--save-interval", "100"]
+    blend = _two_prefixes(_flags(corpus, 2, tmp / "b.jsonl", *same), second)
     relaunch, finetune, fallback, no_latest = (
         _copy(base, n) for n in ("relaunch", "finetune", "fallback", "no_latest")
     )
@@ -254,6 +265,8 @@ def reruns(base):
         _flags(corpus, ITERS, tmp / "f.jsonl", "--load", str(finetune), "--save", str(finetune), "--save-interval", "100", "--finetune"),
         _flags(corpus, ITERS + 1, tmp / "fallback.jsonl", "--load", str(fallback), "--save", str(fallback), *every, *longer),
         _flags(corpus, ITERS + 1, tmp / "no_latest.jsonl", "--load", str(no_latest), "--save", str(no_latest), *every, *longer),
+        blend,
+        [*blend, "--load", str(blend_ck)],
     ]  # fmt: skip
     result = _multirun(runs, tmp / "reruns.json")
     assert result.returncode == 0, result.stdout[-8000:]
@@ -262,8 +275,18 @@ def reruns(base):
 
 def test_finished_run_launched_again_saves_nothing(reruns):
     _, output, before, (relaunch, *_) = reruns
-    assert "nothing to do (and nothing saved)" in output
+    assert "nothing to do (and nothing saved)" in multirun_outputs(output)[0]
     assert _snapshot(relaunch) == before["relaunch"]
+
+
+def test_a_finished_blend_requeued_has_nothing_to_do(reruns):
+    """A two-prefix blend's consumed samples are all its train split holds; launched again with
+    --load X --save X it says so and succeeds (the launch's exit status 0: the fixture), where
+    the sampler refused to start after the last sample before."""
+    _, output, _, _ = reruns
+    again = multirun_outputs(output)[-1]
+    assert "checkpoint is at iteration 2 >= --train-iters 2: nothing to do" in again, again[-3000:]
+    assert "error:" not in again
 
 
 def test_finetune_into_its_own_folder_keeps_the_step_latest_names(reruns):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import numpy as np
 import pytest
@@ -174,7 +175,13 @@ def test_phases_after_the_last_iteration_are_left_out(tmp_path, corpora):
         ("{", "not valid JSON"),
         ("[]", "not a non-empty JSON list"),
         ('[{"iteration": 3, "weights": {"P": 1}}]', "starts at iteration 3, not 0"),
-        ('[{"iteration": 0, "weights": {"P": -1}}]', "weight -1 of P is not a number >= 0"),
+        ('[{"iteration": 0, "weights": {"P": -1}}]', "weight -1 of P is not a finite number >= 0"),
+        ('[{"iteration": 0, "weights": {"P": 1' + "0" * 400 + '}}]',
+         r"weight 10000000000000000000\.\.\. \(401 characters\) of P is not a finite number"),
+        ('[{"iteration": 0, "weights": {"P": 1}}, {"iteration": 4, "weights": {"P": 1e308, '
+         '"Q": 1e308}}]', "phase 1: the weights sum past the largest float"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+        ('[{"iteration": 0, "weights": {"P": 1, "Q": 2, "P": 3}}]', "'P' is given twice"),
         ('[{"iteration": 0, "weights": {"P": 0}}]', "every weight is 0"),
         ('[{"iteration": 0, "weights": {"P": 1}, "x": 1}]', "exactly iteration and weights"),
         ('[{"iteration": 0, "weights": {"P": 1}}, {"iteration": 0, "weights": {"P": 2}}]',
@@ -268,3 +275,115 @@ def test_per_split_paths_change_the_train_blend_only(tmp_path, corpora):
     np.testing.assert_array_equal(valid2.shuffle_index, valid.shuffle_index)
     b_next = int(np.nonzero(train2.dataset_index[40:] == 1)[0][0]) + 40
     assert train2.dataset_sample_index[b_next] == record["sources"][1]["consumed"]
+
+
+def _schedule(tmp_path, name, phases) -> tuple:
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps([{"iteration": i, "weights": w} for i, w in phases]))
+    return read_schedule(str(path))
+
+
+def _identity(tokens: np.ndarray) -> set[int]:
+    return set(tokens[tokens != 3000].tolist())
+
+
+def test_a_one_phase_schedule_is_the_blend_of_its_weights(tmp_path):
+    """--data-schedule 0.9 a / 0.1 b, its next phase after the run's end, over --data-path a b
+    (no weights): the train split is the direct blend --data-path 0.9 a 0.1 b, sample for
+    sample, and plan_blend plans those weights and counts (not a's and b's sizes)."""
+    from pretrain.data.plan import plan_blend
+
+    a = _identity_corpus(tmp_path / "a", 0, num_docs=40)
+    b = _identity_corpus(tmp_path / "b", 1, num_docs=40)
+    tok = NullTokenizer(3000)
+    schedule = _schedule(tmp_path, "s", [(0, {a: 0.9, b: 0.1}), (50, {b: 1})])
+    cfg = _cfg(tmp_path, ([a, b], None), data_schedule=schedule)
+    plan = _plan(cfg, 24)
+    ours = build_train_valid_test_datasets(cfg, tok, [24, 0, 0], mixture=plan)[0]
+    direct = _cfg(tmp_path, ([a, b], [0.9, 0.1]))
+    theirs = build_train_valid_test_datasets(direct, tok, [24, 0, 0])[0]
+    assert isinstance(ours, BlendedDataset)
+    assert ours.unique_description_hash == theirs.unique_description_hash
+    drawn = np.bincount(theirs.dataset_index[:24]).tolist()
+    assert abs(drawn[0] - 0.9 * 24) < 1 and sum(drawn) == 24  # not by size (about 12 each)
+    for k in range(24):
+        np.testing.assert_array_equal(ours[k]["tokens"], theirs[k]["tokens"], err_msg=str(k))
+    rows = plan_blend(cfg, [24, 0, 0], mixture=plan)
+    whole = np.bincount(theirs.dataset_index).tolist()  # the blend's every sample
+    assert [(r.prefix, round(r.weight, 4), r.samples) for r in rows] == [
+        (a, 0.9, whole[0]),
+        (b, 0.1, whole[1]),
+    ]
+
+
+@pytest.mark.usefixtures("megatron_world")
+def test_a_two_phase_record_resumed_with_one_phase_left_continues_each_source(tmp_path):
+    """A two-phase schedule's checkpoint in its first phase, resumed with a schedule whose next
+    phase starts at the run's end: one phase is left, and each source goes on in its own order
+    where the record left it (the counters never go back, no sample is read twice)."""
+    a, b, c = (_identity_corpus(tmp_path / n, s, num_docs=40) for s, n in enumerate("abc"))
+    tok = NullTokenizer(3000)
+    blend = ([a, b, c], None)
+    first = _schedule(tmp_path, "s1", [(0, {a: 0.5, b: 0.5}), (5, {a: 0.2, b: 0.3, c: 0.5})])
+    cfg1 = _cfg(tmp_path, blend, data_schedule=first)
+    plan1 = _plan(cfg1, 32)
+    run1 = build_train_valid_test_datasets(cfg1, tok, [32, 0, 0], mixture=plan1)[0]
+    record = json.loads(json.dumps(MixtureCounter(run1, plan1, cfg1).record(12)))
+    later = _schedule(tmp_path, "s2", [(0, {a: 0.5, b: 0.5}), (8, {c: 1})])
+    cfg2 = _cfg(tmp_path, blend, data_schedule=later)
+    plan2 = _plan(cfg2, 32, record=record, iteration=3, consumed=12)
+    run2 = build_train_valid_test_datasets(cfg2, tok, [32, 0, 0], mixture=plan2)[0]
+    np.testing.assert_array_equal(run2.dataset_index[:12], run1.dataset_index[:12])
+    np.testing.assert_array_equal(run2.dataset_sample_index[:12], run1.dataset_sample_index[:12])
+    counter = MixtureCounter(run2, plan2, cfg2)
+    at_resume = counter.record(12)
+    assert at_resume["sources"] == record["sources"]
+    before = {s["prefix"]: s["consumed"] for s in record["sources"]}
+    after = {s["prefix"]: s["consumed"] for s in counter.record(32)["sources"]}
+    assert all(after[p] >= n for p, n in before.items()) and after[c] == 0
+    seen: set[int] = set()
+    for k in range(12):
+        seen |= _identity(run1[k]["tokens"].numpy())
+    for k in range(12, 32):
+        ids = _identity(run2[k]["tokens"].numpy())
+        assert not ids & seen, k  # nothing the first run read is read again
+        seen |= ids
+
+
+def test_the_start_up_plan_warns_of_the_phases_epochs_not_the_blends(tmp_path, corpora, caplog):
+    """A schedule reading c alone from iteration 2 on reads it past --max-epochs: the plan
+    training logs says so per phase, and plans no train row of --data-path's own blend (by
+    size, a and c are each read under 2 times: it warned of nothing)."""
+    import logging
+
+    from pretrain.data.plan import log_plan
+
+    a, c = corpora["a"], corpora["c"]
+    schedule = _schedule(tmp_path, "s", [(0, {a: 1}), (2, {c: 1})])
+    cfg = _cfg(tmp_path, ([a, c], None), data_schedule=schedule)
+    plan = _plan(cfg, 500)
+    log = logging.getLogger("test_plan")
+    with caplog.at_level(logging.INFO, logger="test_plan"):
+        log_plan(cfg, [500, 0, 0], log, files=PrefixFiles(cfg.data_cache_path), mixture=plan)
+    text = caplog.text
+    over = re.search(
+        rf"warning: train {re.escape(c)}: read ([\d.]+) times by the end of phase 1", text
+    )
+    assert over and float(over.group(1)) > 4, text
+    assert not re.search(rf"^train\s+{re.escape(a)}\s", text, re.M)
+
+
+def test_more_sources_than_int16_ids_hold_are_refused(tmp_path, corpora):
+    """A record of 33,000 sources (kept: a source never leaves the record) and two drawn ones:
+    one line, before any int16 dataset id wraps."""
+    a, b = corpora["a"], corpora["b"]
+    cfg = _cfg(tmp_path, ([a, b], [0.5, 0.5]))
+    plan = _plan(cfg, 40)
+    built = build_train_valid_test_datasets(cfg, TOKENIZER, [40, 0, 0], mixture=plan)[0]
+    record = MixtureCounter(built, plan, cfg).record(8)
+    old = [{"prefix": f"gone/p{i}", "tokens": 100, "segments": [5], "consumed": 0}
+           for i in range(33_000)]  # fmt: skip
+    record = {**record, "sources": old + record["sources"]}
+    reweighted = _cfg(tmp_path, ([a, b], [0.1, 0.9]))
+    with pytest.raises(UserError, match="has 33,002 sources .* at most 32,766 are supported"):
+        _plan(reweighted, 40, record=record, iteration=2, consumed=8)

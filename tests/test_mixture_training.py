@@ -5,7 +5,7 @@ s * 1000 + 1, + 2, ... in file order; the EOD is 3000), and the model's embeddin
 token ids of every micro-batch it receives (on the first pipeline stage, TP rank 0), at every
 layout. The expected train order is built from the oracles only: megatron-core's GPTDataset of
 each source (its own order) and megatron-core's greedy blending kernel per phase (weights
-normalized here), each source continuing its own order across phases. Seven runs, all of 8
+normalized here), each source continuing its own order across phases. Nine runs, all of 8
 iterations of 4 samples:
 
 - R1 (DP 1): --data-path 0.5 A 0.5 B, stopped and saved after iteration 3 (sample 12); its
@@ -17,7 +17,11 @@ iterations of 4 samples:
   5), stopped in the middle of its first phase (after iteration 3) ...
 - R6 (PP 2): ... and resumed at another layout, across the phase boundary;
 - R7 (the torch backend, FSDP2 at DP 2): R3's DeepSpeed checkpoint resumed there, across the
-  phase boundary (another backend: through the layout-independent full state).
+  phase boundary (another backend: through the layout-independent full state);
+- R8 (DP 1): a --data-schedule of one phase within the run (0.9 A 0.1 B; its next phase starts
+  at --train-iters) over --data-path A B C: megatron-core's BlendedDataset of 0.9 A 0.1 B;
+- R9 (DP 1): R3's checkpoint resumed with a schedule whose second phase starts at
+  --train-iters: one phase is left, and each source goes on in its own order.
 
 For each run's whole train order (its first part fed by R1 or R3): every sample fed equals the
 expected one (no source sample read twice before its order is used up, none skipped, the
@@ -59,6 +63,12 @@ SCHEDULE = [
     {"iteration": 0, "weights": {"a": 0.5, "b": 0.5}},
     {"iteration": 5, "weights": {"a": 0.2, "b": 0.3, "c": 0.5}},
 ]
+# one phase within the run: its next phase starts at --train-iters
+ONE_PHASE = [
+    {"iteration": 0, "weights": {"a": 0.9, "b": 0.1}},
+    {"iteration": ITERS, "weights": {"c": 1}},
+]
+FIRST_PHASE_ONLY = [SCHEDULE[0], {"iteration": ITERS, "weights": {"c": 1}}]
 
 
 def _identity_corpus(prefix: Path, source: int, num_docs: int = 40) -> str:
@@ -187,11 +197,12 @@ def _expected(phases: list[tuple[int, dict]], orders: dict, total: int) -> list[
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mixture")
     corpora = {n: _identity_corpus(tmp / n, s) for n, s in SOURCES.items()}
-    (tmp / "schedule.json").write_text(
-        json.dumps(
-            [{**p, "weights": {corpora[k]: w for k, w in p["weights"].items()}} for p in SCHEDULE]
+    for name, phases in (("schedule", SCHEDULE), ("one", ONE_PHASE), ("first", FIRST_PHASE_ONLY)):
+        (tmp / f"{name}.json").write_text(
+            json.dumps(
+                [{**p, "weights": {corpora[k]: w for k, w in p["weights"].items()}} for p in phases]
+            )
         )
-    )
     ck1, ck2 = str(tmp / "ck1"), str(tmp / "ck2")
     stop = ["--save-interval", "100", "--exit-interval", str(STOP)]
     sched = ["--data-schedule", str(tmp / "schedule.json")]
@@ -203,6 +214,8 @@ def runs(tmp_path_factory):
         "r5": _data_flags(corpora, ["a"]),
         "r6": _data_flags(corpora, ["a", "b", "c"], *sched),
         "r7": _data_flags(corpora, ["a", "b", "c"], *sched),
+        "r8": _data_flags(corpora, ["a", "b", "c"], "--data-schedule", str(tmp / "one.json")),
+        "r9": _data_flags(corpora, ["a", "b", "c"], "--data-schedule", str(tmp / "first.json")),
     }
     extra = {
         "r1": ["--save", ck1, *stop],
@@ -212,16 +225,19 @@ def runs(tmp_path_factory):
         "r5": ["--load", ck1, "--tensor-model-parallel-size", "2"],
         "r6": ["--load", ck2, "--pipeline-model-parallel-size", "2"],
         "r7": ["--load", ck2, "--use-torch-fsdp2"],
+        "r8": [],
+        "r9": ["--load", ck2],
     }
     argv = {r: _flags(data[r], tmp / f"{r}.jsonl", *extra[r]) for r in data}
-    one = run_on_ranks(_train_and_record, 1, ([argv[r] for r in ("r1", "r2", "r3")],), 600)
+    ones = ("r1", "r2", "r3", "r8", "r9")
+    one = run_on_ranks(_train_and_record, 1, ([argv[r] for r in ones],), 600)
     second = ("r4", "r5", "r6", "r7")
     two = run_on_ranks(_train_and_record, 2, ([argv[r] for r in second],), 900)
     results = {}
-    for names, per_rank in ((("r1", "r2", "r3"), one), (second, two)):
+    for names, per_rank in ((ones, one), (second, two)):
         for i, name in enumerate(names):
             log = per_rank[0][i][0]
-            first = 0 if name in ("r1", "r3") else STOP * GBS
+            first = 0 if name in ("r1", "r3", "r8") else STOP * GBS
             results[name] = (log, _global_order([r[i][1] for r in per_rank], first))
     orders = {n: _megatron_order(p, tmp / "oracle") for n, p in corpora.items()}
     return tmp, corpora, data, results, orders
@@ -233,6 +249,7 @@ WHOLE_RUNS = {  # run -> (its first part, [(first sample, {source: weight})])
     "r5": ("r1", [(0, {"a": 0.5, "b": 0.5}), (12, {"a": 1.0})]),
     "r6": ("r3", [(0, {"a": 0.5, "b": 0.5}), (20, {"a": 0.2, "b": 0.3, "c": 0.5})]),
     "r7": ("r3", [(0, {"a": 0.5, "b": 0.5}), (20, {"a": 0.2, "b": 0.3, "c": 0.5})]),
+    "r9": ("r3", [(0, {"a": 0.5, "b": 0.5})]),
 }
 
 
@@ -262,6 +279,46 @@ def test_an_unchanged_blend_feeds_megatron_cores_blend(runs, tmp_path):
     assert sorted(fed) == list(range(STOP * GBS))
     for k, tokens in fed.items():
         np.testing.assert_array_equal(tokens, blend[k]["tokens"].numpy(), err_msg=str(k))
+
+
+@pytest.mark.usefixtures("megatron_world")
+def test_a_one_phase_schedule_feeds_the_blend_of_its_weights(runs, tmp_path):
+    """R8 (--data-schedule 0.9 A 0.1 B, its next phase at --train-iters) feeds megatron-core's
+    BlendedDataset of --data-path 0.9 A 0.1 B, sample for sample; plan_blend.py plans that
+    blend's weights and samples and explain_batch.py names the fed samples."""
+    from test_data_gpt_dataset import megatron_core_datasets
+
+    _, corpora, data, results, orders = runs
+    a, b = corpora["a"], corpora["b"]
+    blend = megatron_core_datasets(
+        [ITERS * GBS, 0, 0],
+        NullTokenizer(VOCAB),
+        str(tmp_path),
+        random_seed=SEED,
+        sequence_length=S,
+        blend=([a, b], [0.9, 0.1]),
+        split="100,0,0",
+    )[0]
+    fed = results["r8"][1]
+    assert sorted(fed) == list(range(ITERS * GBS))
+    for k, tokens in fed.items():
+        np.testing.assert_array_equal(tokens, blend[k]["tokens"].numpy(), err_msg=str(k))
+    out = _tool("plan_blend", data["r8"])
+    for prefix, weight, n in zip(
+        [a, b], ("0.9000", "0.1000"), np.bincount(blend.dataset_index), strict=True
+    ):
+        row = re.search(
+            rf"^train\s+{re.escape(prefix)}\s+[\d,]+\s+[\d,]+\s+(\S+)\s+(\d+)", out, re.M
+        )
+        assert row and row.groups() == (weight, str(n)), out
+    assert corpora["c"] not in out.split("warning")[0]  # the blend of the phase: no C
+    explained = _tool("explain_batch", [*data["r8"], "--iteration", f"1-{ITERS}", "--json"])
+    rows = [json.loads(line) for line in explained.splitlines() if line.startswith("{")]
+    assert [r["sample"] for r in rows] == list(range(ITERS * GBS))
+    name = {p: n for n, p in corpora.items()}
+    for r in rows:
+        tokens = orders[name[r["dataset"]]][r["dataset_sample"]]
+        np.testing.assert_array_equal(tokens, fed[r["sample"]])
 
 
 @pytest.mark.parametrize("name", sorted(WHOLE_RUNS))
@@ -330,6 +387,8 @@ def test_the_log_says_what_changed_per_source(runs):
     for name, lines in expect.items():
         for line in lines:
             assert line in results[name][0], (name, line, results[name][0][-3000:])
+    # R3's start-up plan is its schedule's: no train row of --data-path's own blend (by size)
+    assert not re.search(rf"^train\s+{re.escape(a)}\s", results["r3"][0], re.M)
 
 
 def _tool(script: str, argv: list[str]) -> str:

@@ -11,6 +11,8 @@ sample-count flags, skips the other pretrain_gpt.py flags, and refuses anything 
 
 Training started with the same flags finds the caches and loads them (memory-mapped) instead of
 building. With a node-local --data-cache-path, run it once per node (or let training build it).
+With --data-schedule, or --load CKPT of a run whose blend changes on resume, it builds the train
+split training then builds: the phases' (docs/DATA.md).
 With --plan it prints the blend plan of tools/plan_blend.py instead and builds nothing.
 """
 
@@ -29,6 +31,7 @@ from plan_blend import add_plan_args, run_plan  # noqa: E402  (tools/, beside th
 from tqdm import tqdm  # noqa: E402
 
 from pretrain.cli import data_tool_parser, parse_data_tool_args  # noqa: E402
+from pretrain.cli.data_tools import load_meta, run_mixture  # noqa: E402
 from pretrain.data import cache_writer  # noqa: E402
 from pretrain.data.builder import (  # noqa: E402
     build_train_valid_test_datasets,
@@ -53,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--plan",
         action="store_true",
         help="print the blend plan (tools/plan_blend.py), build nothing",
+    )
+    parser.add_argument(
+        "--load",
+        default=None,
+        help="build for the resume of this checkpoint directory (its latest step): its recorded "
+        "data phases up to its iteration, these flags' from there on, as training builds them",
     )
     return parser
 
@@ -80,6 +89,8 @@ def main(argv=None) -> int:
     check_splits_before_launch(
         cfg, counts, ns.eval_iters, lambda msg: print(f"warning: {msg}", file=sys.stderr), files
     )
+    # the train split training builds: --data-schedule's phases, or a re-weighted --load's
+    mixture = run_mixture(cfg, counts[0], ns.global_batch_size, load_meta(ns.load))
     start = time.time()
     with tqdm(total=count_builds(cfg), desc="index caches", unit="dataset") as bar:
 
@@ -88,7 +99,7 @@ def main(argv=None) -> int:
             bar.update()
 
         datasets = build_train_valid_test_datasets(
-            cfg, tokenizer, counts, progress=progress, files=files
+            cfg, tokenizer, counts, progress=progress, files=files, mixture=mixture
         )
         cache_writer.wait_all()  # Megatron's per-prefix files: this tool's job, not training's
     for name, requested, ds in zip(SPLIT_NAMES, counts, datasets, strict=False):

@@ -11,7 +11,8 @@ Put this script in front of your training arguments; it reads only the data and 
 For every split and prefix it prints: tokens, documents, the requested weight (normalized), the
 samples the blend will draw, the resulting epochs and the prefix's actual share of the split's
 tokens; then a warning for every prefix read more than --max-epochs times or less than
---min-epochs of it (train split). `tools/build_data_cache.py --plan` prints the same table.
+--min-epochs of it (train split; one line naming the worst few when several are).
+`tools/build_data_cache.py --plan` prints the same table.
 
 With --data-schedule (or --load CKPT of a run whose blend changes on resume) the train split is
 planned per phase instead: for every phase and source drawn, its weight, samples, tokens and
@@ -43,7 +44,7 @@ from pretrain.data.plan import (  # noqa: E402
     PlanRow,
     format_plan,
     plan_blend,
-    plan_warnings,
+    warning_summaries,
 )
 from pretrain.errors import exit_on_user_error  # noqa: E402
 
@@ -129,17 +130,14 @@ def run_plan(ns: argparse.Namespace, cfg: DataConfig) -> list[PlanRow]:
     check_splits_before_launch(
         cfg, counts, ns.eval_iters, lambda msg: print(f"warning: {msg}", file=sys.stderr)
     )
-    rows = plan_blend(cfg, counts)
     meta = load_meta(getattr(ns, "load", None))
     mixture = run_mixture(cfg, counts[0], ns.global_batch_size, meta)
-    changing = mixture is not None and not mixture.megatron
-    if changing:  # the train split is the phases' (below), not the flags' one blend
-        rows = [r for r in rows if r.split != "train"]
+    rows = plan_blend(cfg, counts, mixture=mixture)  # a changing mixture's train split: below
     if rows:
         print(format_plan(rows, cfg.seq_length))
-    for line in plan_warnings(rows, ns.max_epochs, ns.min_epochs):
+    for line in warning_summaries(rows, ns.max_epochs, ns.min_epochs, "the table lists each"):
         print(line)
-    if changing:
+    if mixture is not None and not mixture.megatron:
         drawn = phase_counts(mixture)
         print(format_phases(mixture, drawn))
         for line in [*mixture.lines, *phase_warnings(mixture, drawn, ns.max_epochs)]:

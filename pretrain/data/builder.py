@@ -116,6 +116,18 @@ class _Builder:
     def gpt_splits(self, prefix: str, matrix, sizes) -> list[GPTDataset | None]:
         return [self.gpt(prefix, matrix, split, sizes[split]) for split in Split]
 
+    def train_split(self, blend: Blend, num_samples: int):
+        """The train split of `blend` alone, built as the flags' train blend would be built if
+        it were `blend` (Megatron's one phase of a --data-schedule)."""
+        sizes = [num_samples, None, None]
+        if self.cfg.blend is None:
+            matrix = [FULL_RANGE, None, None]
+            if len(blend[0]) == 1:
+                return self.gpt(blend[0][0], matrix, Split.train, num_samples)
+        else:
+            matrix = [self.cfg.split_matrix[Split.train], None, None]
+        return self.blend_splits(blend, matrix, sizes)[Split.train]
+
     def blend_splits(self, blend: Blend, matrix, sizes) -> list:
         """One blended dataset per split of `matrix` from the prefixes of `blend`."""
         prefixes, weights = blend
@@ -163,7 +175,8 @@ def build_train_valid_test_datasets(
     """[train, valid, test] datasets (GPTDataset, BlendedDataset or None) for `num_samples` per split.
 
     `mixture`: the train split's phases (pretrain/data/mixture.py); unless it is Megatron's one
-    phase, the train split is its `MixtureDataset`. `without_train`: build no train split.
+    phase, the train split is its `MixtureDataset`; Megatron's one phase of a --data-schedule
+    is the blend of its weights. `without_train`: build no train split.
 
     `multiple_validation_sets` (Megatron's --multiple-validation-sets, per-split data paths only):
     valid is a list of one GPTDataset per valid prefix, in order, each of the valid split's
@@ -178,9 +191,7 @@ def build_train_valid_test_datasets(
     if cfg.mock:
         return build_mock_datasets(cfg, tokenizer, sizes, progress)
     b = _Builder(cfg, tokenizer, progress, files)
-    if mixture is not None and not mixture.megatron:
-        from pretrain.data.mixture_dataset import build_mixture
-
+    if mixture is not None and (not mixture.megatron or mixture.blend is not None):
         rest = build_train_valid_test_datasets(
             cfg,
             tokenizer,
@@ -190,7 +201,7 @@ def build_train_valid_test_datasets(
             files=b.files,
             without_train=True,
         )
-        return [build_mixture(mixture, cfg, tokenizer, b.files), *rest[1:]]
+        return [_mixture_train(b, mixture, sizes[0]), *rest[1:]]
     matrix = cfg.split_matrix
     if without_train and matrix is not None:
         matrix[Split.train] = None
@@ -216,6 +227,15 @@ def build_train_valid_test_datasets(
         else:
             out.append(b.blend_splits(blend, matrix, only)[i])
     return out
+
+
+def _mixture_train(b: _Builder, mixture: MixturePlan, num_samples: int):
+    """The train split of a mixture that is not the flags' train blend."""
+    if mixture.megatron:
+        return b.train_split(mixture.blend, num_samples)
+    from pretrain.data.mixture_dataset import build_mixture
+
+    return build_mixture(mixture, b.cfg, b.tokenizer, b.files)
 
 
 def _one_validation_set(b: _Builder, prefix: str, matrix, num_samples: int | None) -> GPTDataset:
@@ -304,16 +324,19 @@ def duplicate_warnings(cfg: DataConfig) -> list[str]:
         for places in where.values():
             if len(places) < 2:
                 continue
-            name = prefixes[places[0]]
+            name, n = prefixes[places[0]], len(places)
+            spellings = list(dict.fromkeys(prefixes[i] for i in places))
+            spelled = f"as {', '.join(spellings)}; " if len(spellings) > 1 else ""
             if weights is None:
-                how = "no weights: each listing adds the prefix's size, so it is read that often"
+                how = f"{spelled}no weights: each listing adds the prefix's size"
             else:
                 share = sum(weights[i] for i in places) / sum(weights)
                 given = ", ".join(f"{weights[i]:g}" for i in places)
-                how = f"weights {given}: together {100 * share:.1f}% of the blend"
+                how = f"{spelled}weights {given}: together {100 * share:.1f}% of the blend"
             out.append(
-                f"{flag} lists {name} {len(places)} times ({how}); as in Megatron-LM each listing "
-                "is a blend part of its own (list it once, with the summed weight, to silence this)"
+                f"{flag} lists {name} {n} times ({how}); as in Megatron-LM each listing is a "
+                f"blend part of its own over the same documents: their samples are read up to "
+                f"{n} times (list it once, with the summed weight, to silence this)"
             )
     return out
 

@@ -11,15 +11,19 @@ the earlier phases left it. Nothing of a source is read twice before its order i
 nothing is skipped.
 
 One phase from sample 0 is Megatron's blend: then the builder builds exactly megatron-core's
-BlendedDataset (or GPTDataset), as without this module. The phases of a run are those its
+BlendedDataset (or GPTDataset), as without this module, with the phase's weights (a one-phase
+--data-schedule means exactly its weights), unless the run continues the sources' own orders of
+a changing mixture (a record whose sources a mixture sized). The phases of a run are those its
 checkpoint recorded before the position it resumes at (the *history*), then the configured ones
 from there on: the --data-path weights, or --data-schedule's phases.
 
 The record (`TrainState.data_mixture`, saved in every checkpoint; `record` below):
 `{"order": {"seq_length", "seed", "train_range"}, "phases": [{"iteration", "sample", "weights":
 [[prefix, weight], ...]}], "sources": [{"prefix", "tokens", "segments": [num_samples, ...],
-"consumed"}]}`. Phase weights are the kernel's (normalized); `consumed` counts the samples of the
-source's own order read before the record's position. A source leaves `sources` never: a dropped
+"consumed"}], "mixture": bool}`; `mixture`: the sources' orders were sized by a changing
+mixture's phases, not by Megatron's blend (absent in older records: more than one phase). Phase
+weights are the kernel's (normalized); `consumed` counts the samples of the source's own order
+read before the record's position. A source leaves `sources` never: a dropped
 one keeps its position for a later run. A checkpoint whose order identity (sequence length,
 seed, train split range) or a source's token count differs from this run's is not continued
 (one line says so): its order would be another.
@@ -33,8 +37,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from pretrain.data import helpers
-from pretrain.data.blended_dataset import normalize
-from pretrain.data.config import DataConfig
+from pretrain.data.blended_dataset import MAX_DATASETS, normalize
+from pretrain.data.config import Blend, DataConfig
 from pretrain.data.fingerprint import PrefixFiles
 from pretrain.data.gpt_dataset import split_ranges
 from pretrain.errors import UserError
@@ -97,11 +101,12 @@ class MixturePlan:
     """Tokens per sample."""
     lines: tuple[str, ...] = ()
     """What changed against the checkpoint: one line per source (logged at start)."""
-
-    @property
-    def megatron(self) -> bool:
-        """One phase from sample 0: Megatron's own blend, built as megatron-core builds it."""
-        return len(self.phases) == 1
+    megatron: bool = False
+    """Megatron's own blend: one phase from sample 0 that continues no changing mixture's
+    orders; the builder builds it as megatron-core builds it (from `blend`)."""
+    blend: Blend | None = None
+    """Megatron's one phase as a blend when it is not the flags' train blend: a --data-schedule
+    phase's prefixes and weights, as the file gives them; None: the flags' train blend."""
 
     def lengths(self) -> list[int]:
         """Samples of each phase in the global order; the last is sized as Megatron sizes a
@@ -184,17 +189,23 @@ def samples_per_epoch(tokens: int, seq_length: int) -> int:
     return helpers.num_samples_in_sample_index(1, tokens, seq_length, True, EXTRA_TOKEN)
 
 
+def schedule_blends(cfg: DataConfig) -> list[tuple[int, Blend]]:
+    """[(iteration, (prefixes drawn, their weights as given))] of --data-schedule's phases,
+    the prefixes in the train blend's order."""
+    out = []
+    for phase in cfg.data_schedule:
+        given = dict(phase.weights)
+        drawn = [p for p in cfg.train_blend[0] if p in given]
+        out.append((phase.iteration, (drawn, [given[p] for p in drawn])))
+    return out
+
+
 def configured_phases(cfg: DataConfig, tokens: dict[str, int]) -> list[tuple[int, tuple]]:
     """[(iteration, kernel weights)] of the flags: --data-schedule's phases, else one phase of
     the train blend as Megatron weighs it (by size when it has no weights; one prefix: 1.0)."""
     prefixes, weights = cfg.train_blend
     if cfg.data_schedule is not None:
-        out = []
-        for phase in cfg.data_schedule:
-            given = dict(phase.weights)
-            drawn = [p for p in prefixes if p in given]
-            out.append((phase.iteration, kernel_weights(drawn, [given[p] for p in drawn])))
-        return out
+        return [(it, kernel_weights(*blend)) for it, blend in schedule_blends(cfg)]
     if len(prefixes) == 1:
         return [(0, ((prefixes[0], 1.0),))]
     if weights is None:  # Megatron: weights = samples per epoch, prefixes without any dropped
@@ -215,6 +226,13 @@ class _History:
     phases: list[Phase]
     sources: dict[str, dict]  # prefix -> its record entry, usable
     lines: list[str]
+    mixture: bool = False  # the recorded orders were sized by a changing mixture
+
+
+def _mixture_record(record: dict) -> bool:
+    """Whether a record's sources were ordered by a changing mixture (older records: more
+    than one phase)."""
+    return bool(record.get("mixture", len(record.get("phases", [])) > 1))
 
 
 def _history(record: dict | None, cfg: DataConfig, consumed: int, tokens: dict) -> _History:
@@ -257,7 +275,7 @@ def _history(record: dict | None, cfg: DataConfig, consumed: int, tokens: dict) 
             f"run's (Megatron's), from its sample {consumed}"
         )
         return _History([], {}, lines)
-    return _History(phases, sources, lines)
+    return _History(phases, sources, lines, _mixture_record(record))
 
 
 def _placed(configured, iteration: int, consumed: int, gbs: int, num_samples: int):
@@ -304,19 +322,23 @@ def resolve_mixture(
     placed = _placed(configured_phases(cfg, tokens), *at, global_batch_size, num_samples)
     phases = _merged(history.phases + placed)
     _refuse_listed_twice(phases)
-    names = list(history.sources) + [p for ph in phases for p, _ in ph.weights]
+    names = list(dict.fromkeys([*history.sources, *(p for ph in phases for p, _ in ph.weights)]))
+    _refuse_too_many(names)
     plan = MixturePlan(
         phases=phases,
         sources=tuple(
             Source(prefix=p, tokens=tokens.get(p, 0), segments=(), size=0, consumed=0)
-            for p in dict.fromkeys(names)
+            for p in names
         ),
         num_samples=num_samples,
         start=consumed,
         seq_length=cfg.seq_length,
     )
-    if plan.megatron:  # the builder builds Megatron's blend; its datasets make the record
-        return replace(plan, lines=tuple(history.lines))
+    if len(phases) == 1 and not (history.phases and history.mixture):
+        # Megatron's blend, of the phase's weights; the builder builds it, its datasets make
+        # the record
+        blend = _given_blend(cfg, phases[0].weights)
+        return replace(plan, lines=tuple(history.lines), megatron=True, blend=blend)
     targets, read = _targets(plan), phase_counts(plan, consumed).sum(axis=0)
     surplus = 1 + cfg.mid_level_dataset_surplus
     sources = []
@@ -331,6 +353,14 @@ def resolve_mixture(
     return replace(plan, lines=tuple(lines))
 
 
+def _given_blend(cfg: DataConfig, weights: tuple) -> Blend | None:
+    """The --data-schedule phase whose kernel weights are `weights`, as a blend; None without
+    a schedule (the phase is the flags' train blend)."""
+    if cfg.data_schedule is None:
+        return None
+    return next(b for _, b in schedule_blends(cfg) if kernel_weights(*b) == weights)
+
+
 def _targets(plan: MixturePlan) -> list[int]:
     """[source] samples the phases ask of it: the sum over phases of ceil(requested x weight)."""
     out = [0] * len(plan.sources)
@@ -339,6 +369,16 @@ def _targets(plan: MixturePlan) -> list[int]:
         for prefix, w in phase.weights:
             out[plan.index(prefix)] += math.ceil((end - phase.sample) * w)
     return out
+
+
+def _refuse_too_many(names: list[str]) -> None:
+    """The train order numbers its sources in int16, as Megatron's blend numbers its datasets."""
+    if len(names) >= MAX_DATASETS:
+        raise UserError(
+            f"the data mixture has {len(names):,} sources (the checkpoint's recorded ones and "
+            f"the train blend's); at most {MAX_DATASETS - 1:,} are supported (merge small "
+            f"prefixes with tools/merge_datasets.py)"
+        )
 
 
 def _refuse_listed_twice(phases: tuple[Phase, ...]) -> None:

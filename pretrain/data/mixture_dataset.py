@@ -172,6 +172,7 @@ class MixtureCounter:
         self.identity = order_identity(cfg)
         self.plan = plan
         self.dataset_index = getattr(dataset, "dataset_index", None)
+        self.mixture = isinstance(dataset, MixtureDataset)
         sources = getattr(dataset, "datasets", [dataset])
         planned = plan.sources if isinstance(dataset, MixtureDataset) else [None] * len(sources)
         self.entries = [_entry(d, s) for d, s in zip(sources, planned, strict=True)]
@@ -200,6 +201,7 @@ class MixtureCounter:
             "sources": [
                 {**e, "consumed": int(n)} for e, n in zip(self.entries, counts, strict=True)
             ],
+            "mixture": self.mixture,
         }
 
     def _announce(self, consumed: int) -> None:

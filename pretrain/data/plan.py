@@ -22,6 +22,8 @@ from pretrain.data.blended_dataset import normalize
 from pretrain.data.config import SPLIT_NAMES, Blend, DataConfig
 from pretrain.data.fingerprint import PrefixFiles
 from pretrain.data.gpt_dataset import split_ranges
+from pretrain.data.mixture import MixturePlan, phase_counts
+from pretrain.data.mixture_report import format_phases, phase_warnings
 from pretrain.data.notices import Notices
 from pretrain.errors import UserError
 
@@ -152,25 +154,38 @@ def _blend_rows(
 
 
 def plan_blend(
-    cfg: DataConfig, num_samples: Sequence[int | None], files: PrefixFiles | None = None
+    cfg: DataConfig,
+    num_samples: Sequence[int | None],
+    files: PrefixFiles | None = None,
+    mixture: MixturePlan | None = None,
 ) -> list[PlanRow]:
     """Rows for every split and prefix of `cfg`'s data, for `num_samples` [train, valid, test];
-    `files`: the prefixes as already opened."""
+    `files`: the prefixes as already opened. `mixture`: the train split's phases
+    (`resolve_mixture`): a changing mixture's train split has no rows here (`mixture_report`
+    plans it per phase), Megatron's one phase is planned with its weights (`MixturePlan.blend`)."""
     src = _Sources(files or PrefixFiles(cfg.data_cache_path))
     rows = []
+    for split, blend, matrix in _split_blends(cfg):
+        if split == 0 and mixture is not None:
+            if not mixture.megatron:
+                continue
+            blend = mixture.blend or blend
+        rows += _blend_rows(cfg, src, blend, matrix, split, num_samples[split])
+    return rows
+
+
+def _split_blends(cfg: DataConfig):
+    """(split, blend, split matrix) of every split the data flags give."""
     if cfg.blend is not None:
         for split in range(3):
             if cfg.split_matrix[split] is not None:
-                rows += _blend_rows(
-                    cfg, src, cfg.blend, cfg.split_matrix, split, num_samples[split]
-                )
-        return rows
+                yield split, cfg.blend, cfg.split_matrix
+        return
     for split, blend in enumerate(cfg.blend_per_split):
         if blend is not None:
             matrix = [None] * 3
             matrix[split] = FULL_RANGE
-            rows += _blend_rows(cfg, src, blend, matrix, split, num_samples[split])
-    return rows
+            yield split, blend, matrix
 
 
 def _warning_items(rows: Sequence[PlanRow], max_epochs: float, min_epochs: float):
@@ -219,9 +234,11 @@ def warning_summaries(
     rows: Sequence[PlanRow],
     max_epochs: float = DEFAULT_MAX_EPOCHS,
     min_epochs: float = DEFAULT_MIN_EPOCHS,
+    rest: str = "tools/plan_blend.py lists every one",
 ) -> list[str]:
     """`plan_warnings` with one line per kind instead of per prefix when a kind concerns more
-    than one prefix: the count and the worst few (`pretrain/data/notices.py`)."""
+    than one prefix: the count, the worst few (`pretrain/data/notices.py`) and `rest`, where
+    the others are."""
     kinds: dict[str, list] = {}
     for kind, row, line in _warning_items(rows, max_epochs, min_epochs):
         kinds.setdefault(kind, []).append((row, line))
@@ -241,7 +258,7 @@ def warning_summaries(
             else f"read less than --min-epochs {min_epochs:g} (raise their weights or drop them)"
         )
         headline = f"{len(items):,} prefixes are {bound}"
-        out.append("warning: " + notices.line(headline, rest="tools/plan_blend.py lists every one"))
+        out.append("warning: " + notices.line(headline, rest=rest))
     return out
 
 
@@ -293,17 +310,22 @@ def log_plan(
     log: logging.Logger,
     max_epochs: float = DEFAULT_MAX_EPOCHS,
     files: PrefixFiles | None = None,
+    mixture: MixturePlan | None = None,
+    counts: np.ndarray | None = None,
 ) -> list[PlanRow]:
     """Log the blend plan table and its warnings (once, at the start of training); return the rows
     (none where `log` does not print INFO: every rank calls this, only rank 0 logs, and a blend of
-    thousands of prefixes is not planned on the others)."""
+    thousands of prefixes is not planned on the others). A changing `mixture`'s train split is
+    its phases' (`counts`: `phase_counts` of its built dataset), with their epoch warnings."""
     if cfg.mock or not log.isEnabledFor(logging.INFO):  # mock data: pretrain.data.mock logs it
         return []
-    rows = plan_blend(cfg, num_samples, files)
+    rows = plan_blend(cfg, num_samples, files, mixture)
     # every row at --logging-level 10 (DEBUG)
-    table = format_plan(
-        rows, cfg.seq_length, None if log.isEnabledFor(logging.DEBUG) else LOGGED_ROWS
-    )
-    text = "\n".join([table, *warning_summaries(rows, max_epochs)])
-    log.info("data plan (seq length %d):\n%s", cfg.seq_length, text)
+    shown = None if log.isEnabledFor(logging.DEBUG) else LOGGED_ROWS
+    text = [format_plan(rows, cfg.seq_length, shown)] if rows else []
+    text += warning_summaries(rows, max_epochs)
+    if mixture is not None and not mixture.megatron:
+        counts = phase_counts(mixture) if counts is None else counts
+        text += [format_phases(mixture, counts), *phase_warnings(mixture, counts, max_epochs)]
+    log.info("data plan (seq length %d):\n%s", cfg.seq_length, "\n".join(text))
     return rows

@@ -35,6 +35,23 @@ def _refuse(path: str, what: str) -> UserError:
     return UserError(f"{FLAG} {path}: {what} (expected {FORMAT})")
 
 
+def _shown(value) -> str:
+    """`value` as the message shows it: its repr, cut short (a weight may have 400 digits)."""
+    text = repr(value)
+    return text if len(text) <= 24 else f"{text[:20]}... ({len(text)} characters)"
+
+
+def _weight(w) -> float | None:
+    """A JSON weight as a float; None unless it is a finite number >= 0."""
+    if isinstance(w, bool) or not isinstance(w, int | float):
+        return None
+    try:
+        value = float(w)
+    except OverflowError:  # an integer past the largest float
+        return None
+    return value if math.isfinite(value) and value >= 0 else None
+
+
 def _phase(entry, k: int, path: str) -> SchedulePhase:
     """Entry `k` of the file as a phase, or one line naming what is wrong with it."""
     if not isinstance(entry, dict) or set(entry) != {"iteration", "weights"}:
@@ -46,23 +63,43 @@ def _phase(entry, k: int, path: str) -> SchedulePhase:
         raise _refuse(path, f"phase {k}: weights must be an object PREFIX -> weight")
     pairs = []
     for prefix, w in weights.items():
-        number = isinstance(w, int | float) and not isinstance(w, bool)
-        if not number or not math.isfinite(w) or w < 0:
-            raise _refuse(path, f"phase {k}: weight {w!r} of {prefix} is not a number >= 0")
-        if w > 0:
-            pairs.append((prefix, float(w)))
+        value = _weight(w)
+        if value is None:
+            raise _refuse(
+                path, f"phase {k}: weight {_shown(w)} of {prefix} is not a finite number >= 0"
+            )
+        if value > 0:
+            pairs.append((prefix, value))
     if not pairs:
         raise _refuse(path, f"phase {k}: every weight is 0 (give some prefix a weight > 0)")
+    if not math.isfinite(sum(w for _, w in pairs)):
+        raise _refuse(path, f"phase {k}: the weights sum past the largest float (scale them down)")
     return SchedulePhase(iteration=iteration, weights=tuple(pairs))
+
+
+def _object(path: str):
+    """A JSON object hook refusing a key given twice (json keeps the last, silently)."""
+
+    def pairs_to_dict(pairs: list) -> dict:
+        out = {}
+        for key, value in pairs:
+            if key in out:
+                raise _refuse(path, f"{key!r} is given twice in one object (give it once)")
+            out[key] = value
+        return out
+
+    return pairs_to_dict
 
 
 def read_schedule(path: str) -> tuple[SchedulePhase, ...]:
     """The phases of a --data-schedule file, checked; one UserError line naming the file."""
     try:
         with open(path, encoding="utf-8") as f:
-            spec = json.load(f)
+            spec = json.load(f, object_pairs_hook=_object(path))
     except OSError as err:
         raise UserError(f"{FLAG} {path}: cannot read ({err.strerror}); check the path") from None
+    except RecursionError:
+        raise _refuse(path, "nested too deeply to be a list of phases") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         line = getattr(err, "lineno", None)
         where = f"{path}:{line}" if line else path

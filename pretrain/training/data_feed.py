@@ -11,7 +11,6 @@ from pretrain.data.builder import build_train_valid_test_datasets
 from pretrain.data.config import train_valid_test_num_samples
 from pretrain.data.mixture import MixturePlan, phase_counts, resolve_mixture
 from pretrain.data.mixture_dataset import MixtureCounter
-from pretrain.data.mixture_report import format_phases
 from pretrain.data.plan import log_plan
 from pretrain.data.samplers import build_pretraining_data_loader
 from pretrain.parallel import state
@@ -46,7 +45,8 @@ def data_iterators(
     """(train batches, validation sets, test batches or None), the train dataset and its
     per-source counter (None without one) of a run; no validation sets without a valid split
     or with --eval-iters 0; train and validation positioned after `train_state`'s consumed
-    samples, whose `data_mixture` record is set to the counter's."""
+    samples, whose `data_mixture` record is set to the counter's; no train batches for a run
+    whose checkpoint is at or past --train-iters."""
     from pretrain.training.per_source import source_names
     from pretrain.training.validation_sets import ValidationSet, set_suffixes
 
@@ -69,13 +69,12 @@ def data_iterators(
         files=prepared.files,
         mixture=mixture,
     )
-    # the blend plan table, once (rank 0 logs INFO)
-    log_plan(cfg.data, num_samples, logger, files=prepared.files)
+    changing = mixture is not None and not mixture.megatron
+    counts = phase_counts(mixture, dataset_index=train_ds.dataset_index) if changing else None
+    # the blend plan table (a changing mixture's: per phase), once (rank 0 logs INFO)
+    log_plan(cfg.data, num_samples, logger, files=prepared.files, mixture=mixture, counts=counts)
     counter = None
     if mixture is not None:
-        if not mixture.megatron:
-            counts = phase_counts(mixture, dataset_index=train_ds.dataset_index)
-            logger.info(format_phases(mixture, counts))
         counter = MixtureCounter(train_ds, mixture, cfg.data)
         train_state.data_mixture = counter.record(consumed_train)
     batches = functools.partial(rank_batches, cfg)
@@ -92,7 +91,11 @@ def data_iterators(
         sources = source_names(valid_ds)
         valid_sets = [ValidationSet("", batches(valid_ds, consumed_valid), sources)]
     test = None if test_ds is None or ev.eval_iters == 0 else batches(test_ds, 0)
-    return batches(train_ds, consumed_train), valid_sets, test, train_ds, counter
+    # a finished run launched again (a requeue) trains nothing: its consumed samples may be
+    # all a blend holds (Megatron sizes it exactly), which no sampler can start after
+    done = train_state.iteration >= t.train_iters
+    train = iter(()) if done else batches(train_ds, consumed_train)
+    return train, valid_sets, test, train_ds, counter
 
 
 def rank_batches(cfg: RunConfig, dataset, consumed: int):
