@@ -207,7 +207,7 @@ def changes(f) -> dict:
         "--exit-signal-handler": [], "--exit-signal": ["SIGUSR1"], "--iterations-to-skip": ["2", "4-5"],
         "--no-check-for-nan-in-loss-and-grad": [],
         "--manual-gc": [], "--manual-gc-interval": ["10"], "--no-manual-gc-eval": [],
-        "--check-for-spiky-loss": [], "--spiky-loss-policy": ["skip"], "--spiky-loss-window": ["16"],
+        "--check-for-spiky-loss": [], "--spiky-loss-policy": (d + ["--check-for-spiky-loss"], d + ["--check-for-spiky-loss", "--spiky-loss-policy", "skip"], None), "--spiky-loss-window": ["16"],
         "--spiky-loss-factor": ["3"], "--spiky-loss-min-window": ["4"],
         # checkpointing
         "--save": (d + ["--save-interval", "2"], d + ["--save-interval", "2", "--save", f["dir"]], None),
