@@ -356,6 +356,8 @@ def test_documented_noops_change_nothing(help_flags, files):
         (["--no-pipeline-parallel", "--pipeline-model-parallel-size", "2"], TWO_RANKS,
          "--no-pipeline-parallel contradicts --pipeline-model-parallel-size 2"),
         (["--optimizer", "sgd"], None, "argument --optimizer: invalid choice: 'sgd'"),
+        (["--dist-ckpt-strictness", "raise_al"], None,
+         "argument --dist-ckpt-strictness: invalid choice: 'raise_al'"),
         (["--lr-warmup-tokens", "64", "--lr-warmup-iters", "1"], None,
          "--lr-warmup-tokens and --lr-warmup-iters/-samples/-fraction are exclusive"),
     ],
