@@ -66,7 +66,7 @@ _FLOAT_BOUNDS = {
 }
 
 
-def check_lower_bounds(ns: argparse.Namespace) -> None:
+def check_flag_bounds(ns: argparse.Namespace) -> None:
     """Refuse (one line naming the flag, the value and the bound) an integer flag below its lower
     bound (`_LOWER_BOUNDS`), a --seed above `SEED_LIMIT`, and a float flag that is not finite or
     below its bound (`_FLOAT_BOUNDS`); unset flags pass."""
