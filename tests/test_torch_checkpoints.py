@@ -14,8 +14,9 @@ One launch of two ranks (tests/training_multirun.py), GPT-2, fp32, dropout 0, on
   waits for step 4's background write, then saves 5.
 The converter, tools/reshard_checkpoint.py and tools/explain_batch.py then read the torch
 backend's step 4. A copy of `async`'s step 2 whose DCP index lacks one weight (and whose
-metadata records the index's new size) is refused in one line with --dist-ckpt-strictness ignore_all (the mode that lets Megatron-LM load it partially:
-the flag changes no load here), by a second two-rank launch.
+metadata records the index's new size) is refused in one line with --dist-ckpt-strictness
+ignore_all (the mode that lets Megatron-LM load it partially: the flag changes no load here), by
+a second two-rank launch.
 """
 
 import json
