@@ -8,8 +8,9 @@ whole micro-batch, and its output and input gradient must be the whole reference
 reference runs the 4 micro-batches through the layer in one process (TP = EP = 1, the same
 layout-independent init). Per layout and rank: the output and the input gradient equal the
 reference's slice; the router's and shared experts' gradients summed over DP, and the experts'
-gradients summed over expert DP, equal the reference's summed over micro-batches (their shard); the logged metrics (aux/z losses, token shares, dropped tokens) equal the
-reference's; after `finish_iteration` the expert bias has moved, identically at every DP size.
+gradients summed over expert DP, equal the reference's summed over micro-batches (their shard);
+the logged metrics (aux/z losses, token shares, dropped tokens) equal the reference's; after
+`finish_iteration` the expert bias has moved, identically at every DP size.
 Configs: Mixtral-like (softmax top-2 of 8, SwiGLU, aux + z loss; the alltoall runs use the
 grouped GEMM), DeepSeek-like (sigmoid, groups, scaling, shared expert, expert bias, seq aux
 loss), and with capacity (biases, probs policy; padded too), at TP 1 only, where every layout
