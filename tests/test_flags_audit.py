@@ -208,7 +208,7 @@ def changes(f) -> dict:
         "--exit-signal-handler": [], "--exit-signal": ["SIGUSR1"], "--iterations-to-skip": ["2", "4-5"],
         "--no-check-for-nan-in-loss-and-grad": [],
         "--manual-gc": [], "--manual-gc-interval": ["10"], "--no-manual-gc-eval": [],
-        "--check-for-spiky-loss": [], "--spiky-loss-policy": ["skip"], "--spiky-loss-window": ["16"],
+        "--check-for-spiky-loss": [], "--spiky-loss-policy": (d + ["--check-for-spiky-loss"], d + ["--check-for-spiky-loss", "--spiky-loss-policy", "skip"], None), "--spiky-loss-window": ["16"],
         "--spiky-loss-factor": ["3"], "--spiky-loss-min-window": ["4"],
         # checkpointing
         "--save": (d + ["--save-interval", "2"], d + ["--save-interval", "2", "--save", f["dir"]], None),
@@ -357,6 +357,8 @@ def test_documented_noops_change_nothing(help_flags, files):
         (["--no-pipeline-parallel", "--pipeline-model-parallel-size", "2"], TWO_RANKS,
          "--no-pipeline-parallel contradicts --pipeline-model-parallel-size 2"),
         (["--optimizer", "sgd"], None, "argument --optimizer: invalid choice: 'sgd'"),
+        (["--dist-ckpt-strictness", "raise_al"], None,
+         "argument --dist-ckpt-strictness: invalid choice: 'raise_al'"),
         (["--lr-warmup-tokens", "64", "--lr-warmup-iters", "1"], None,
          "--lr-warmup-tokens and --lr-warmup-iters/-samples/-fraction are exclusive"),
     ],

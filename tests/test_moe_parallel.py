@@ -1,13 +1,16 @@
 """The MoE layer is the same function at every layout: EP {1,2,4} x TP {1,2} (expert TP 1 and 2)
-x both dispatchers reproduce one process (fp32, 4 real gloo ranks, one spawn).
+x both dispatchers reproduce one process (fp32, 4 real gloo ranks, one spawn); at TP 2 with and
+without sequence parallelism.
 
 The global batch is always 4 micro-batches: each of the DP replicas runs 4 / DP of them (under
-TP, with sequence parallelism, each TP rank its chunk of each). The reference runs the 4
-micro-batches through the layer in one process (TP = EP = 1, the same layout-independent init). Per layout and rank: the output and the input
-gradient equal the reference's slice; the router's and shared experts' gradients summed over DP,
-and the experts' gradients summed over expert DP, equal the reference's summed over micro-batches
-(their shard); the logged metrics (aux/z losses, token shares, dropped tokens) equal the
-reference's; after `finish_iteration` the expert bias has moved, identically at every DP size.
+TP, with sequence parallelism, each TP rank its chunk of each; without it every TP rank the
+whole micro-batch, and its output and input gradient must be the whole reference's). The
+reference runs the 4 micro-batches through the layer in one process (TP = EP = 1, the same
+layout-independent init). Per layout and rank: the output and the input gradient equal the
+reference's slice; the router's and shared experts' gradients summed over DP, and the experts'
+gradients summed over expert DP, equal the reference's summed over micro-batches (their shard);
+the logged metrics (aux/z losses, token shares, dropped tokens) equal the reference's; after
+`finish_iteration` the expert bias has moved, identically at every DP size.
 Configs: Mixtral-like (softmax top-2 of 8, SwiGLU, aux + z loss; the alltoall runs use the
 grouped GEMM), DeepSeek-like (sigmoid, groups, scaling, shared expert, expert bias, seq aux
 loss), and with capacity (biases, probs policy; padded too), at TP 1 only, where every layout
@@ -15,6 +18,8 @@ routes the same tokens per rank, so the same tokens are dropped.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -65,6 +70,8 @@ CONFIGS = {
 # (tp, ep, expert tp)
 DROPLESS_LAYOUTS = [(1, 2, 1), (1, 4, 1), (2, 1, 1), (2, 2, 1), (2, 4, 1), (2, 1, 2), (2, 2, 2)]
 CAPACITY_LAYOUTS = [(1, 2, 1), (1, 4, 1)]
+# TP 2 without sequence parallelism: whole experts (expert TP 1) at EP 1 and 2, expert TP 2
+NO_SP_LAYOUTS = [(2, 1, 1), (2, 2, 1), (2, 1, 2), (2, 2, 2)]
 
 
 def _config(name: str, dispatcher: str):
@@ -133,16 +140,21 @@ def _local_slice(name: str, param, full: torch.Tensor) -> torch.Tensor:
     return full
 
 
-def _compare_layout(config, reference: dict, tp: int, ep: int, etp: int) -> dict:
+def _compare_layout(
+    config, reference: dict, tp: int, ep: int, etp: int, sequence_parallel: bool = True
+) -> dict:
     from pretrain.model.moe import metrics
     from pretrain.model.moe.layer import MoELayer
     from pretrain.parallel import state
 
+    config = dataclasses.replace(config, sequence_parallel=sequence_parallel)
     config.validate(tp, 1, ep, etp)
     state.initialize_model_parallel(tp, 1, ep, etp)
     dp, dp_rank = state.get_data_parallel_world_size(), state.get_data_parallel_rank()
     tp_rank = state.get_tensor_model_parallel_rank()
     chunk = slice(tp_rank * SEQ // tp, (tp_rank + 1) * SEQ // tp)
+    if not sequence_parallel:  # every TP rank holds the whole sequence
+        chunk = slice(None)
     layer = MoELayer(config, 0)
     layer.initialize("layers.0.mlp", 0.02, 0.01)
     inputs, upstream = _data()
@@ -205,6 +217,10 @@ def _all_layouts(rank: int, world_size: int) -> dict:
             for tp, ep, etp in layouts:
                 results[(name, dispatcher, tp, ep, etp)] = _compare_layout(
                     config, reference, tp, ep, etp
+                )
+            for tp, ep, etp in NO_SP_LAYOUTS if name in ("mixtral", "deepseek") else []:
+                results[(name, dispatcher, tp, ep, etp, "no SP")] = _compare_layout(
+                    config, reference, tp, ep, etp, sequence_parallel=False
                 )
     return results
 

@@ -12,7 +12,8 @@ At 4 ranks, on the torch backend (FSDP2, the experts sharded over expert DP,
 pretrain/training/backends/torch/experts.py): Mixtral-like at DP 4 EP 2 (expert DP 2); DeepSeek-like
 at DP 4 EP 4 (expert DP 1: FSDP2's one-rank mesh); DeepSeek-like at TP 2 x DP 2 EP 2 with expert
 TP 1 (EP over the TP peers) and Mixtral-like with expert TP 2 (EP over DP), both under sequence
-parallelism; a 4-layer Mixtral-like at PP 2 x DP 2 EP 2 under the ZBV zero-bubble schedule (two
+parallelism, and the DeepSeek-like one again without it (each TP rank routes its chunk of the
+replicated sequence), as well as at TP 2 x PP 2 (1F1B) without it; a 4-layer Mixtral-like at PP 2 x DP 2 EP 2 under the ZBV zero-bubble schedule (two
 chunks per rank, the weight gradients in a separate pass); PP 2 x DP 2 EP 2 under 1F1B (the
 resume below). lm loss and grad norm of every iteration equal one process within 1e-5: the
 expert gradients are summed over expert DP and divided by DP (FSDP2's own division by the expert
@@ -82,6 +83,8 @@ RUNS = {
     "mixtral_dp4_ep2_offload": (4, "mixtral", 2, 3, TORCH + _ep(2) + ["--cpu-offload"]),
     "deepseek_tp2_dp2_ep2": (4, "deepseek", 2, 3, TORCH + _tp(2) + SP + _ep(2)),
     "mixtral_tp2_dp2_ep2_etp2": (4, "mixtral", 2, 3, TORCH + _tp(2) + SP + _ep(2, 2)),
+    "deepseek_tp2_dp2_ep2_no_sp": (4, "deepseek", 2, 3, TORCH + _tp(2) + _ep(2)),
+    "deepseek_tp2_pp2_no_sp": (4, "deepseek", 2, 3, TORCH + _tp(2) + _pp(2)),
     "mixtral_4_layers_pp2_dp2_ep2_zbv": (4, "mixtral", 4, 3, TORCH + ZBV + _ep(2)),
     # checkpoints at iteration 3, then resumes to 5
     "ds_dp4_ep2_saves": (4, "deepseek", 2, 3, _ep(2) + _save("{tmp}/ds_ep2")),
@@ -146,6 +149,8 @@ def _assert_close(got: dict, expected: dict, rtol: float, name: str, keys=("lm-l
         "mixtral_dp4_ep2_offload",
         "deepseek_tp2_dp2_ep2",
         "mixtral_tp2_dp2_ep2_etp2",
+        "deepseek_tp2_dp2_ep2_no_sp",
+        "deepseek_tp2_pp2_no_sp",
         "mixtral_4_layers_pp2_dp2_ep2_zbv",
         "deepseek_dp4_ep4_saves",
         "one_process_saves",

@@ -8,8 +8,10 @@ DeepSeek-like (a dense first layer, sigmoid top-2 of 8 with a shared expert and 
 at a large update rate, sequence aux loss, all-to-all dispatcher) and Mixtral-like with capacity
 (factor 1, probs drop policy: tokens are dropped).
 
-Layouts (EP, TP, PP, expert TP, ZeRO) at 4 ranks, sequence parallelism under TP (MoE under TP
-needs it): at EP 1, DP 4 ZeRO-1, TP 2 x DP 2 with expert TP 2 (ZeRO-2) and TP 2 x PP 2 with
+Layouts (EP, TP, PP, expert TP, ZeRO) at 4 ranks, sequence parallelism under TP, and three TP
+layouts again without it (TP 2 x DP 2 with expert TP 2 at ZeRO-2, TP 2 x PP 2 with expert TP 1,
+TP 2 x EP 2 with expert TP 2: the MoE layer routes each TP rank's chunk of the replicated
+sequence and gathers the outputs): at EP 1, DP 4 ZeRO-1, TP 2 x DP 2 with expert TP 2 (ZeRO-2) and TP 2 x PP 2 with
 expert TP 1 (every TP rank holds whole experts, their gradients summed over TP); at EP > 1
 (ZeRO-0): EP 2 and 4 over DP 4 (expert DP 2 and 1), EP 2 over the TP peers (TP 2, expert TP 1),
 TP 2 x EP 2 with expert TP 2 (no expert DP) and PP 2 x EP 2; at EP > 1 with ZeRO-1 (EP 2 x DP
@@ -81,6 +83,9 @@ LAYOUTS = [
     (2, 1, 1, 1, 1),
     (2, 2, 1, 2, 2),
 ]
+# TP 2 without --sequence-parallel (each TP rank routes its chunk of the whole sequence): TP 2 x
+# DP 2 with expert TP 2 (ZeRO-2), TP 2 x PP 2 with expert TP 1 and TP 2 x EP 2 with expert TP 2
+NO_SP_LAYOUTS = [(1, 2, 1, 2, 2, "no-sp"), (1, 2, 2, 1, 0, "no-sp"), (2, 2, 1, 2, 0, "no-sp")]
 CAPACITY_LAYOUTS = [(1, 1, 1, 1, 1), (4, 1, 1, 1, 0), (2, 1, 2, 1, 0)]
 LOGGED = ("lm-loss", "grad-norm", "moe/min_share", "moe/max_share", "moe/dropped_fraction")
 LOSSES = {"mixtral": ("load_balancing_loss", "z_loss"), "deepseek": ("seq_load_balancing_loss",)}
@@ -89,11 +94,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 
 def _layouts(model: str) -> list[tuple]:
-    return CAPACITY_LAYOUTS if model == "capacity" else LAYOUTS
+    return CAPACITY_LAYOUTS if model == "capacity" else LAYOUTS + NO_SP_LAYOUTS
 
 
 def _argv(model: str, corpus: str, layout, metrics, iters: int = ITERATIONS) -> list[str]:
-    ep, tp, pp, etp, zero = layout
+    ep, tp, pp, etp, zero, *no_sp = layout
     return (
         model_flags("llama")
         + MODELS[model]
@@ -101,7 +106,7 @@ def _argv(model: str, corpus: str, layout, metrics, iters: int = ITERATIONS) -> 
         + ["--lr-decay-iters", "6"]  # one LR schedule for runs of 2 to 6 iterations
         + layout_flags(tp, pp, zero)
         + ["--expert-model-parallel-size", str(ep), "--expert-tensor-parallel-size", str(etp)]
-        + (["--sequence-parallel"] if tp > 1 else [])
+        + (["--sequence-parallel"] if tp > 1 and not no_sp else [])
         + ["--metrics-file", str(metrics)]
     )
 

@@ -273,7 +273,7 @@ def test_moe_layer_freq_expressions():
         (dict(moe_router_load_balancing_type="sinkhorn"), {}, "'sinkhorn' is not implemented"),
         (dict(moe_token_dispatcher_type="flex"), {}, "'flex' is not implemented"),
         (dict(moe_layer_freq=(1, 0, 1)), {}, "one 0/1 per layer (2)"),
-        (dict(), dict(tp=2), "needs --sequence-parallel"),
+        (dict(seq_length=15), dict(tp=2), "routes each TP rank's chunk of --seq-length 15"),
         (dict(), dict(ep=3), "--num-experts 4 is not divisible by --expert-model-parallel-size 3"),
         (dict(), dict(tp=2, etp=2), "expert biases need --expert-tensor-parallel-size 1"),
         (dict(moe_shared_expert_intermediate_size=8), {}, "add --disable-bias-linear"),

@@ -1,6 +1,7 @@
 """Bad input that used to end in a traceback (a ZeroDivisionError, a DeepSpeed assertion, a
 TypeError, an IndexError at the first forward) is one `error:` line, exit status 2, through the
-real entry points: integer flags below their bound, entries of the wrong JSON type in a
+real entry points: integer flags below their bound, float flags that are not finite or below
+their bound, a spike policy without the spike check, entries of the wrong JSON type in a
 checkpoint's pretrain_meta.json or in a data sidecar PREFIX.json, and a sidecar that no longer
 describes its .bin/.idx (they were replaced after preprocessing).
 
@@ -92,14 +93,29 @@ FLAGS = [
     ("--exit-interval", "-1", "--exit-interval -1: must be >= 0"),
     ("--make-vocab-size-divisible-by", "0", "--make-vocab-size-divisible-by 0: must be >= 1"),
     ("--eval-iters", "-1", "--eval-iters -1: must be >= 0"),
+    # a traceback (numpy's seed, the expert weights' shape, the optimizer's nan check)
+    ("--seed", "-1", "--seed -1: must be >= 0"),
+    ("--seed", "4294967296", "--seed 4294967296: must be <= 2147483647"),
+    ("--moe-ffn-hidden-size", "0", "--moe-ffn-hidden-size 0: must be >= 1"),
+    ("--moe-ffn-hidden-size", "-5", "--moe-ffn-hidden-size -5: must be >= 1"),
+    ("--lr", "nan", "--lr nan: must be a finite number >= 0"),
+    ("--weight-decay", "nan", "--weight-decay nan: must be a finite number >= 0"),
+    # reported as a --min-lr error, or accepted and meaning nothing: a negative clip was
+    # clipping off, an infinite factor no spike ever, a policy without the check no check
+    ("--lr", "-1", "--lr -1.0: must be a finite number >= 0 (the peak learning rate)"),
+    ("--clip-grad", "-1", "--clip-grad -1.0: must be a finite number >= 0"),
+    ("--spiky-loss-factor", "inf", "--spiky-loss-factor inf: must be a finite number > 0"),
+    ("--spiky-loss-policy", "skip", "--spiky-loss-policy skip needs --check-for-spiky-loss"),
 ]
+# flags a case needs besides its own
+FLAG_CONTEXT = {"--spiky-loss-factor": ["--check-for-spiky-loss"]}
 
 
 FLAG_IDS = [f"{f}={v}" for f, v, _ in FLAGS]
 
 
 @pytest.mark.parametrize(("flag", "value", "words"), FLAGS, ids=FLAG_IDS)
-def test_integer_flags_below_their_bound(refused, flag, value, words):
+def test_flags_outside_their_range(refused, flag, value, words):
     output, _ = refused[f"{flag}={value}"]
     assert words in _the_error_line(output)
 
@@ -269,7 +285,7 @@ def refused(tiny, preprocessed, tmp_path_factory) -> dict[str, tuple[str, object
     the file or prefix its line names). The multirun checks that each stopped with a UserError."""
     tmp = tmp_path_factory.mktemp("refused")
     cases = {
-        case: (_with(tiny[1], flag, value), None)
+        case: (_with(tiny[1] + FLAG_CONTEXT.get(flag, []), flag, value), None)
         for case, (flag, value, _) in zip(FLAG_IDS, FLAGS, strict=True)
     }
     for case, (entry, value, _) in zip(META_IDS, META, strict=True):

@@ -319,7 +319,7 @@ def test_policies_refused_where_they_cannot_work(tmp_path):
     cases = [
         ("--spiky-loss-policy rewind", "--spiky-loss-policy rewind needs --save"),
         ("--spiky-loss-window 8 --spiky-loss-min-window 9", "need 2 <= min-window"),
-        ("--spiky-loss-factor 0", "--spiky-loss-factor 0.0: must be > 0"),
+        ("--spiky-loss-factor 0", "--spiky-loss-factor 0.0: must be a finite number > 0"),
     ]
     for extra, message in cases:
         with pytest.raises(UserError, match=message):

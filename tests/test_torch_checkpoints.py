@@ -13,10 +13,15 @@ One launch of two ranks (tests/training_multirun.py), GPT-2, fp32, dropout 0, on
   and trains 3..5: the same losses and grad norms, bit for bit; its --exit-interval exit at 5
   waits for step 4's background write, then saves 5.
 The converter, tools/reshard_checkpoint.py and tools/explain_batch.py then read the torch
-backend's step 4.
+backend's step 4. A copy of `async`'s step 2 whose DCP index lacks one weight (and whose
+metadata records the index's new size) is refused in one line with --dist-ckpt-strictness
+ignore_all (the mode that lets Megatron-LM load it partially: the flag changes no load here), by
+a second two-rank launch.
 """
 
 import json
+import pickle
+import shutil
 import subprocess
 import sys
 
@@ -26,6 +31,7 @@ import transformers
 from convert_fixtures import load_tool
 from training_fixtures import (
     REPO,
+    deepspeed_cmd,
     make_corpus,
     model_flags,
     multirun_cmd,
@@ -128,6 +134,26 @@ def test_an_async_save_resumes_bit_for_bit(saved):
     staged = out.index("staged checkpoint at iteration        2; writing it in the background")
     iteration_3 = out.index(" iteration        3/       6 |", staged)
     assert out.index("saved checkpoint at iteration        2", staged) > iteration_3
+
+
+def test_a_torch_dist_checkpoint_missing_a_weight_is_refused_whatever_the_strictness(
+    saved, tmp_path
+):
+    step = tmp_path / "ckpt" / "global_step2"
+    shutil.copytree(saved["tmp"] / "async" / "global_step2", step)
+    index = pickle.loads((step / ".metadata").read_bytes())  # the test's own copy, trusted
+    missing = next(key for key in index.state_dict_metadata if key.endswith("qkv.weight"))
+    del index.state_dict_metadata[missing]
+    (step / ".metadata").write_bytes(pickle.dumps(index))
+    meta = json.loads((step / "pretrain_meta.json").read_text())  # its size, as if written so
+    meta["files"][".metadata"] = (step / ".metadata").stat().st_size
+    (step / "pretrain_meta.json").write_text(json.dumps(meta))
+    flags = _flags(saved["corpus"], "strictness", tmp_path, *TORCH, *TP2, "--load", str(step))
+    result = run(deepspeed_cmd(2, flags + ["--dist-ckpt-strictness", "ignore_all"]), timeout=300)
+    lines = [line for line in result.stdout.splitlines() if "error: " in line]
+    assert result.returncode != 0 and len(set(lines)) == 1, result.stdout[-4000:]  # each rank
+    assert f"{step}: cannot be loaded" in lines[0] and missing in lines[0], lines[0]
+    assert "Traceback" not in result.stdout, result.stdout[-4000:]
 
 
 def test_the_hf_export_of_a_torch_checkpoint_computes_the_training_loss(saved, tmp_path):

@@ -97,7 +97,7 @@ def _files(
 
 def _check_target(config: ModelConfig, target: TargetLayout) -> None:
     """Refuse (one line naming the flag) a layout the model cannot be split into (sequence
-    parallelism, a launch choice that MoE needs under TP, assumed where TP > 1)."""
+    parallelism, a launch choice, assumed where TP > 1: the strictest one)."""
     tp = target.tensor_parallel_size
     config = dataclasses.replace(config, sequence_parallel=config.sequence_parallel or tp > 1)
     try:

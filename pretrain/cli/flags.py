@@ -28,6 +28,18 @@ from pretrain.training.lr_schedule import DECAY_STYLES, WSD_DECAY_STYLES
 from pretrain.training.skip import iteration_spec
 from pretrain.training.spikes import POLICIES
 
+# Megatron-LM's choices for --dist-ckpt-strictness (key mismatches in a torch_dist load)
+DIST_CKPT_STRICTNESS = (
+    "assume_ok_unexpected",
+    "log_unexpected",
+    "log_all",
+    "raise_unexpected",
+    "raise_all",
+    "return_unexpected",
+    "return_all",
+    "ignore_all",
+)
+
 # Megatron removed these; say what replaced them instead of "unrecognized arguments".
 DEPRECATED_FLAGS = {
     "--batch-size": "--micro-batch-size",
@@ -215,7 +227,7 @@ FLAGS: tuple[tuple[str, tuple[Flag, ...]], ...] = (
         _flag("--ckpt-format", metavar="FORMAT", help="accepted with the format the backend writes: torch (DeepSpeed's per-rank torch.save files plus pretrain_meta.json) or, with --use-torch-fsdp2, torch_dist (torch.distributed.checkpoint folders); zarr/torch_dcp/fsdp_dtensor are refused"),
         _flag("--async-save", field="checkpoint.async_save", action="store_true", help="--use-torch-fsdp2: stage each checkpoint in memory and write it in the background while training goes on; committed (`latest`) once every rank's write has finished"),
         _flag("--auto-detect-ckpt-format", action="store_true", help="accepted: --load always detects the format (a Megatron-LM checkpoint is refused with the converter to use)"),
-        _flag("--dist-ckpt-strictness", metavar="MODE", help="accepted: applies to torch_dist checkpoints, which are not read here"),
+        _flag("--dist-ckpt-strictness", choices=list(DIST_CKPT_STRICTNESS), metavar="MODE", help="accepted with Megatron's modes, which do not change a load here: a torch_dist checkpoint (--use-torch-fsdp2) loads as Megatron's default assume_ok_unexpected does, whatever MODE (a tensor the run needs that the checkpoint lacks is refused in one line; entries the run does not need are not read)"),
     )),
     ("moe", (
         _flag("--expert-model-parallel-size", field="parallel.expert_model_parallel_size", type=int, default=1, metavar="N", help="experts split over this many ranks of each stage's TP x DP ranks (Megatron's order: expert TP, EP, expert DP); > 1 trains at ZeRO 0-2 (docs/MOE.md)"),

@@ -23,7 +23,7 @@ from pretrain.cli.resolve import (
     batch_schedule,
     check_data_files,
     check_data_splits,
-    check_lower_bounds,
+    check_flag_bounds,
     check_moe_training,
     lr_schedule,
     model_config,
@@ -96,7 +96,7 @@ def parse_args(argv: Sequence[str], env: dict | None = None) -> RunConfig:
             "--lr": "schedule__lr",
         },
     )
-    check_lower_bounds(ns)
+    check_flag_bounds(ns)
     tp, pp = ns.parallel__tensor_model_parallel_size, ns.parallel__pipeline_model_parallel_size
     check_world_divisible(launch.world_size, tp, pp)  # the layout check, first
     dp = launch.world_size // (tp * pp)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 
@@ -46,16 +47,42 @@ _LOWER_BOUNDS = {
         "the vocabulary is padded to a multiple of it",
     ),
     "--eval-iters": ("eval_iters", 0, "0 turns evaluation off"),
+    "--seed": ("seed", 0, "numpy refuses negative seeds"),
+    "--moe-ffn-hidden-size": ("model__moe_ffn_hidden_size", 1, "each expert's MLP width"),
+}
+SEED_LIMIT = 2**31 - 1
+"""The largest --seed: numpy seeds with < 2**32, and the data and RNG code adds offsets to it."""
+
+# flag -> (namespace dest, smallest value, what the flag means): floats that must be finite and
+# at least the smallest value; nan passed every comparison and ended in the optimizer's
+# traceback, a negative --clip-grad silently turned clipping off, and a negative --lr was
+# reported as a --min-lr error
+_FLOAT_BOUNDS = {
+    "--lr": ("schedule__lr", 0.0, "the peak learning rate"),
+    "--min-lr": ("schedule__min_lr", 0.0, "the learning rate at the end of the decay"),
+    "--lr-warmup-init": ("schedule__warmup_init", 0.0, "the warmup's first learning rate"),
+    "--weight-decay": ("optimizer__weight_decay", 0.0, "AdamW's decoupled weight decay"),
+    "--clip-grad": ("optimizer__clip_grad", 0.0, "0 turns gradient clipping off"),
 }
 
 
-def check_lower_bounds(ns: argparse.Namespace) -> None:
-    """Refuse (one line naming the flag, the value and the smallest allowed) an integer flag
-    below its lower bound (`_LOWER_BOUNDS`); unset flags pass."""
+def check_flag_bounds(ns: argparse.Namespace) -> None:
+    """Refuse (one line naming the flag, the value and the bound) an integer flag below its lower
+    bound (`_LOWER_BOUNDS`), a --seed above `SEED_LIMIT`, and a float flag that is not finite or
+    below its bound (`_FLOAT_BOUNDS`); unset flags pass."""
     for flag, (dest, least, meaning) in _LOWER_BOUNDS.items():
         value = getattr(ns, dest)
         if value is not None and value < least:
             raise UserError(f"{flag} {value}: must be >= {least} ({meaning})")
+    if ns.seed is not None and ns.seed > SEED_LIMIT:
+        raise UserError(
+            f"--seed {ns.seed}: must be <= {SEED_LIMIT} (numpy seeds with less than 2**32, "
+            f"after the per-stage and per-segment offsets)"
+        )
+    for flag, (dest, least, meaning) in _FLOAT_BOUNDS.items():
+        value = getattr(ns, dest)
+        if value is not None and not (math.isfinite(value) and value >= least):
+            raise UserError(f"{flag} {value}: must be a finite number >= {least:g} ({meaning})")
 
 
 def _query_groups(ns: argparse.Namespace) -> int | None:

@@ -46,8 +46,9 @@ ITERATION = 0  # --finetune restarts at iteration 0 whatever the tag says
 
 
 def config_for_layout(config: ModelConfig, tp: int) -> ModelConfig:
-    """`config` as a run at TP `tp` must give it: MoE under TP needs sequence parallelism
-    (Megatron's rule), so the flags printed for the --finetune run include it."""
+    """`config` as a run at TP `tp` should give it: MoE under TP with sequence parallelism
+    (Megatron's rule; here the faster choice), so the flags printed for the --finetune run
+    include it."""
     if config.is_moe and tp > 1 and not config.sequence_parallel:
         return dataclasses.replace(config, sequence_parallel=True)
     return config

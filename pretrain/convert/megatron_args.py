@@ -152,7 +152,7 @@ def moe_fields(args: argparse.Namespace) -> dict:
             _value(args, "moe_router_load_balancing_type", "aux_loss")
         ),
         moe_token_dispatcher_type="allgather" if dispatcher == "allgather" else "alltoall",
-        # our training runs MoE under TP with sequence parallelism only; it changes no value
+        # MoE under TP as Megatron trains it, with sequence parallelism; it changes no value
         sequence_parallel=args.tensor_model_parallel_size > 1,
     )
 

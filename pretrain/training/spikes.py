@@ -65,17 +65,27 @@ class SpikeConfig:
         return self.min_fill if self.min_fill is not None else max(2, self.window // 2)
 
     def problems(self, save: str | None) -> list[str]:
-        """What is wrong with the flags (empty when detection is off)."""
+        """What is wrong with the flags; without detection only a policy, which would do
+        nothing (Megatron main's --check-for-spiky-loss is the switch: the policy does not imply
+        it, as the window and factor do not)."""
         if not self.check_for_spiky_loss:
-            return []
+            if self.policy == "warn":
+                return []
+            return [
+                f"--spiky-loss-policy {self.policy} needs --check-for-spiky-loss (without it no "
+                f"loss is checked for spikes; add it, or drop the policy)"
+            ]
         out = []
         if self.window < 2 or not 2 <= self.required <= self.window:
             out.append(
                 f"--spiky-loss-window {self.window} / --spiky-loss-min-window {self.min_fill}: "
                 f"need 2 <= min-window <= window"
             )
-        if not self.factor > 0:
-            out.append(f"--spiky-loss-factor {self.factor}: must be > 0")
+        if not (math.isfinite(self.factor) and self.factor > 0):
+            out.append(
+                f"--spiky-loss-factor {self.factor}: must be a finite number > 0 (inf: no loss "
+                f"is ever a spike)"
+            )
         if self.policy == "rewind" and not save:
             out.append("--spiky-loss-policy rewind needs --save (it reloads the last checkpoint)")
         return out

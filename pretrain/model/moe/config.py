@@ -147,10 +147,10 @@ def _layout_problems(c, tp: int, ep: int, etp: int) -> list[str]:
         problems.append(
             f"--moe-layer-freq as a list needs one 0/1 per layer ({c.num_layers}), got {list(freq)}"
         )
-    if tp > 1 and not c.sequence_parallel:
+    if tp > 1 and not c.sequence_parallel and c.seq_length % tp != 0:
         problems.append(
-            f"MoE with --tensor-model-parallel-size {tp} needs --sequence-parallel (as in Megatron: "
-            f"each TP rank routes its own sequence chunk)"
+            f"MoE with --tensor-model-parallel-size {tp} routes each TP rank's chunk of "
+            f"--seq-length {c.seq_length}, which {tp} does not divide (use a multiple of {tp})"
         )
     if c.num_moe_experts % ep != 0:
         problems.append(

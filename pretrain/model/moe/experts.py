@@ -20,7 +20,8 @@ experts [r E/ep, (r+1) E/ep)); the matrices split over expert TP also have
 each rank holds [gate_r; up_r]). When the expert-TP group is the TP group (expert TP = TP > 1)
 the matrices are also ordinary TP shards (`tensor_model_parallel`, `partition_dim` = the same
 dimension): clipping, ZeRO and the full-state checkpoint treat them as such. With expert TP 1 and
-EP 1 under TP, every TP rank holds whole experts fed by its own sequence chunk: their gradients
+EP 1 under TP, every TP rank holds whole experts fed by its own sequence chunk (with or without
+sequence parallelism: MoELayer routes each TP rank's chunk): their gradients
 are summed over TP in backward and they are marked `sequence_parallel = True` (replicated over
 TP, like the norms). Initialisation draws each expert's full matrix from
 (seed, "<name>[<expert>]") and keeps this rank's shard, so any EP/ETP layout starts from the same
@@ -60,7 +61,7 @@ def _etp_is_tp() -> bool:
 
 
 def _summed_over_tp() -> bool:
-    """With expert TP 1 and EP 1 under TP (sequence parallelism), every TP rank holds every
+    """With expert TP 1 and EP 1 under TP (each TP rank routes its chunk), every TP rank holds every
     expert whole and runs it on its own sequence chunk: like a norm weight, the gradient is the
     sum over TP (`sum_grad_over_tensor_parallel`)."""
     return (

@@ -5,6 +5,13 @@
       -> dispatcher -> this rank's experts -> dispatcher combine -> [b, s, h]
       (+ shared experts: a TP-parallel MLP every token goes through)
 
+At TP > 1 without sequence parallelism `hidden` is the whole [b, s, h] on every TP rank: the
+layer routes this rank's sequence chunk only (scatter_to_sequence_parallel_region: its backward
+all-gathers the input gradient) and all-gathers the routed output (its backward keeps this
+rank's chunk: the consumer is replicated), so each token goes through its experts once per TP
+group and the router, dispatcher and experts compute exactly what they compute under sequence
+parallelism (the shared experts take the whole `hidden`, as a dense MLP does).
+
 State-dict names under `layers.<i>.mlp.` (E experts, f = --moe-ffn-hidden-size, g = the shared
 experts' width; shapes at EP = ETP = TP = 1; see experts.py for the EP/ETP split attributes):
     router.weight                [E, h]        replicated
@@ -24,11 +31,15 @@ import torch
 from torch import nn
 
 from pretrain.model.config import ModelConfig
-from pretrain.model.mlp import MLP
+from pretrain.model.mlp import MLP, uses_sequence_parallel
 from pretrain.model.moe.dispatcher import build_dispatcher
 from pretrain.model.moe.experts import Experts
-from pretrain.model.moe.router import TopKRouter
+from pretrain.model.moe.router import TopKRouter, routes_sequence_chunks
 from pretrain.parallel import state
+from pretrain.parallel.mappings import (
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 
 
 def local_experts(num_experts: int) -> range:
@@ -50,6 +61,7 @@ class MoELayer(nn.Module):
         self.dispatcher = build_dispatcher(
             config.moe_token_dispatcher_type, experts, config.num_moe_experts
         )
+        self.takes_chunk = routes_sequence_chunks() and not uses_sequence_parallel(config)
         self.shared_experts = None
         if config.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = MLP(config, config.moe_shared_expert_intermediate_size)
@@ -64,8 +76,22 @@ class MoELayer(nn.Module):
     def forward(
         self, hidden: torch.Tensor, padding_mask: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """[b, s, h] -> [b, s, h]; `padding_mask` [b, s] (True = padding, this rank's chunk)
-        keeps padding tokens out of the router's losses and counts."""
+        """[b, s, h] -> [b, s, h]; `padding_mask` [b, s] (True = padding, as `hidden`: this
+        rank's chunk under sequence parallelism) keeps padding tokens out of the router's losses
+        and counts."""
+        if not self.takes_chunk:
+            out = self._routed(hidden, padding_mask)
+        else:  # the whole sequence on every TP rank: route this rank's chunk (module doc)
+            if padding_mask is not None:
+                padding_mask = scatter_to_sequence_parallel_region(padding_mask)
+            out = self._routed(scatter_to_sequence_parallel_region(hidden), padding_mask)
+            out = gather_from_sequence_parallel_region(out, tensor_parallel_output_grad=False)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden)
+        return out
+
+    def _routed(self, hidden: torch.Tensor, padding_mask: torch.Tensor | None) -> torch.Tensor:
+        """Router, dispatcher and experts on [b, s, h] (s: the tokens this rank routes)."""
         batch, seq, width = hidden.shape
         tokens = hidden.transpose(0, 1).reshape(seq * batch, width)
         if padding_mask is not None:
@@ -73,7 +99,4 @@ class MoELayer(nn.Module):
         probs, routing_map = self.router(tokens, seq, padding_mask)
         rows, weights, counts, handle = self.dispatcher.dispatch(tokens, probs, routing_map)
         rows = self.experts(rows, counts, weights)
-        out = self.dispatcher.combine(rows, handle).view(seq, batch, width).transpose(0, 1)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(hidden)
-        return out
+        return self.dispatcher.combine(rows, handle).view(seq, batch, width).transpose(0, 1)

@@ -1,8 +1,9 @@
 """TopKRouter: which experts each token goes to, with which weight, and the losses that balance it.
 
-`weight` [E, h] (and `bias` [E] with add_bias_linear) are replicated; under sequence parallelism
-each TP rank routes its own sequence chunk and their gradients are summed over TP. The logits are
-computed in --moe-router-dtype (fp32/fp64; default the activations' dtype).
+`weight` [E, h] (and `bias` [E] with add_bias_linear) are replicated; at TP > 1 each TP rank
+routes its own sequence chunk (`routes_sequence_chunks`: with or without sequence parallelism,
+MoELayer gives it the chunk) and their gradients are summed over TP. The logits are computed in
+--moe-router-dtype (fp32/fp64; default the activations' dtype).
 
 In training (autograd on, not a recomputation) the router also
 - attaches its load-balancing loss to the routing weights and its z-loss to the logits
@@ -25,7 +26,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from pretrain.model.config import ModelConfig
-from pretrain.model.mlp import uses_sequence_parallel
 from pretrain.model.moe import losses
 from pretrain.model.moe.metrics import LOSS_NAMES, RouterStats
 from pretrain.model.moe.routing import (
@@ -43,6 +43,12 @@ ROUTER_DTYPES = {None: None, "fp32": torch.float32, "fp64": torch.float64}
 FP32_BUFFERS = ("expert_bias", "local_tokens_per_expert", "global_tokens_per_expert")
 
 
+def routes_sequence_chunks() -> bool:
+    """Each TP rank routes its own chunk of the sequence (TP > 1), so the router's and its
+    losses' sums run over the TP group."""
+    return state.get_tensor_model_parallel_world_size() > 1
+
+
 class TopKRouter(nn.Module):
     """Gating + top-k routing (+ capacity) + auxiliary losses for one MoE layer."""
 
@@ -50,7 +56,7 @@ class TopKRouter(nn.Module):
         super().__init__()
         self.config = config
         experts = config.num_moe_experts
-        self.sequence_parallel = uses_sequence_parallel(config)
+        self.sequence_parallel = routes_sequence_chunks()
         self.weight = nn.Parameter(
             torch.empty(experts, config.hidden_size, dtype=config.params_dtype)
         )
