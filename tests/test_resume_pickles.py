@@ -4,7 +4,7 @@ Real checkpoints of a tiny run at two ranks (DP2 ZeRO-0, DP2 ZeRO-1 bf16, DP2 Ze
 PP2: model, optimizer, pipeline-layer, RNG and full-state files), each saved at iteration 2. One
 file at a time gets a payload (a pickled global that calls `os.system("touch MARKER")` while it
 is unpickled), and the checkpoint's file list in pretrain_meta.json is re-written with the new
-sizes, as an attacker would, so the checkpoint is "complete". Then every reader of that file
+sizes and fingerprints, as an attacker would, so the checkpoint is "complete" and its own. Then every reader of that file
 (`pretrain_gpt.py --load` at the saved layout, at another layout, with --finetune;
 `tools/reshard_checkpoint.py`; `tools/convert_to_hf.py`) must stop with the one-line refusal
 naming the file and the global, exit non-zero, and the MARKER must not exist.
@@ -36,6 +36,9 @@ from training_fixtures import (
     run,
     train_flags,
 )
+
+from pretrain.checkpoint import fingerprints
+from pretrain.checkpoint.format import FINGERPRINTS_KEY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -112,7 +115,7 @@ def test_a_clean_checkpoint_resumes(saved, name):
 
 def _hostile_copy(tmp, ckpt: str, file: str, legacy: bool = False) -> tuple[str, str, str]:
     """(a copy of checkpoint `ckpt` whose `file` carries the payload (`legacy`: in torch's
-    non-zip format), listed at its new size; the path of that file; the MARKER the payload
+    non-zip format), listed at its new size and fingerprint; the path of that file; the MARKER the payload
     would create)."""
     copy = Path(tempfile.mkdtemp(prefix=f"{ckpt}-{file[:-3]}-", dir=tmp)) / "checkpoint"
     shutil.copytree(tmp / ckpt, copy)
@@ -123,6 +126,7 @@ def _hostile_copy(tmp, ckpt: str, file: str, legacy: bool = False) -> tuple[str,
     torch.save(state, step / file, _use_new_zipfile_serialization=not legacy)
     meta = json.loads((step / "pretrain_meta.json").read_text())
     meta["files"][file] = os.path.getsize(step / file)  # the attacker re-lists the size
+    meta[FINGERPRINTS_KEY] = fingerprints.record(str(step), meta["files"])  # and fingerprints
     (step / "pretrain_meta.json").write_text(json.dumps(meta))
     return str(copy), str(step / file), str(marker)
 
