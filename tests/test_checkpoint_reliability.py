@@ -32,8 +32,9 @@ from training_fixtures import (
 )
 from training_fixtures import test_env as clean_env
 
+from pretrain.checkpoint import fingerprints
 from pretrain.checkpoint.commit import prune_steps
-from pretrain.checkpoint.format import META_FILE
+from pretrain.checkpoint.format import FINGERPRINTS_KEY, META_FILE
 from pretrain.checkpoint.integrity import choose_checkpoint, manifest
 from pretrain.errors import UserError
 from pretrain.launch import free_port
@@ -347,14 +348,15 @@ def test_full_disk(base):
 
 
 def _with_nan(path: Path, edit) -> None:
-    """Put a NaN into a saved file and update the metadata's size, as a diverged run's own save
-    would look."""
+    """Put a NaN into a saved file and update the metadata's sizes and fingerprints, as a
+    diverged run's own save would look."""
     state = torch.load(path, weights_only=False)
     edit(state)
     torch.save(state, path)
     meta_path = path.parent / META_FILE
     meta = json.loads(meta_path.read_text())
     meta["files"] = {k: v for k, v in manifest(str(path.parent)).items() if k != META_FILE}
+    meta[FINGERPRINTS_KEY] = fingerprints.record(str(path.parent), meta["files"])
     meta_path.write_text(json.dumps(meta))
 
 

@@ -1,9 +1,12 @@
 """`--load` loads what you meant: a step folder is that step; a file, a Hugging Face export, a
 path that does not exist or a folder without a checkpoint (either not --save) is one line;
 another tokenizer is refused; other data is said; a file copied in from another step is refused
-by name.
+by name: by its fingerprint (any file, DeepSpeed's ZeRO optimizer shard and DCP's files included,
+at resume and in the tools), or, in a checkpoint from before fingerprints, by the position it
+records; such a checkpoint still resumes.
 
-Real runs of pretrain_gpt.py at one rank (ZeRO-1, dropout 0), real checkpoint files.
+Real runs of pretrain_gpt.py at one rank (ZeRO-1, dropout 0; and the torch backend), real
+checkpoint files.
 """
 
 from __future__ import annotations
@@ -31,7 +34,10 @@ from training_fixtures import (
     training_batch,
 )
 
-from pretrain.checkpoint.format import META_FILE
+from pretrain.checkpoint.format import FINGERPRINTS_KEY, META_FILE, read_meta
+from pretrain.checkpoint.relayout import TargetLayout, reshard
+from pretrain.convert.checkpoint_reader import read_checkpoint
+from pretrain.errors import UserError
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -39,6 +45,8 @@ ITERS = 4
 MODEL = "mp_rank_00_model_states.pt"
 RNG = "rng_state_0.pt"
 FULL = "full_state_tp00_pp00.pt"
+OPTIM = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+DCP = (".metadata", "__0_0.distcp")
 
 
 def _flags(corpus: str, iters: int, metrics: Path, *extra: str) -> list[str]:
@@ -48,6 +56,12 @@ def _flags(corpus: str, iters: int, metrics: Path, *extra: str) -> list[str]:
         + layout_flags(1, 1, 1)
         + ["--metrics-file", str(metrics), *extra]
     )
+
+
+def _torch_flags(corpus: str, metrics: Path, *extra: str) -> list[str]:
+    """A one-rank torch-backend (--use-torch-fsdp2: DCP checkpoints) run of ITERS iterations."""
+    flags = model_flags("gpt2") + train_flags(corpus, iters=ITERS)
+    return flags + ["--use-torch-fsdp2", "--metrics-file", str(metrics), *extra]
 
 
 def _train(flags: list[str], timeout: float = 400):
@@ -69,8 +83,9 @@ def _one_error_line(output: str) -> str:
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    """One process: 4 iterations saved at 2 and 4 (tmp/base: global_step2, global_step4), and a
-    checkpoint trained with the GPT-2 tokenizer (50257 ids) for 2 iterations (tmp/gpt2)."""
+    """One process: 4 iterations saved at 2 and 4 (tmp/base: global_step2, global_step4), the
+    same on the torch backend (tmp/torch), and a checkpoint trained with the GPT-2 tokenizer
+    (50257 ids) for 2 iterations (tmp/gpt2)."""
     tmp = tmp_path_factory.mktemp("load_intent")
     corpus = make_corpus(tmp / "corpus")
     ckpt = tmp / "base"
@@ -78,32 +93,48 @@ def base(tmp_path_factory):
         _flags(corpus, ITERS, tmp / "base.jsonl", "--save", str(ckpt), "--save-interval", "2"),
         _gpt2_flags(corpus, 2, tmp / "gpt2.jsonl")
         + ["--save", str(tmp / "gpt2"), "--save-interval", "2"],
+        _torch_flags(
+            corpus, tmp / "torch.jsonl", "--save", str(tmp / "torch"), "--save-interval", "2"
+        ),
     ]
     result = one_rank_multirun(runs, tmp / "base.json", timeout=600)
     assert result.returncode == 0, result.stdout[-6000:]
     return tmp, corpus, ckpt
 
 
-def _copy(base, name: str) -> Path:
-    tmp, _, ckpt = base
+def _copy(base, name: str, source: str = "base") -> Path:
+    """A copy of the base checkpoint tmp/`source` (or of the torch backend's: "torch")."""
+    tmp = base[0]
     dst = tmp / name
     shutil.rmtree(dst, ignore_errors=True)
-    shutil.copytree(ckpt, dst)
+    shutil.copytree(tmp / source, dst)
     return dst
 
 
+def _without_fingerprints(step: Path) -> None:
+    """`step` as a checkpoint written before file fingerprints: none in its metadata."""
+    meta = json.loads((step / META_FILE).read_text())
+    del meta[FINGERPRINTS_KEY]
+    (step / META_FILE).write_text(json.dumps(meta))
+
+
 def _step_folder(base) -> tuple[list[str], Path, Path]:
-    """(the flags of a run loading a copy's global_step2 folder; the copy; its step folder)."""
+    """(the flags of a run loading a copy's global_step2 folder, as written before file
+    fingerprints; the copy; its step folder)."""
     tmp, corpus, _ = base
     ckpt = _copy(base, "step_folder")
     step = ckpt / "global_step2"
+    _without_fingerprints(step)
     load = ["--load", str(step), "--save", str(tmp / "sf"), "--save-interval", "2"]
     return _flags(corpus, ITERS, tmp / "step_folder.jsonl", *load), ckpt, step
 
 
 def test_a_step_folder_resumes_that_step(base, runs):
+    """...even one written before file fingerprints (older checkpoints keep loading)."""
     tmp = base[0]
     output, ckpt, step = runs["step_folder"]
+    assert FINGERPRINTS_KEY in read_meta(str(base[2] / "global_step2"))  # what was taken out
+    assert FINGERPRINTS_KEY not in read_meta(str(step))
     assert (
         f"--load {step}: a step folder: resuming exactly global_step2 "
         f"({ckpt / 'latest'} names global_step4)" in output
@@ -267,13 +298,14 @@ def test_other_data_and_sequence_length_are_said_and_continue_at_the_consumed_sa
     assert resumed[3]["lm-loss"] == pytest.approx(megatron_loss(per_token, mask, 2), rel=1e-5)
 
 
-def _copy_in(ckpt: Path, name: str) -> None:
-    """global_step4's `name` copied over global_step2's (the file list updated to its size, as a
-    copy of both would be)."""
-    shutil.copyfile(ckpt / "global_step4" / name, ckpt / "global_step2" / name)
+def _copy_in(ckpt: Path, names) -> None:
+    """global_step4's `names` copied over global_step2's (the file list updated to their sizes,
+    as a copy of both would be)."""
     meta_path = ckpt / "global_step2" / META_FILE
     meta = json.loads(meta_path.read_text())
-    meta["files"][name] = (ckpt / "global_step2" / name).stat().st_size
+    for name in names:
+        shutil.copyfile(ckpt / "global_step4" / name, ckpt / "global_step2" / name)
+        meta["files"][name] = (ckpt / "global_step2" / name).stat().st_size
     meta_path.write_text(json.dumps(meta))
 
 
@@ -285,21 +317,87 @@ FROM_ANOTHER_STEP = {
 
 
 def _mixed_step(base, name: str) -> tuple[list[str], Path]:
-    """(the flags of a run loading global_step2 with global_step4's `name` copied in; the
-    step)."""
+    """(the flags of a run loading global_step2, written before file fingerprints, with
+    global_step4's `name` copied in; the step)."""
     tmp, corpus, _ = base
     ckpt = _latest_step2(_copy(base, f"mixed_{name}"))
-    _copy_in(ckpt, name)
+    _copy_in(ckpt, [name])
+    _without_fingerprints(ckpt / "global_step2")
     flags = _flags(corpus, ITERS, tmp / "mixed.jsonl", "--load", str(ckpt))
     return flags + FROM_ANOTHER_STEP[name], ckpt / "global_step2"
 
 
 @pytest.mark.parametrize("name", sorted(FROM_ANOTHER_STEP))
 def test_a_file_from_another_step_is_refused_by_name(runs, name):
+    """In a checkpoint from before file fingerprints, by the position the file records."""
     output, step = runs[f"mixed_{name}"]
     line = _one_error_line(output)
     assert f"{step / name}: holds iteration 4 (32 consumed samples)" in line, line
     assert f"{step / META_FILE} says iteration 2 (16 consumed samples)" in line
+
+
+# files that record no position: copied from global_step4 into global_step2 -> (the base
+# checkpoint, the files)
+COPIED_IN = {"zero_optimizer": ("base", (OPTIM,)), "dcp": ("torch", DCP)}
+
+
+def _copied_in(base, case: str) -> tuple[list[str], Path, tuple[str, ...]]:
+    """(the flags of a run loading global_step2 with COPIED_IN[case]'s files of global_step4
+    copied in; the step; those files)."""
+    tmp, corpus, _ = base
+    source, names = COPIED_IN[case]
+    ckpt = _latest_step2(_copy(base, f"copied_{case}", source))
+    sizes = {
+        s: [(ckpt / s / n).stat().st_size for n in names] for s in ("global_step2", "global_step4")
+    }
+    assert sizes["global_step2"] == sizes["global_step4"]  # the completeness check cannot see it
+    _copy_in(ckpt, names)
+    load = ["--load", str(ckpt)]
+    metrics = tmp / "copied.jsonl"
+    flags = (
+        _torch_flags(corpus, metrics, *load)
+        if source == "torch"
+        else _flags(corpus, ITERS, metrics, *load)
+    )
+    return flags, ckpt / "global_step2", names
+
+
+def _fingerprint_refusal(line: str, step: Path, names, source: Path) -> None:
+    """`line` names one of `names` in `step` as not this step's file, and that file's bytes are
+    indeed not the ones `source` (the uncopied step) holds."""
+    named = [n for n in names if f"{step / n}: not the file this step saved" in line]
+    assert len(named) == 1, line
+    assert f"differs from the one {step / META_FILE} recorded" in line, line
+    assert "copied in from another step" in line and "put back this step's own file" in line
+    assert (step / named[0]).read_bytes() != (source / named[0]).read_bytes()
+
+
+@pytest.mark.parametrize("case", sorted(COPIED_IN))
+def test_a_copied_in_file_is_refused_by_its_fingerprint(base, runs, case):
+    """DeepSpeed's ZeRO optimizer shard, DCP's `.metadata` + `__0_0.distcp`: same names, same
+    sizes, no position of their own; refused before anything is loaded."""
+    output, step, names = runs[f"copied_{case}"]
+    source = base[0] / COPIED_IN[case][0] / "global_step2"
+    _fingerprint_refusal(_one_error_line(output), step, names, source)
+
+
+def _reshard(step: Path, out: Path) -> None:
+    reshard(str(step), read_meta(str(step)), str(out), TargetLayout(tensor_parallel_size=1))
+
+
+# tools/convert_to_hf.py's reader and tools/reshard_checkpoint.py's reshard
+TOOLS = {"zero_optimizer": lambda step, _out: read_checkpoint(str(step)), "dcp": _reshard}
+
+
+@pytest.mark.parametrize("case", sorted(TOOLS))
+def test_the_tools_refuse_a_copied_in_file(base, runs, tmp_path, case):
+    """On the steps above, before reading a tensor or writing anything."""
+    _, step, names = runs[f"copied_{case}"]
+    with pytest.raises(UserError) as refused:
+        TOOLS[case](step, tmp_path / "out")
+    source = base[0] / COPIED_IN[case][0] / "global_step2"
+    _fingerprint_refusal(str(refused.value), step, names, source)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.fixture(scope="module")
@@ -320,6 +418,7 @@ def runs(base):
     }
     refused = {f"not_{case}": _not_a_checkpoint(base, case) for case in NOT_A_CHECKPOINT}
     refused |= {f"mixed_{name}": _mixed_step(base, name) for name in FROM_ANOTHER_STEP}
+    refused |= {f"copied_{case}": _copied_in(base, case) for case in COPIED_IN}
     entries = [argv for argv, *_ in cases.values()]
     entries += [{"argv": argv, "refused": True} for argv, *_ in refused.values()]
     result = one_rank_multirun(entries, tmp / "runs.json", timeout=900)

@@ -7,7 +7,8 @@ PP2: model, optimizer, pipeline-layer, RNG and full-state files; DP2 on the torc
 time gets a payload (a pickled global that calls `os.system("touch MARKER")` while it is
 unpickled; in a DCP step, an object appended to `__0_0.distcp` that `.metadata` points a tensor
 at, marked a byte item or not), and the checkpoint's file list in pretrain_meta.json is
-re-written with the new sizes, as an attacker would, so the checkpoint is "complete". Then every reader of that file
+re-written with the new sizes and fingerprints, as an attacker would, so the checkpoint is
+"complete" and its own. Then every reader of that file
 (`pretrain_gpt.py --load` at the saved layout, at another layout, with --finetune;
 `tools/reshard_checkpoint.py`; `tools/convert_to_hf.py`) must stop with the one-line refusal
 naming the file and the global, exit non-zero, and the MARKER must not exist.
@@ -40,6 +41,9 @@ from training_fixtures import (
     run,
     train_flags,
 )
+
+from pretrain.checkpoint import fingerprints
+from pretrain.checkpoint.format import FINGERPRINTS_KEY
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -119,7 +123,7 @@ def test_a_clean_checkpoint_resumes(saved, name):
 def _hostile_copy(tmp, ckpt: str, file: str, legacy: bool = False) -> tuple[str, str, str]:
     """(a copy of checkpoint `ckpt` whose `file` carries the payload (`legacy`: in torch's
     non-zip format; a DCP step's `file` is `DCP_KEY` with the kind of entry: see `_in_dcp`),
-    listed at its new size; the path named in the refusal; the MARKER the payload would
+    listed at its new size and fingerprint; the path named in the refusal; the MARKER the payload would
     create)."""
     copy = Path(tempfile.mkdtemp(prefix=f"{ckpt}-{file[:-3]}-", dir=tmp)) / "checkpoint"
     shutil.copytree(tmp / ckpt, copy)
@@ -135,6 +139,7 @@ def _hostile_copy(tmp, ckpt: str, file: str, legacy: bool = False) -> tuple[str,
     meta = json.loads((step / "pretrain_meta.json").read_text())
     for name in meta["files"]:  # the attacker re-lists the sizes
         meta["files"][name] = os.path.getsize(step / name)
+    meta[FINGERPRINTS_KEY] = fingerprints.record(str(step), meta["files"])  # and fingerprints
     (step / "pretrain_meta.json").write_text(json.dumps(meta))
     return str(copy), path, str(marker)
 

@@ -7,7 +7,8 @@ Layout (details in docs/CHECKPOINTS.md):
     <save>/global_step<N>/                          DeepSpeed's files for every rank
     <save>/global_step<N>/rng_state_<rank>.pt       python/numpy/torch/CUDA/TP-dropout RNG per rank
     <save>/global_step<N>/pretrain_meta.json        our metadata (`build_metadata`), with the
-                                                    name and size of every file of the step
+                                                    name, size and fingerprint of every file of
+                                                    the step
     <save>/.global_step<N>.tmp-<id>/                a save in progress (renamed when complete)
 
 Training (`pretrain.training.checkpointing`) writes it; the converters (`pretrain.convert`) read
@@ -33,6 +34,7 @@ META_FILE = "pretrain_meta.json"
 LATEST_FILE = "latest"
 MEGATRON_LATEST_FILE = "latest_checkpointed_iteration.txt"
 FILES_KEY = "files"
+FINGERPRINTS_KEY = "fingerprints"  # pretrain.checkpoint.fingerprints
 _TAG = re.compile(r"^global_step(\d+)$")
 _TEMPORARY = re.compile(r"^\.global_step\d+\.(tmp|old)-(.+)$")
 
@@ -218,6 +220,7 @@ _META_TYPES = {
     "parallel": (dict,),
     "tokenizer": (dict,),
     FILES_KEY: (dict,),
+    FINGERPRINTS_KEY: (dict,),
     "full_state": (bool,),
     "full_state_only": (bool,),
     "weights_only": (bool,),

@@ -28,8 +28,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pretrain.atomic import atomic_write_bytes
+from pretrain.checkpoint import fingerprints
 from pretrain.checkpoint.commit import commit_latest, directory_size, fsync_path, new_unique
-from pretrain.checkpoint.format import FILES_KEY, META_FILE, model_config_from_meta, tag_for
+from pretrain.checkpoint.format import (
+    FILES_KEY,
+    FINGERPRINTS_KEY,
+    META_FILE,
+    model_config_from_meta,
+    tag_for,
+)
 from pretrain.checkpoint.full_state import FullState, write_shard
 from pretrain.checkpoint.integrity import check_finite, manifest
 from pretrain.checkpoint.pipeline_layers import stage_of_parameter
@@ -57,7 +64,7 @@ def is_full_state_only(meta: dict) -> bool:
 
 
 def _target_meta(meta: dict, config: ModelConfig, source_dir: str, target: TargetLayout) -> dict:
-    out = {k: v for k, v in meta.items() if k != FILES_KEY}
+    out = {k: v for k, v in meta.items() if k not in (FILES_KEY, FINGERPRINTS_KEY)}
     out["padded_vocab_size"] = config.padded_vocab_size(target.tensor_parallel_size)
     out["parallel"] = {
         "tensor_model_parallel_size": target.tensor_parallel_size,
@@ -115,9 +122,11 @@ def reshard(source_dir: str, meta: dict, save: str, target: TargetLayout, progre
     as the checkpoint folder `save` (which must not exist yet); returns its step folder.
     `progress(n)` is called after each file. A target the model cannot take, or a source
     without a full state, is refused before anything is written; a state holding NaN/Inf, or a
-    full disk, is refused (one line) and leaves nothing behind."""
+    full disk, is refused (one line) and leaves nothing behind; so is a source file that is not
+    the one its step saved (`fingerprints`)."""
     config = model_config_from_meta(meta["model"])
     _check_target(config, target)
+    fingerprints.check(source_dir, meta)
     state = FullState(source_dir, config.vocab_size)
     parent = os.path.dirname(os.path.abspath(save))
     tmp_root = os.path.join(
@@ -141,6 +150,7 @@ def reshard(source_dir: str, meta: dict, save: str, target: TargetLayout, progre
                 progress(1)
         out_meta = _target_meta(meta, config, source_dir, target)
         out_meta[FILES_KEY] = manifest(step_dir)
+        out_meta[FINGERPRINTS_KEY] = fingerprints.record(step_dir, out_meta[FILES_KEY])
         atomic_write_bytes(
             os.path.join(step_dir, META_FILE), json.dumps(out_meta, indent=2).encode()
         )

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pretrain.checkpoint import safe_load
+from pretrain.checkpoint import fingerprints, safe_load
 from pretrain.checkpoint.format import (
     LATEST_FILE,
     META_FILE,
@@ -195,8 +195,10 @@ def _read_pipeline(step_dir: str, tp: int, config: ModelConfig) -> list[dict]:
 
 
 def read_checkpoint(load_dir: str, iteration: int | None = None) -> LoadedCheckpoint:
-    """The full (TP = 1, unpadded) model of a checkpoint at any TP/PP/ZeRO, with its configs."""
+    """The full (TP = 1, unpadded) model of a checkpoint at any TP/PP/ZeRO, with its configs; a
+    file that is not the one its step saved (`fingerprints`) is refused before any is read."""
     step_dir, meta = find_checkpoint(load_dir, iteration)
+    fingerprints.check(step_dir, meta)  # before any file of the step is opened
     try:
         config = model_config_from_meta(meta["model"])
         par = meta["parallel"]

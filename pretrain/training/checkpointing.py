@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from pretrain.atomic import atomic_write_bytes
+from pretrain.checkpoint import fingerprints
 from pretrain.checkpoint.agreement import position_stamp
 from pretrain.checkpoint.commit import (
     StepInUse,
@@ -55,6 +56,7 @@ from pretrain.checkpoint.commit import (
 )
 from pretrain.checkpoint.format import (
     FILES_KEY,
+    FINGERPRINTS_KEY,
     META_FILE,
     build_metadata,
     tag_for,
@@ -458,6 +460,7 @@ class Checkpointer:
         )
         meta[FILES_KEY] = manifest(tmp_dir)
         try:
+            meta[FINGERPRINTS_KEY] = fingerprints.record(tmp_dir, meta[FILES_KEY])
             atomic_write_bytes(
                 os.path.join(tmp_dir, META_FILE), json.dumps(meta, indent=2, default=str).encode()
             )

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pretrain.checkpoint import safe_load
+from pretrain.checkpoint import fingerprints, safe_load
 from pretrain.checkpoint.agreement import disagreement, layout_disagreement
 from pretrain.checkpoint.format import (
     LATEST_FILE,
@@ -323,6 +323,16 @@ def _full_state_problem(step_dir: str, meta: dict) -> str | None:
     return None
 
 
+def _refuse_foreign_files(step_dir: str, meta: dict) -> None:
+    """Refuse on every rank, in one line naming the file, a step holding a file that is not the
+    one it saved (copied in from another step: `fingerprints`), before any rank loads one. The
+    ranks share the reads: rank r checks every world-th recorded file."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    problem = agree(fingerprints.mismatch(step_dir, meta, slice(rank, None, world)))
+    if problem is not None:
+        raise UserError(problem)
+
+
 def _refuse_pickled_code(step_dir: str) -> None:
     """Refuse on every rank, in one line, a step whose files name a global outside safe_load's
     allowlist, before any rank starts loading (a rank stopped inside DeepSpeed's load would leave
@@ -412,6 +422,7 @@ def load_checkpoint(
     _same_tag_everywhere(config, choice)
     folder = load_folder(config, choice)
     step_dir = os.path.join(folder, choice.tag)
+    _refuse_foreign_files(step_dir, choice.meta)
     _refuse_pickled_code(step_dir)
     if parallel is not None and relayout_possible(
         step_dir, choice.meta, parallel, engine.precision
