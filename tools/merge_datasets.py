@@ -77,10 +77,8 @@ def merge(prefixes: list[str], output_prefix: str) -> IndexedDataset:
         except BaseException:
             builder.abort()
             raise
-    except BaseException:
-        lock.release()  # the empty lock file stays
-        raise
-    lock.remove()  # finished: no lock file left
+    finally:
+        lock.remove()  # finished or failed: no lock file left
     return IndexedDataset(output_prefix)
 
 
