@@ -112,14 +112,23 @@ CASES = {
         "--plot",
         "is --data-path",
     ),
-    "build_data_cache --data-cache-path DATA.idx": (
+    "build_data_cache --data-cache-path CKPT": (
         "build_data_cache",
         lambda w: (
             ["--data-path", w["data"], *PLAN_FLAGS, *NULL_TOKENIZER]
-            + ["--data-cache-path", w["data"] + ".idx"]
+            + ["--data-cache-path", w["ckpt"]]
         ),
         "--data-cache-path",
-        "a file of the dataset",
+        "part of the checkpoint",
+    ),
+    "explain_batch --data-cache-path CKPT": (
+        "explain_batch",
+        lambda w: (
+            ["--data-path", w["data"], *PLAN_FLAGS, *NULL_TOKENIZER, "--iteration", "1"]
+            + ["--data-cache-path", w["ckpt"]]
+        ),
+        "--data-cache-path",
+        "part of the checkpoint",
     ),
     "train_demo_tokenizer --output-dir CORPUS": (
         "train_demo_tokenizer",
