@@ -2,8 +2,8 @@
 a destination it cannot write is one line naming it.
 
 `refuse_output` is the one check every tool runs on each output before it writes anything: the
-output may not be (under any name) or hold one of the tool's inputs (`plot_run.py --log run.log --out
-run.log` would replace the log with its plot). `protect` (the callers pass
+output may not be (under any name) or hold one of the tool's inputs (`plot_run.py --log run.log
+--out run.log` would replace the log with its plot). `protect` (the callers pass
 `pretrain.checkpoint.outputs.kept_data`) also refuses an existing dataset or checkpoint file for
 a tool whose output is neither. `write_error` is the line for a write that failed (read-only,
 immutable or full destination, a file-size limit).

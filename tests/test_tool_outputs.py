@@ -186,6 +186,7 @@ def test_merge_refuses_an_output_that_is_an_input_under_another_name(tmp_path, c
     line = _refusal("merge_datasets", argv, capsys)
     assert line.startswith("error: --output-prefix ") and "--prefixes" in line, line
     assert _digests(tmp_path) == before
+    assert all(os.path.islink(tmp_path / f"alias{ext}") for ext in (".bin", ".idx"))
 
 
 @pytest.fixture
@@ -202,12 +203,14 @@ def immutable(tmp_path):
 
 def _unwritable_cases(w: dict, dest: str):
     """(tool, argv, flag) writing `dest` (a path in an unwritable place)."""
+    plan = ["--data-path", w["data"], *PLAN_FLAGS, "--plot", f"{dest}/plan.png"]
+    tokenizer = ["--input", w["corpus"], "--output-dir", f"{dest}/tok", "--vocab-size", "300"]
     return [
         ("plot_run", ["--log", w["log"], "--out", f"{dest}/curves.png"], "--out"),
-        ("plan_blend", ["--data-path", w["data"], *PLAN_FLAGS, "--plot", f"{dest}/plan.png"], "--plot"),
-        ("train_demo_tokenizer", ["--input", w["corpus"], "--output-dir", f"{dest}/tok", "--vocab-size", "300"], "--output-dir"),
+        ("plan_blend", plan, "--plot"),
+        ("train_demo_tokenizer", tokenizer, "--output-dir"),
         ("convert_to_hf", ["--load", w["ckpt"], "--output-dir", f"{dest}/hf"], "--output-dir"),
-    ]  # fmt: skip
+    ]
 
 
 @pytest.mark.timeout(300)
@@ -236,8 +239,9 @@ def test_train_demo_tokenizer_leaves_no_half_written_folder(tmp_path, world, mon
 
     monkeypatch.setattr(tool, "atomic_write_bytes", fail_second)
     out = tmp_path / "tok"
+    argv = ["--input", world["corpus"], "--output-dir", str(out), "--vocab-size", "300"]
     with pytest.raises(SystemExit):
-        exit_on_user_error(tool.main)(["--input", world["corpus"], "--output-dir", str(out), "--vocab-size", "300"])  # fmt: skip
+        exit_on_user_error(tool.main)(argv)
     assert "error: --output-dir" in capsys.readouterr().err
     assert len(calls) == 2 and not out.exists()
     assert not [p for p in os.listdir(tmp_path) if "tok" in p]

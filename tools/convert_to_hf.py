@@ -26,7 +26,12 @@ import torch  # noqa: E402
 
 from pretrain.atomic import give_plain_modes, make_temp_folder  # noqa: E402
 from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
-from pretrain.outputs import ignore_file_size_signal, refuse_output, reported_writes, write_error  # noqa: E402
+from pretrain.outputs import (  # noqa: E402
+    ignore_file_size_signal,
+    refuse_output,
+    reported_writes,
+    write_error,
+)
 
 DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
