@@ -287,3 +287,17 @@ def test_convert_from_hf_refuses_nonsense_sizes(tmp_path, capsys, flag, value):
     line = _refusal("convert_from_hf", argv, capsys)
     assert line == f"error: {flag} {value}: must be at least 1", line
     assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_folder_with_a_file_named_latest_is_not_taken_for_a_checkpoint(tmp_path, world):
+    """Only a real checkpoint is protected: `notes/latest` beside an old plot does not stop
+    plot_run from replacing the plot."""
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "latest").write_text("my notes\n")
+    (notes / "curves.png").write_bytes(b"old plot")
+    assert (
+        load_tool("plot_run").main(["--log", world["log"], "--out", str(notes / "curves.png")]) == 0
+    )
+    assert (notes / "curves.png").read_bytes().startswith(b"\x89PNG")
+    assert (notes / "latest").read_text() == "my notes\n"

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import os
 
-from pretrain.checkpoint.format import LATEST_FILE, MEGATRON_LATEST_FILE, META_FILE
+from pretrain.checkpoint.format import (
+    LATEST_FILE,
+    MEGATRON_LATEST_FILE,
+    META_FILE,
+    available_tags,
+)
 from pretrain.data.fingerprint import sidecar_path
 from pretrain.data.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
-
-_MARKERS = (LATEST_FILE, MEGATRON_LATEST_FILE, META_FILE)
 
 
 def _dataset_of(path: str) -> str | None:
@@ -21,12 +24,19 @@ def _dataset_of(path: str) -> str | None:
     return None
 
 
+def _is_checkpoint(folder: str) -> bool:
+    """A step folder (our metadata), a Megatron-LM save folder (its tracker file), or ours
+    (`latest` beside a global_step<N> folder)."""
+    if any(os.path.isfile(os.path.join(folder, f)) for f in (META_FILE, MEGATRON_LATEST_FILE)):
+        return True
+    return os.path.isfile(os.path.join(folder, LATEST_FILE)) and bool(available_tags(folder))
+
+
 def _checkpoint_around(path: str) -> str | None:
-    """The checkpoint folder `path` is or lies inside (a folder holding `latest`, Megatron's
-    tracker file or our step metadata), if any."""
+    """The checkpoint folder `path` is or lies inside, if any."""
     folder = os.path.realpath(path)
     while True:
-        if os.path.isdir(folder) and any(os.path.isfile(os.path.join(folder, m)) for m in _MARKERS):
+        if os.path.isdir(folder) and _is_checkpoint(folder):
             return folder
         parent = os.path.dirname(folder)
         if parent == folder:
