@@ -15,6 +15,8 @@ import tempfile
 from collections.abc import Callable
 from typing import BinaryIO
 
+from pretrain.outputs import failed_write
+
 
 def current_umask() -> int:
     """The process umask, read without changing it where Linux allows.
@@ -92,8 +94,8 @@ def atomic_write(
     except BaseException as err:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        cause = err.__context__ if isinstance(err, RuntimeError) else err
-        if isinstance(cause, OSError) and cause.errno is not None:
+        cause = failed_write(err)
+        if cause is not None:
             raise OSError(cause.errno, cause.strerror, path) from None
         raise
 

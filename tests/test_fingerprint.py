@@ -6,6 +6,7 @@ sidecar) is scanned once. Counts and ids are checked against megatron-core's Ind
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -125,6 +126,27 @@ def test_check_refuses_another_tokenizer_unless_allowed(gpt2_data):
     check_data(cfg, GPT2, gpt2, gpt2.vocab_size)  # the same tokenizer, other paths would do too
     with pytest.raises(UserError, match=r"holds token id 50256 .* has 50000 ids"):
         check_data(cfg, GPT2, gpt2, 50000)
+
+
+def test_a_same_size_other_bin_beside_its_sidecar_is_refused_before_training(tmp_path, gpt2_data):
+    """The .idx and the sidecar kept, the .bin replaced by random bytes of its size: the counts
+    agree and the sidecar's largest id fits, so training used to start and fail at the first
+    forward (IndexError: ids up to 65535 in a 50257-row embedding). Now the check before launch
+    refuses it in one line naming the .bin, reading 64 KiB of it."""
+    prefix = str(tmp_path / "copy")
+    for ext in (".idx", ".json"):
+        shutil.copyfile(gpt2_data[0] + ext, prefix + ext)
+    size = os.path.getsize(gpt2_data[0] + ".bin")
+    with open(prefix + ".bin", "wb") as f:
+        f.write(np.random.default_rng(0).bytes(size))
+    cfg = DataConfig(seq_length=8, blend=([prefix], None), split="1")
+    gpt2 = build_tokenizer(GPT2)
+    with pytest.raises(UserError) as err:
+        check_data(cfg, GPT2, gpt2, gpt2.vocab_size)
+    message = str(err.value)
+    assert "\n" not in message and message.startswith(f"{prefix}.bin: is not the file "), message
+    shutil.copyfile(gpt2_data[0] + ".bin", prefix + ".bin")  # the right bytes again: accepted
+    check_data(cfg, GPT2, gpt2, gpt2.vocab_size)
 
 
 def test_megatron_data_without_sidecar_is_scanned_once(tmp_path):

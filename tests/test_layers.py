@@ -16,6 +16,7 @@ LAYERS = [
         "pretrain.testing_hooks",
         "pretrain.launch",
         "pretrain.flag_help",
+        "pretrain.outputs",
     },
     {"pretrain.parallel", "pretrain.tokenizer"},
     {"pretrain.data", "pretrain.model"},

@@ -96,9 +96,7 @@ def test_merge_errors(tmp_path):
         text=True,
         timeout=60,
     )
-    assert (
-        r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "is also an input" in r.stderr
-    )
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "is --prefixes" in r.stderr
 
 
 def test_inspect_summary_and_decode(tmp_path, capsys):

@@ -281,10 +281,7 @@ def test_bad_line_stops_with_file_and_line_and_no_output(tmp_path, bad, message)
     src.write_bytes(b'{"text": "fine"}\n' * 3 + bad + b"\n" + b'{"text": "fine"}\n')
     with pytest.raises(UserError, match=f"^{src}:4: .*{message}"):
         preprocess([src], tmp_path / "o", workers=1, batch_bytes=20)
-    assert sorted(os.listdir(tmp_path)) == [
-        "bad.jsonl",
-        "o_text_document.lock",
-    ]  # the lock file stays, empty
+    assert sorted(os.listdir(tmp_path)) == ["bad.jsonl"]  # a failed run leaves no lock file
 
 
 def test_corrupt_compressed_input_is_a_clear_error(tmp_path):
@@ -298,7 +295,7 @@ def test_corrupt_compressed_input_is_a_clear_error(tmp_path):
     for name in ("c.jsonl.gz", "c.jsonl.zst"):
         with pytest.raises(UserError, match=f"{name}: cannot read"):
             preprocess([tmp_path / name], tmp_path / "o", workers=1)
-    assert not [f for f in os.listdir(tmp_path) if f.startswith("o_") and not f.endswith(".lock")]
+    assert not [f for f in os.listdir(tmp_path) if f.startswith("o_")]
 
 
 def test_skip_bad_lines_counts_and_keeps_the_good_ones(tmp_path, hf_reference):

@@ -104,3 +104,41 @@ def test_unwritable_prefix_says_it_cannot_be_written(tmp_path):
     line = one_error_line(run(preprocess_cmd(src, "/proc/out")))
     assert line.startswith("error: --output-prefix /proc/out: cannot be written"), line
     assert "another run" not in line
+
+
+def test_folder_input_skips_another_runs_sidecar(tmp_path):
+    """Two runs with different prefixes on one folder: the second reads the corpus only, not the
+    first's `PREFIX.json` fingerprint (before: read as a JSON-lines corpus and refused)."""
+    from test_preprocess import preprocess
+
+    corpus = write_jsonl(tmp_path / "c.jsonl", make_records(seed=5, n=30))
+    preprocess([tmp_path], tmp_path / "a", workers=1)
+    preprocess([tmp_path], tmp_path / "b", workers=1)
+    assert same_files(f"{tmp_path}/b_text_document", f"{tmp_path}/a_text_document")
+    with open(f"{tmp_path}/b_text_document.json") as f:
+        assert [i["path"] for i in json.load(f)["inputs"]] == [str(corpus)]
+
+
+@pytest.mark.parametrize("where", ["prefix", "bin"])
+def test_an_output_prefix_naming_a_folder_is_one_line_before_any_work(tmp_path, where):
+    """`--output-prefix dir/` (before: wrote `dir/_text_document.*`) and an output name taken by
+    a folder (before: a traceback at the final rename, after all the tokenizing)."""
+    from test_preprocess_reliability import GPT2_FLAGS
+
+    from pretrain.data.preprocess import main
+    from pretrain.errors import UserError
+
+    src = write_jsonl(tmp_path / "c.jsonl", make_records(seed=6, n=5))
+    (tmp_path / "out").mkdir()
+    prefix, words = f"{tmp_path}/out/", "names a folder, not a file prefix"
+    if where == "bin":
+        (tmp_path / "out_text_document.bin").mkdir()
+        prefix, words = f"{tmp_path}/out", "out_text_document.bin is a folder"
+    argv = ["--input", str(src), "--output-prefix", prefix, "--workers", "1", *GPT2_FLAGS]
+    with pytest.raises(UserError, match=words) as err:
+        main(argv)
+    assert "\n" not in str(err.value)
+    assert sorted(os.listdir(tmp_path)) == ["c.jsonl", "out"] + (
+        ["out_text_document.bin"] if where == "bin" else []
+    )
+    assert os.listdir(tmp_path / "out") == []

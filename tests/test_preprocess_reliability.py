@@ -146,7 +146,7 @@ def test_empty_corpus_warns_and_fails_unless_allowed(tmp_path):
     proc = run(preprocess_cmd(empty, tmp_path / "out"))
     assert "warning: 0 documents" in proc.stderr
     assert "0 documents, nothing written" in one_error_line(proc)
-    assert sorted(os.listdir(tmp_path)) == ["empty.jsonl", "out_text_document.lock"]
+    assert sorted(os.listdir(tmp_path)) == ["empty.jsonl"]  # no lock file left either
     only_empty = write_jsonl(tmp_path / "blank.jsonl", [{"text": ""}] * 5)
     proc = run(preprocess_cmd(only_empty, tmp_path / "out"))
     assert "warning: 5 documents, 0 tokens" in proc.stderr and proc.returncode == 2

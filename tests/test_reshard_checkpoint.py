@@ -197,7 +197,7 @@ def test_a_target_the_model_cannot_take_is_refused(tmp_path, tp, pp, message):
 
 def test_bad_paths_are_refused(tmp_path):
     src, _ = _source(tmp_path / "src", GPT2)
-    with pytest.raises(UserError, match="inside it"):
+    with pytest.raises(UserError, match="lies inside --load"):
         _reshard(src, src / "resharded", tp=1)
     (tmp_path / "taken").mkdir()
     with pytest.raises(UserError, match="exists; give a new directory"):

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 import sys
 import time
 
@@ -45,6 +44,7 @@ from pretrain.data.config import (  # noqa: E402
 )
 from pretrain.data.fingerprint import PrefixFiles, check_data  # noqa: E402
 from pretrain.errors import exit_on_user_error  # noqa: E402
+from pretrain.outputs import ignore_file_size_signal, refuse_output  # noqa: E402
 from pretrain.tokenizer import TokenizerConfig, build_tokenizer  # noqa: E402
 from pretrain.training.logging import rank0_level  # noqa: E402
 
@@ -69,9 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 @exit_on_user_error
 def main(argv=None) -> int:
     """Build (or verify) every split's index caches; returns the exit status."""
-    # a file-size limit (ulimit -f) must fail a write with EFBIG, reported, not kill us silently
-    if hasattr(signal, "SIGXFSZ"):
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    ignore_file_size_signal()
     ns = parse_data_tool_args(build_parser(), argv)
     cache_writer.caller_reports()  # a writer's failure is this tool's error, not a warning
     logging.basicConfig(level=rank0_level(ns.logging_level), format="%(message)s")
@@ -79,6 +77,10 @@ def main(argv=None) -> int:
     if ns.plan:
         run_plan(ns, cfg)
         return 0
+    if cfg.data_cache_path:  # the caches go into a folder: never over a dataset or checkpoint file
+        from pretrain.checkpoint.outputs import kept_data
+
+        refuse_output("--data-cache-path", cfg.data_cache_path, protect=kept_data)
     tok_cfg = TokenizerConfig.from_args(ns)
     tokenizer = build_tokenizer(tok_cfg)
     files = PrefixFiles(cfg.data_cache_path)  # each prefix opened once, for every step below

@@ -23,7 +23,17 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
-from pretrain.errors import exit_on_user_error  # noqa: E402
+from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
+from pretrain.outputs import ignore_file_size_signal, refuse_output, reported_writes  # noqa: E402
+
+# flags that must be at least 1 when given
+_POSITIVE = (
+    "target_tensor_parallel_size",
+    "target_pipeline_parallel_size",
+    "target_expert_tensor_parallel_size",
+    "make_vocab_size_divisible_by",
+    "seq_length",
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -66,7 +76,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         type=int,
         help="training sequence length (default: the model's maximum positions)",
     )
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in _POSITIVE:
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise UserError(f"--{name.replace('_', '-')} {value}: must be at least 1")
+    return args
 
 
 def _expert_tp_flags(config, args) -> list[str]:
@@ -79,26 +94,30 @@ def _expert_tp_flags(config, args) -> list[str]:
 def main(argv=None) -> None:
     """Read the HF folder, write our checkpoint at the target TP/PP, print the launch flags."""
     args = parse_args(argv)
+    ignore_file_size_signal()
+    from pretrain.checkpoint.outputs import kept_data
     from pretrain.convert.checkpoint_writer import config_for_layout, write_checkpoint
     from pretrain.convert.hf_folder import hf_folder_tokenizer, read_hf_folder
     from pretrain.model.config import model_flags
 
+    refuse_output("--save", args.save, [("--load", args.load)], protect=kept_data)
     config, state_dict = read_hf_folder(
         args.load, args.seq_length, args.make_vocab_size_divisible_by
     )
     tokenizer = hf_folder_tokenizer(args.load)
     tp, pp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
     config = config_for_layout(config, tp)
-    write_checkpoint(
-        args.save,
-        state_dict,
-        config,
-        tp=tp,
-        pp=pp,
-        source=os.path.abspath(args.load),
-        tokenizer=None if tokenizer is None else dataclasses.asdict(tokenizer),
-        expert_tp=args.target_expert_tensor_parallel_size,
-    )
+    with reported_writes("--save", args.save):
+        write_checkpoint(
+            args.save,
+            state_dict,
+            config,
+            tp=tp,
+            pp=pp,
+            source=os.path.abspath(args.load),
+            tokenizer=None if tokenizer is None else dataclasses.asdict(tokenizer),
+            expert_tp=args.target_expert_tensor_parallel_size,
+        )
     print(
         f"wrote {args.save} (TP={tp}, PP={pp}, {sum(v.numel() for v in state_dict.values()):,} parameters)"
     )

@@ -26,6 +26,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 from pretrain.atomic import give_plain_modes, make_temp_folder  # noqa: E402
 from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
+from pretrain.outputs import ignore_file_size_signal, refuse_output, reported_writes  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -90,9 +91,23 @@ def _write_hf(out_dir: str, ck, tok_config, tokenizer, max_shard_size: str) -> N
     print(f"wrote {out_dir}: {', '.join(sorted(os.listdir(out_dir)))}")
 
 
+def _refuse_outputs(args) -> None:
+    """Neither output may be --load (or hold or lie in it), the other output, or an existing
+    dataset's or checkpoint's file."""
+    from pretrain.checkpoint.outputs import kept_data
+
+    inputs = [("--load", args.load)]
+    for flag, out in (("--save", args.save), ("--output-dir", args.output_dir)):
+        if out:
+            refuse_output(flag, out, inputs, protect=kept_data)
+            inputs.append((flag, out))
+
+
 def main(argv=None) -> None:
     """Read the Megatron-LM checkpoint, then write the requested outputs."""
     args = parse_args(argv)
+    ignore_file_size_signal()
+    _refuse_outputs(args)
     from pretrain.convert.checkpoint_writer import config_for_layout, write_checkpoint
     from pretrain.convert.hf_adapter import hf_flavour
     from pretrain.convert.megatron import read_megatron_checkpoint, with_vocab_size
@@ -112,15 +127,16 @@ def main(argv=None) -> None:
     if args.save:
         ttp, tpp = args.target_tensor_parallel_size, args.target_pipeline_parallel_size
         config = config_for_layout(ck.config, ttp)
-        write_checkpoint(
-            args.save,
-            ck.state_dict,
-            config,
-            tp=ttp,
-            pp=tpp,
-            tokenizer=tok_config.record(),
-            source=os.path.abspath(ck.path),
-        )
+        with reported_writes("--save", args.save):
+            write_checkpoint(
+                args.save,
+                ck.state_dict,
+                config,
+                tp=ttp,
+                pp=tpp,
+                tokenizer=tok_config.record(),
+                source=os.path.abspath(ck.path),
+            )
         print(f"wrote {args.save} (TP={ttp}, PP={tpp})")
         print(
             "continue pretraining with: pretrain_gpt.py --load",
@@ -132,7 +148,8 @@ def main(argv=None) -> None:
             " ".join(model_flags(config)),
         )
     if args.output_dir:
-        _write_hf(args.output_dir, ck, tok_config, tokenizer, args.max_shard_size)
+        with reported_writes("--output-dir", args.output_dir):
+            _write_hf(args.output_dir, ck, tok_config, tokenizer, args.max_shard_size)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ import argparse
 import os
 import re
 import shutil
-import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -27,6 +26,12 @@ import torch  # noqa: E402
 
 from pretrain.atomic import give_plain_modes, make_temp_folder  # noqa: E402
 from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
+from pretrain.outputs import (  # noqa: E402
+    ignore_file_size_signal,
+    refuse_output,
+    reported_writes,
+    write_error,
+)
 
 DTYPES = {"auto": None, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -87,17 +92,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt", default="First Citizen:", help="text the --verify sample continues")
     p.add_argument("--max-new-tokens", type=int, default=24, help="length of the --verify sample")
     return p.parse_args(argv)
-
-
-def _check_not_checkpoint(out_dir: str, load: str) -> None:
-    """--overwrite replaces --output-dir: refuse when that would delete (part of) --load."""
-    out, ckpt = os.path.realpath(out_dir), os.path.realpath(load)
-    if out == ckpt or os.path.commonpath([out, ckpt]) in (out, ckpt):
-        raise UserError(
-            f"--overwrite --output-dir {out_dir}: it is, contains or is inside --load {load}; "
-            f"replacing it would delete the training checkpoint (choose another --output-dir; "
-            f"nothing was written)"
-        )
 
 
 def _check_output_dir(out_dir: str, overwrite: bool) -> None:
@@ -180,10 +174,10 @@ def _verify(ck, tmp: str, tokenizer, has_tokenizer: bool, args) -> None:
 def main(argv=None) -> None:
     """Merge the checkpoint's shards, write the HF folder (atomically), optionally verify."""
     args = parse_args(argv)
-    if hasattr(signal, "SIGXFSZ"):  # a file-size limit fails the write (reported), not the process
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    if args.overwrite:
-        _check_not_checkpoint(args.output_dir, args.load)
+    ignore_file_size_signal()
+    from pretrain.checkpoint.outputs import kept_data
+
+    refuse_output("--output-dir", args.output_dir, [("--load", args.load)], protect=kept_data)
     _check_output_dir(args.output_dir, args.overwrite)
     from pretrain.convert.checkpoint_reader import read_checkpoint
     from pretrain.convert.checkpoint_tokenizer import checkpoint_tokenizer, overrides_from_args
@@ -213,10 +207,11 @@ def main(argv=None) -> None:
     )
 
     parent = os.path.dirname(os.path.abspath(args.output_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = make_temp_folder(
-        parent, f".{os.path.basename(os.path.abspath(args.output_dir))}.partial."
-    )
+    with reported_writes("--output-dir", args.output_dir):
+        os.makedirs(parent, exist_ok=True)
+        tmp = make_temp_folder(
+            parent, f".{os.path.basename(os.path.abspath(args.output_dir))}.partial."
+        )
     try:
         model = build_hf_model(ck.state_dict, ck.config, special_tokens(tok_cfg, tokenizer), dtype)
         model.save_pretrained(tmp, max_shard_size=args.max_shard_size)
@@ -237,6 +232,8 @@ def main(argv=None) -> None:
         full = _no_space(err, args.output_dir, needed)
         if full is not None:
             raise full from None
+        if isinstance(err, OSError):
+            raise write_error("--output-dir", args.output_dir, err) from None
         raise
     print(f"wrote {args.output_dir}: {', '.join(sorted(os.listdir(args.output_dir)))}")
 

@@ -39,6 +39,7 @@ from pretrain.data.config import (  # noqa: E402
 from pretrain.data.explain import SampleOrigin, explain_iteration  # noqa: E402
 from pretrain.data.fingerprint import check_data  # noqa: E402
 from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
+from pretrain.outputs import refuse_output  # noqa: E402
 from pretrain.tokenizer import TokenizerConfig, build_tokenizer  # noqa: E402
 from pretrain.training.skip import flatten_iterations, iteration_spec, skipped_in  # noqa: E402
 
@@ -193,6 +194,10 @@ def main(argv=None) -> int:
     if ns.global_batch_size is None:
         ns.global_batch_size = ns.micro_batch_size * dp
     cfg = DataConfig.from_args(ns)
+    if cfg.data_cache_path:  # it builds missing caches there: never over a dataset/checkpoint
+        from pretrain.checkpoint.outputs import kept_data
+
+        refuse_output("--data-cache-path", cfg.data_cache_path, protect=kept_data)
     tok_cfg = TokenizerConfig.from_args(ns)
     tokenizer = build_tokenizer(tok_cfg)
     check_data(cfg, tok_cfg, tokenizer, tokenizer.vocab_size)

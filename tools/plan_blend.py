@@ -93,6 +93,7 @@ def plot_plan(rows: list[PlanRow], path: str, max_epochs: float) -> None:
     import matplotlib.pyplot as plt
 
     from pretrain.atomic import atomic_write
+    from pretrain.outputs import reported_writes
 
     splits = [s for s in ("train", "valid", "test") if any(r.split == s for r in rows)]
     fig, axes = plt.subplots(len(splits), 2, figsize=(11, 1.2 + 0.5 * len(rows)), squeeze=False)
@@ -117,13 +118,32 @@ def plot_plan(rows: list[PlanRow], path: str, max_epochs: float) -> None:
         epoch_ax.set_title(f"{split}: epochs")
         epoch_ax.legend(loc="lower right", fontsize="small")
     fig.tight_layout()
-    atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
+    with reported_writes("--plot", path):
+        atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=100))
     plt.close(fig)
+
+
+def refuse_plot_path(ns: argparse.Namespace, cfg: DataConfig) -> None:
+    """--plot may not be one of the files the plan reads (a prefix's .bin/.idx/.json, the
+    --data-args-path files, --load), nor another dataset's or a checkpoint's file."""
+    from pretrain.checkpoint.outputs import kept_data
+    from pretrain.data.fingerprint import data_prefixes
+    from pretrain.outputs import refuse_output
+
+    inputs = [
+        ("--data-path", p + ext) for p in data_prefixes(cfg) for ext in (".bin", ".idx", ".json")
+    ]
+    for flag in ("data_args_path", "per_split_data_args_path", "load"):
+        if getattr(ns, flag, None):
+            inputs.append((f"--{flag.replace('_', '-')}", getattr(ns, flag)))
+    refuse_output("--plot", ns.plot, inputs, protect=kept_data)
 
 
 def run_plan(ns: argparse.Namespace, cfg: DataConfig) -> list[PlanRow]:
     """Refuse a blend that cannot feed training (as training would, before launch), then print
     the plan (and warnings), draw it if --plot; return its rows."""
+    if ns.plot:
+        refuse_plot_path(ns, cfg)
     counts = train_valid_test_num_samples(
         ns.train_iters, ns.train_samples, ns.eval_interval, ns.eval_iters, ns.global_batch_size
     )

@@ -113,6 +113,7 @@ def plot_runs(runs: list[RunLog], labels: list[str], out: str) -> None:
     import matplotlib.pyplot as plt
 
     from pretrain.atomic import atomic_write
+    from pretrain.outputs import reported_writes
 
     rows = 3 if any(run.sources() for run in runs) else 2
     fig = plt.figure(figsize=(18, 4 * rows))
@@ -124,8 +125,9 @@ def plot_runs(runs: list[RunLog], labels: list[str], out: str) -> None:
     if rows == 3:
         _draw_sources(fig.add_subplot(grid[2, :]), runs, labels)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    atomic_write(out, lambda f: fig.savefig(f, format="png", dpi=80))
+    with reported_writes("--out", out):
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        atomic_write(out, lambda f: fig.savefig(f, format="png", dpi=80))
     plt.close(fig)
 
 
@@ -136,6 +138,10 @@ def main(argv=None) -> int:
     labels = args.label or [str(p) for p in args.log]
     if len(labels) != len(args.log):
         raise UserError(f"--label given {len(labels)} times for {len(args.log)} --log files")
+    from pretrain.checkpoint.outputs import kept_data
+    from pretrain.outputs import refuse_output
+
+    refuse_output("--out", args.out, [("--log", str(p)) for p in args.log], protect=kept_data)
     runs = []
     for path in args.log:
         if not path.is_file():

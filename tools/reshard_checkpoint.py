@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # reading checkpoints needs no accelerator
 
 from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
+from pretrain.outputs import ignore_file_size_signal, refuse_output  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -59,11 +59,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _inside(path: str, folder: str) -> bool:
-    path, folder = os.path.realpath(path), os.path.realpath(folder)
-    return path == folder or path.startswith(folder + os.sep) or folder.startswith(path + os.sep)
-
-
 def _source(load: str, iteration: int | None) -> tuple[str, dict]:
     """(step folder, metadata) of the checkpoint to reshard: a complete one, as --load picks."""
     from pretrain.checkpoint.format import refuse_foreign_checkpoint, tag_for
@@ -89,17 +84,12 @@ def _source(load: str, iteration: int | None) -> tuple[str, dict]:
 def main(argv=None) -> None:
     """Reshard --load's checkpoint into --save."""
     args = parse_args(argv)
-    if hasattr(signal, "SIGXFSZ"):  # a file-size limit fails the write (reported), not the process
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    ignore_file_size_signal()
     from tqdm import tqdm
 
     from pretrain.checkpoint.relayout import TargetLayout, reshard
 
-    if _inside(args.save, args.load):
-        raise UserError(
-            f"--save {args.save} is --load {args.load} or inside it (or around it); write the "
-            f"resharded checkpoint to a new directory"
-        )
+    refuse_output("--save", args.save, [("--load", args.load)], nested=True)
     if os.path.exists(args.save):
         raise UserError(f"--save {args.save} exists; give a new directory (nothing was written)")
     step_dir, meta = _source(args.load, args.iteration)

@@ -14,12 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pretrain.atomic import atomic_write_bytes  # noqa: E402
+from pretrain.atomic import atomic_write_bytes, make_temp_folder  # noqa: E402
 from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
+from pretrain.outputs import ignore_file_size_signal, refuse_output, reported_writes  # noqa: E402
 
 EOD = "<|endoftext|>"
 
@@ -52,6 +54,31 @@ def train(path: str, key: str, vocab_size: int):
     return tok
 
 
+def save(tok, out_dir: str) -> None:
+    """Write tokenizer.json and tokenizer_config.json into a temporary folder beside `out_dir`,
+    then rename it to `out_dir` (or, when `out_dir` holds other files, each file into it,
+    tokenizer.json last): a failed run leaves no half-written folder."""
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = make_temp_folder(parent, f".{os.path.basename(os.path.abspath(out_dir))}.partial.")
+    try:
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOD, "bos_token": EOD}
+        files = {
+            "tokenizer_config.json": json.dumps(config).encode(),
+            "tokenizer.json": tok.to_str().encode("utf-8"),  # last: its presence means done
+        }
+        for name, data in files.items():
+            atomic_write_bytes(os.path.join(tmp, name), data)
+        if not os.path.isdir(out_dir) or not os.listdir(out_dir):
+            os.replace(tmp, out_dir)
+            return
+        for name in files:
+            os.replace(os.path.join(tmp, name), os.path.join(out_dir, name))
+        os.rmdir(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main(argv=None) -> int:
     """Command-line entry point; returns the exit status."""
     p = argparse.ArgumentParser(
@@ -62,19 +89,19 @@ def main(argv=None) -> int:
     p.add_argument("--output-dir", required=True, help="folder for tokenizer.json and its config")
     p.add_argument("--vocab-size", type=int, default=4096, help="ids, EOD included (default 4096)")
     args = p.parse_args(argv)
+    ignore_file_size_signal()
     out = os.path.join(args.output_dir, "tokenizer.json")
     if os.path.isfile(out):
         print(f"{out} exists; keeping it")
         return 0
     if not os.path.isfile(args.input):
         raise UserError(f"--input {args.input}: no such file (run `make data` first)")
+    from pretrain.checkpoint.outputs import kept_data
+
+    refuse_output("--output-dir", args.output_dir, [("--input", args.input)], protect=kept_data)
     tok = train(args.input, args.json_key, args.vocab_size)
-    os.makedirs(args.output_dir, exist_ok=True)
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOD, "bos_token": EOD}
-    atomic_write_bytes(
-        os.path.join(args.output_dir, "tokenizer_config.json"), json.dumps(config).encode()
-    )
-    atomic_write_bytes(out, tok.to_str().encode("utf-8"))  # last: its presence means done
+    with reported_writes("--output-dir", args.output_dir):
+        save(tok, args.output_dir)
     print(f"wrote {out} ({tok.get_vocab_size()} ids, trained on {args.input})")
     return 0
 

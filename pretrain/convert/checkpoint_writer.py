@@ -100,6 +100,13 @@ def _pipeline_layers(
     return layers
 
 
+def _save(obj, path: str) -> None:
+    """`torch.save` through a Python file: a failed write (full disk, file-size limit) is then an
+    `OSError` with its errno (torch's own file writer reports only `iostream error`)."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+
+
 def _write_step_dir(
     step_dir: str, full: dict, config: ModelConfig, tp: int, pp: int, expert_tp: int
 ) -> None:
@@ -107,21 +114,19 @@ def _write_step_dir(
     shards = split_tp(pad_vocab(full, config.padded_vocab_size(tp)), partitions, tp)
     if pp == 1:
         for t, shard in enumerate(shards):
-            torch.save(
+            _save(
                 _engine_record(shard, tp),
                 os.path.join(step_dir, f"mp_rank_{t:02d}_model_states.pt"),
             )
         return
     for r in range(pp * tp):
-        torch.save(
+        _save(
             _engine_record(None, pp * tp),
             os.path.join(step_dir, f"mp_rank_{r:02d}_model_states.pt"),
         )
     for t, shard in enumerate(shards):
         for index, layer in _pipeline_layers(shard, config.num_layers).items():
-            torch.save(
-                layer, os.path.join(step_dir, f"layer_{index:02d}-model_{t:02d}-model_states.pt")
-            )
+            _save(layer, os.path.join(step_dir, f"layer_{index:02d}-model_{t:02d}-model_states.pt"))
 
 
 def write_checkpoint(

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import zstandard
 
+from pretrain.data.indexed_dataset import get_bin_path, get_idx_path
+from pretrain.data.token_stats import FILE_NAME as TOKEN_STATS_FILE
 from pretrain.errors import UserError
 
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -61,6 +63,26 @@ def _is_supported_file(path: str) -> bool:
     return name.endswith(".parquet")
 
 
+def _is_pipeline_file(path: str) -> bool:
+    """A `.json` our data tools write, never a corpus: a dataset's fingerprint sidecar
+    (`PREFIX.json` beside `PREFIX.bin`/`.idx`, of this run or another) or a cache folder's
+    `TokenStats.json`."""
+    if not path.endswith(".json"):
+        return False
+    prefix = path[: -len(".json")]
+    return (
+        os.path.basename(path) == TOKEN_STATS_FILE
+        or os.path.exists(get_idx_path(prefix))
+        or os.path.exists(get_bin_path(prefix))
+    )
+
+
+def _found(path: str, own: tuple[str, ...]) -> bool:
+    """Whether a folder or glob input reads `path`: a corpus file, not this run's output, not a
+    file of the data pipeline."""
+    return _is_supported_file(path) and not _is_own(path, own) and not _is_pipeline_file(path)
+
+
 def _is_own(path: str, own: tuple[str, ...]) -> bool:
     """Whether `path` is one of `own` (absolute paths) or a temporary of one (`OWN.*.tmp`)."""
     real = os.path.realpath(path)
@@ -92,7 +114,7 @@ def expand_inputs(inputs: list[str], own: tuple[str, ...] = ()) -> list[str]:
                 os.path.join(root, f)
                 for root, _, files in os.walk(item)
                 for f in files
-                if _is_supported_file(f) and not _is_own(os.path.join(root, f), own)
+                if _found(os.path.join(root, f), own)
             )
             if not found:
                 raise UserError(f"--input {item}: directory holds no supported files ({SUPPORTED})")
@@ -103,9 +125,7 @@ def expand_inputs(inputs: list[str], own: tuple[str, ...] = ()) -> list[str]:
             out.append(item)
         elif glob.has_magic(item):
             found = sorted(
-                p
-                for p in glob.glob(item, recursive=True)
-                if os.path.isfile(p) and _is_supported_file(p) and not _is_own(p, own)
+                p for p in glob.glob(item, recursive=True) if os.path.isfile(p) and _found(p, own)
             )
             if not found:
                 raise UserError(

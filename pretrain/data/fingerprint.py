@@ -13,6 +13,7 @@ one file beside the index caches (`pretrain/data/token_stats.py`).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -24,7 +25,7 @@ from pretrain.atomic import atomic_write_bytes
 from pretrain.data import token_stats
 from pretrain.data.config import DataConfig
 from pretrain.data.gc_pause import gc_paused
-from pretrain.data.indexed_dataset import IndexedDataset, get_idx_path
+from pretrain.data.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
 from pretrain.errors import UserError, check_json_types
 from pretrain.tokenizer.fingerprint import (
     describe_tokenizer,
@@ -42,9 +43,29 @@ def sidecar_path(prefix: str) -> str:
     return f"{prefix}.json"
 
 
+_SAMPLE_BLOCKS, _SAMPLE_BYTES = 16, 4096
+
+
+def bin_sample(prefix: str) -> str:
+    """`sha256:HEX` of 16 blocks of 4 KiB at evenly spaced offsets of `PREFIX.bin` (all of a
+    smaller file) and its size: 64 KiB read whatever the size, enough to tell the `.bin` a
+    sidecar was written for from another file of the same size (not a change of a few bytes)."""
+    path = get_bin_path(prefix)
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        digest.update(str(size).encode())
+        span = max(size - _SAMPLE_BYTES, 0)
+        for i in range(_SAMPLE_BLOCKS):
+            digest.update(os.pread(f.fileno(), _SAMPLE_BYTES, span * i // (_SAMPLE_BLOCKS - 1)))
+    return f"sha256:{digest.hexdigest()}"
+
+
 def write_sidecar(prefix: str, sidecar: dict) -> None:
-    """Write `PREFIX.json` atomically (a reader sees the old file or the whole new one)."""
-    data = json.dumps({"format": FORMAT, **sidecar}, indent=2, sort_keys=False) + "\n"
+    """Write `PREFIX.json` atomically (a reader sees the old file or the whole new one), with
+    the `bin_sample` of the `.bin` it describes."""
+    body = {"format": FORMAT, **sidecar, "bin_sample": bin_sample(prefix)}
+    data = json.dumps(body, indent=2, sort_keys=False) + "\n"
     atomic_write_bytes(sidecar_path(prefix), data.encode("utf-8"))
 
 
@@ -77,6 +98,7 @@ _SIDECAR_TYPES = {
     "dtype": (str,),
     "json_keys": (list,),
     "inputs": (list,),
+    "bin_sample": (str,),
 }
 _TOKENIZER_TYPES = {"type": (str,), "sha256": (str,), "vocab_size": (int,), "eod": (int, None)}
 
@@ -94,7 +116,8 @@ def _check_types(sidecar: dict, path: str) -> None:
 
 def check_sidecar_matches(prefix: str, sidecar: dict, files: PrefixFiles) -> None:
     """Refuse a sidecar that describes other data than `prefix`'s .bin/.idx (they were replaced
-    after it was written): its counts and dtype must be those of the index."""
+    after it was written): its counts and dtype must be those of the index, its `bin_sample`
+    (sidecars written before it existed have none) that of the `.bin`."""
     actual = dataset_counts(prefix, files)
     for key, value in actual.items():
         if key in sidecar and sidecar[key] != value:
@@ -104,6 +127,12 @@ def check_sidecar_matches(prefix: str, sidecar: dict, files: PrefixFiles) -> Non
                 f"delete {sidecar_path(prefix)} (the data is then checked by a scan) or re-run "
                 f"preprocess_data.py"
             )
+    if "bin_sample" in sidecar and sidecar["bin_sample"] != bin_sample(prefix):
+        raise UserError(
+            f"{get_bin_path(prefix)}: is not the file {sidecar_path(prefix)} describes (its "
+            f"sampled bytes differ): the .bin was replaced or damaged after the fingerprint was "
+            "written; restore it or re-run preprocess_data.py"
+        )
 
 
 def input_files(sources: Iterable[str]) -> list[dict]:

@@ -1,8 +1,8 @@
 """`PREFIX.lock`: what a writer of `PREFIX.bin`/`.idx` (preprocess_data.py, merge_datasets.py) holds
 while it writes, so that a second run on the same files refuses instead of replacing them.
 
-The lock is an flock on the file `PREFIX.lock`. A run that finished removes the file while it still
-holds it (`OutputLock.remove`), and a run that takes the lock checks, once it holds it, that the
+The lock is an flock on the file `PREFIX.lock`. A run that ends, finished or failed, removes the
+file while it still holds it (`OutputLock.remove`; only a killed run leaves it, empty and free), and a run that takes the lock checks, once it holds it, that the
 file it locked is still the one at `PREFIX.lock` (a finished run may have unlinked it while this one
 was opening it): so removing the file never lets two runs hold "the" lock at once.
 """
@@ -32,13 +32,9 @@ class OutputLock:
     def __init__(self, lock: FileLock, path: str, inode: tuple[int, int]):
         self._lock, self.path, self._inode = lock, path, inode
 
-    def release(self) -> None:
-        """Release and keep the (empty) file: a failed run's outputs stay under their name."""
-        self._lock.release()
-
     def remove(self) -> None:
         """Delete `PREFIX.lock` while still holding it (unless it is no longer the file this run
-        locked), then release: for a finished run."""
+        locked), then release: for a run that ends, finished or failed."""
         try:
             if _inode(self.path) == self._inode:
                 os.remove(self.path)

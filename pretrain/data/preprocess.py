@@ -72,6 +72,11 @@ class PreprocessConfig:
             raise UserError(f"--workers {ns.workers}: must be at least 1")
         if ns.partitions < 1:
             raise UserError(f"--partitions {ns.partitions}: must be at least 1")
+        if not os.path.basename(ns.output_prefix):
+            raise UserError(
+                f"--output-prefix {ns.output_prefix}: names a folder, not a file prefix (add a "
+                f"name, e.g. {os.path.join(ns.output_prefix, 'corpus')})"
+            )
         if len(set(ns.json_keys)) != len(ns.json_keys):
             raise UserError(
                 f"--json-keys {' '.join(ns.json_keys)}: a key is repeated (name each key once)"
@@ -313,9 +318,20 @@ def _lock_outputs(cfg: PreprocessConfig) -> list:
             locks.append(lock_output(prefix, label=f"--output-prefix {cfg.output_prefix}"))
     except UserError:
         for lock in locks:
-            lock.release()
+            lock.remove()
         raise
     return locks
+
+
+def _refuse_folders(cfg: PreprocessConfig) -> None:
+    """An output name taken by a folder would fail only at the final rename, after all the work."""
+    for path in cfg.output_files():
+        if os.path.isdir(path):
+            raise UserError(
+                f"--output-prefix {cfg.output_prefix}: {path} is a folder, so the output cannot "
+                "be written there (move it away or choose another --output-prefix; nothing was "
+                "written)"
+            )
 
 
 def _remove_strays(cfg: PreprocessConfig) -> None:
@@ -404,6 +420,7 @@ def run(cfg: PreprocessConfig) -> Summary:
     """Tokenize the corpus into the outputs of `cfg`, holding their locks throughout."""
     # a missing input, or one the run would write, fails before anything is created
     sources = expand_inputs(cfg.inputs, own=cfg.output_files())
+    _refuse_folders(cfg)
     opts = EncodeOptions(
         cfg.tokenizer,
         cfg.json_keys,
@@ -443,11 +460,8 @@ def run(cfg: PreprocessConfig) -> Summary:
                 for builder in builders:
                     builder.abort()
     finally:
-        for lock in locks:  # a finished run leaves no lock file; a failed one keeps it, empty
-            if finished:
-                lock.remove()
-            else:
-                lock.release()
+        for lock in locks:  # finished or failed, the run leaves no lock file
+            lock.remove()
     summary.seconds = time.monotonic() - start
     summary.outputs = cfg.output_prefixes()
     return summary
