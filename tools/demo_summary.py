@@ -144,9 +144,7 @@ def main() -> None:
     print(f"   training log        {args.log}")
     print(f"   TensorBoard         .venv/bin/tensorboard --logdir {args.tensorboard_dir}")
     print(f"   Hugging Face model  AutoModelForCausalLM.from_pretrained({str(args.hf_export)!r})")
-    print(
-        "   your own corpus     make preprocess CORPUS=path/to/corpus.jsonl, then README 'Training'"
-    )
+    print("   your own corpus     make preprocess CORPUS=path/to/corpus.jsonl, then docs/LAUNCH.md")
     print("=" * 78)
 
 
