@@ -160,7 +160,7 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="cyclic sampler: one global permutation instead of one bucket per DP rank",
     )
     # Megatron's start-up flags for large blends: what they buy is how this loader always works
-    # (docs/DATA_FORMAT.md, "Blends of thousands of prefixes")
+    # (docs/DATA.md, "Blends of thousands of prefixes")
     g.add_argument(
         "--dataloader-fast-cache-load",
         action="store_true",
