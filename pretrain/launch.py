@@ -77,52 +77,9 @@ def detect_launch_env(
     """Read rank/world/local rank from whichever launcher started us."""
     env = os.environ if env is None else env
     if "RANK" in env and "WORLD_SIZE" in env:
-        launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "deepspeed"
-        if "ACCELERATE_MIXED_PRECISION" in env:  # `accelerate launch` runs one of the two
-            launcher = f"accelerate ({launcher})"
-        local_rank = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else (local_rank_flag or 0)
-        local_size = (
-            _int(env, "LOCAL_WORLD_SIZE")
-            if "LOCAL_WORLD_SIZE" in env
-            else (_int(env, "LOCAL_SIZE") if "LOCAL_SIZE" in env else _int(env, "WORLD_SIZE"))
-        )
-        if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
-            raise UserError(
-                "RANK and WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not "
-                "(launch with deepspeed or torchrun, or export both)"
-            )
-        return LaunchEnv(
-            rank=_int(env, "RANK"),
-            world_size=_int(env, "WORLD_SIZE"),
-            local_rank=local_rank,
-            local_world_size=local_size,
-            master_addr=env["MASTER_ADDR"],
-            master_port=_int(env, "MASTER_PORT"),
-            launcher=launcher,
-        )
+        return _torch_launch_env(env, local_rank_flag)
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        ntasks = _int(env, "SLURM_NTASKS")
-        local_size = ntasks
-        if "SLURM_NTASKS_PER_NODE" in env:
-            # "4" or "4(x2)"
-            local_size = int(re.match(r"\d+", env["SLURM_NTASKS_PER_NODE"]).group(0))
-        addr = env.get("MASTER_ADDR") or _first_slurm_host(
-            env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "127.0.0.1"))
-        )
-        # A job-specific default port so two jobs sharing a node do not collide.
-        if "MASTER_PORT" in env:
-            port = _int(env, "MASTER_PORT")
-        else:
-            port = 20000 + _int(env, "SLURM_JOB_ID") % 20000 if "SLURM_JOB_ID" in env else 29500
-        return LaunchEnv(
-            rank=_int(env, "SLURM_PROCID"),
-            world_size=ntasks,
-            local_rank=_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
-            local_world_size=local_size,
-            master_addr=addr,
-            master_port=port,
-            launcher="slurm",
-        )
+        return _slurm_launch_env(env)
     return LaunchEnv(
         rank=0,
         world_size=1,
@@ -131,6 +88,61 @@ def detect_launch_env(
         master_addr="127.0.0.1",
         master_port=free_port(),
         launcher="python",
+    )
+
+
+def _torch_launch_env(env: Mapping[str, str], local_rank_flag: int | None) -> LaunchEnv:
+    """The LaunchEnv of a torchrun/deepspeed (or `accelerate launch`) process: RANK and
+    WORLD_SIZE are set; MASTER_ADDR/MASTER_PORT must be too, or one UserError."""
+    launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "deepspeed"
+    if "ACCELERATE_MIXED_PRECISION" in env:  # `accelerate launch` runs one of the two
+        launcher = f"accelerate ({launcher})"
+    local_rank = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else (local_rank_flag or 0)
+    local_size = (
+        _int(env, "LOCAL_WORLD_SIZE")
+        if "LOCAL_WORLD_SIZE" in env
+        else (_int(env, "LOCAL_SIZE") if "LOCAL_SIZE" in env else _int(env, "WORLD_SIZE"))
+    )
+    if "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+        raise UserError(
+            "RANK and WORLD_SIZE are set but MASTER_ADDR/MASTER_PORT are not "
+            "(launch with deepspeed or torchrun, or export both)"
+        )
+    return LaunchEnv(
+        rank=_int(env, "RANK"),
+        world_size=_int(env, "WORLD_SIZE"),
+        local_rank=local_rank,
+        local_world_size=local_size,
+        master_addr=env["MASTER_ADDR"],
+        master_port=_int(env, "MASTER_PORT"),
+        launcher=launcher,
+    )
+
+
+def _slurm_launch_env(env: Mapping[str, str]) -> LaunchEnv:
+    """The LaunchEnv of an `srun` task (SLURM_PROCID and SLURM_NTASKS set): the master is
+    MASTER_ADDR or the job's first host, the port MASTER_PORT or one derived from the job id."""
+    ntasks = _int(env, "SLURM_NTASKS")
+    local_size = ntasks
+    if "SLURM_NTASKS_PER_NODE" in env:
+        # "4" or "4(x2)"
+        local_size = int(re.match(r"\d+", env["SLURM_NTASKS_PER_NODE"]).group(0))
+    addr = env.get("MASTER_ADDR") or _first_slurm_host(
+        env.get("SLURM_JOB_NODELIST", env.get("SLURM_NODELIST", "127.0.0.1"))
+    )
+    # A job-specific default port so two jobs sharing a node do not collide.
+    if "MASTER_PORT" in env:
+        port = _int(env, "MASTER_PORT")
+    else:
+        port = 20000 + _int(env, "SLURM_JOB_ID") % 20000 if "SLURM_JOB_ID" in env else 29500
+    return LaunchEnv(
+        rank=_int(env, "SLURM_PROCID"),
+        world_size=ntasks,
+        local_rank=_int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
+        local_world_size=local_size,
+        master_addr=addr,
+        master_port=port,
+        launcher="slurm",
     )
 
 

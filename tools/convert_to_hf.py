@@ -171,40 +171,13 @@ def _verify(ck, tmp: str, tokenizer, has_tokenizer: bool, args) -> None:
         print(f"sample (greedy, transformers, token ids): {prompt} -> {new}")
 
 
-def main(argv=None) -> None:
-    """Merge the checkpoint's shards, write the HF folder (atomically), optionally verify."""
-    args = parse_args(argv)
-    ignore_file_size_signal()
-    from pretrain.checkpoint.outputs import kept_data
-
-    refuse_output("--output-dir", args.output_dir, [("--load", args.load)], protect=kept_data)
-    _check_output_dir(args.output_dir, args.overwrite)
-    from pretrain.convert.checkpoint_reader import read_checkpoint
-    from pretrain.convert.checkpoint_tokenizer import checkpoint_tokenizer, overrides_from_args
-    from pretrain.convert.hf_adapter import HF_CLASSES, hf_flavour
+def _export(args, ck, flavour: str, tok_cfg, tokenizer, dtype: torch.dtype) -> None:
+    """Write the HF folder for checkpoint `ck` into a temporary folder beside --output-dir,
+    verify it (--verify), rename it into place; on any failure remove it, and a full disk or an
+    OSError becomes one UserError."""
+    from pretrain.convert.hf_adapter import HF_CLASSES
     from pretrain.convert.hf_folder import build_hf_model, save_hf_tokenizer, special_tokens
     from pretrain.convert.model_card import model_card
-
-    ck = read_checkpoint(args.load, args.iteration)
-    flavour = hf_flavour(ck.config)  # before any writing: an inexpressible model fails here
-    tok_cfg, tokenizer, fingerprint = checkpoint_tokenizer(
-        ck.tokenizer, ck.meta, args.load, overrides_from_args(args), args.allow_tokenizer_mismatch
-    )
-    from pretrain.data.fingerprint import check_recorded_data  # the data it was trained on
-
-    check_recorded_data(
-        ck.meta.get("data"),
-        tok_cfg,
-        tokenizer,
-        ck.config.vocab_size,
-        args.allow_tokenizer_mismatch,
-        fingerprint=fingerprint,
-    )
-    dtype = DTYPES[args.dtype] or next(iter(ck.state_dict.values())).dtype
-    print(
-        f"read {ck.path} (iteration {ck.iteration}, {sum(v.numel() for v in ck.state_dict.values()):,} "
-        f"parameters) -> {HF_CLASSES[flavour]}, {str(dtype).replace('torch.', '')}"
-    )
 
     parent = os.path.dirname(os.path.abspath(args.output_dir))
     with reported_writes("--output-dir", args.output_dir):
@@ -235,6 +208,41 @@ def main(argv=None) -> None:
         if isinstance(err, OSError):
             raise write_error("--output-dir", args.output_dir, err) from None
         raise
+
+
+def main(argv=None) -> None:
+    """Merge the checkpoint's shards, write the HF folder (atomically), optionally verify."""
+    args = parse_args(argv)
+    ignore_file_size_signal()
+    from pretrain.checkpoint.outputs import kept_data
+
+    refuse_output("--output-dir", args.output_dir, [("--load", args.load)], protect=kept_data)
+    _check_output_dir(args.output_dir, args.overwrite)
+    from pretrain.convert.checkpoint_reader import read_checkpoint
+    from pretrain.convert.checkpoint_tokenizer import checkpoint_tokenizer, overrides_from_args
+    from pretrain.convert.hf_adapter import HF_CLASSES, hf_flavour
+
+    ck = read_checkpoint(args.load, args.iteration)
+    flavour = hf_flavour(ck.config)  # before any writing: an inexpressible model fails here
+    tok_cfg, tokenizer, fingerprint = checkpoint_tokenizer(
+        ck.tokenizer, ck.meta, args.load, overrides_from_args(args), args.allow_tokenizer_mismatch
+    )
+    from pretrain.data.fingerprint import check_recorded_data  # the data it was trained on
+
+    check_recorded_data(
+        ck.meta.get("data"),
+        tok_cfg,
+        tokenizer,
+        ck.config.vocab_size,
+        args.allow_tokenizer_mismatch,
+        fingerprint=fingerprint,
+    )
+    dtype = DTYPES[args.dtype] or next(iter(ck.state_dict.values())).dtype
+    print(
+        f"read {ck.path} (iteration {ck.iteration}, {sum(v.numel() for v in ck.state_dict.values()):,} "
+        f"parameters) -> {HF_CLASSES[flavour]}, {str(dtype).replace('torch.', '')}"
+    )
+    _export(args, ck, flavour, tok_cfg, tokenizer, dtype)
     print(f"wrote {args.output_dir}: {', '.join(sorted(os.listdir(args.output_dir)))}")
 
 

@@ -61,9 +61,8 @@ def sample(hf_dir: Path, prompt: str, new_tokens: int, temperature: float, top_k
     return tok.decode(out[0], skip_special_tokens=True)
 
 
-@exit_on_user_error
-def main() -> None:
-    """Print the demo's summary: losses from the log, sizes, the export and a sample."""
+def _parse_args() -> argparse.Namespace:
+    """This tool's flags."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -84,18 +83,16 @@ def main() -> None:
     g.add_argument(
         "--sample-seed", type=int, default=1234, help="torch seed: the same text each run"
     )
-    args = parser.parse_args()
+    return parser.parse_args()
 
-    if not args.log.is_file():
-        raise UserError(f"{args.log}: no training log (run `make demo` or `make train` first)")
-    run = read_run_log(args.log, args.seq_length)
+
+def _print_run(args: argparse.Namespace, run) -> None:
+    """The files the demo produced, the tokens it saw, its loss, throughput and validation
+    (`run`: the parsed log, at least one iteration line)."""
     rows = run.rows
-    if not rows:
-        raise UserError(f"{args.log}: no Megatron-format iteration lines found (did training run?)")
     first, last = rows[0], rows[-1]
     consumed = int(last["consumed samples"])
     tokens_per_s = [float(r["tokens per second"]) for r in rows if "tokens per second" in r]
-
     print("=" * 78)
     print(" make demo: done")
     print("=" * 78)
@@ -126,6 +123,10 @@ def main() -> None:
             f" validation:      lm loss {loss:.4f}, perplexity {math.exp(min(loss, 20.0)):,.1f}"
             f" at iteration {it}"
         )
+
+
+def _print_sample(args: argparse.Namespace) -> None:
+    """A sample from the Hugging Face export, when there is one."""
     if (args.hf_export / "config.json").is_file():
         text = sample(
             args.hf_export, args.prompt, args.sample_tokens, args.temperature, args.top_k,
@@ -138,6 +139,10 @@ def main() -> None:
         print("-" * 78)
         print(text.strip())
         print("-" * 78)
+
+
+def _print_next(args: argparse.Namespace) -> None:
+    """Where the outputs are and what to run next."""
     if args.curves is not None and args.curves.is_file():
         print(f" curves:          {args.curves}")
     print(" next:")
@@ -146,6 +151,20 @@ def main() -> None:
     print(f"   Hugging Face model  AutoModelForCausalLM.from_pretrained({str(args.hf_export)!r})")
     print("   your own corpus     make preprocess CORPUS=path/to/corpus.jsonl, then docs/LAUNCH.md")
     print("=" * 78)
+
+
+@exit_on_user_error
+def main() -> None:
+    """Print the demo's summary: losses from the log, sizes, the export and a sample."""
+    args = _parse_args()
+    if not args.log.is_file():
+        raise UserError(f"{args.log}: no training log (run `make demo` or `make train` first)")
+    run = read_run_log(args.log, args.seq_length)
+    if not run.rows:
+        raise UserError(f"{args.log}: no Megatron-format iteration lines found (did training run?)")
+    _print_run(args, run)
+    _print_sample(args)
+    _print_next(args)
 
 
 if __name__ == "__main__":

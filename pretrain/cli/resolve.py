@@ -220,13 +220,25 @@ def check_moe_training(
         )
     if parallel.backend == "torch":  # FSDP2 shards the experts over expert DP: any layout
         return
-    if ep > 1 and parallel.zero_stage == 3:
+    if ep > 1:
+        _check_deepspeed_experts(parallel, bf16)
+
+
+def _check_deepspeed_experts(parallel: ParallelConfig, bf16: bool) -> None:
+    """The DeepSpeed layouts at EP > 1: ZeRO 0-2; ZeRO 1-2 only with expert TP = TP and PP 1;
+    not the bf16 pipeline optimizer. One UserError naming the flags and the fix."""
+    ep, etp, tp = (
+        parallel.expert_model_parallel_size,
+        parallel.expert_tp,
+        parallel.tensor_model_parallel_size,
+    )
+    if parallel.zero_stage == 3:
         raise UserError(
             f"--zero-stage 3 with --expert-model-parallel-size {ep}: ZeRO-3 partitions every "
             f"parameter over the whole data-parallel group, whose ranks hold different experts "
             f"at EP > 1; use --zero-stage 0-2 (docs/MOE.md)"
         )
-    if ep > 1 and parallel.zero_stage > 0 and etp != tp:
+    if parallel.zero_stage > 0 and etp != tp:
         raise UserError(
             f"--zero-stage {parallel.zero_stage} with --expert-model-parallel-size {ep} and "
             f"--expert-tensor-parallel-size {etp} under --tensor-model-parallel-size {tp}: "
@@ -234,14 +246,14 @@ def check_moe_training(
             f"which holds every expert only when expert TP = TP; use --zero-stage 0 or "
             f"--expert-tensor-parallel-size {tp}"
         )
-    if ep > 1 and parallel.zero_stage > 0 and parallel.pipeline_model_parallel_size > 1:
+    if parallel.zero_stage > 0 and parallel.pipeline_model_parallel_size > 1:
         raise UserError(
             f"--zero-stage {parallel.zero_stage} with --pipeline-model-parallel-size "
             f"{parallel.pipeline_model_parallel_size} and --expert-model-parallel-size {ep}: "
             f"DeepSpeed's ZeRO takes its expert groups per stage (a stage without MoE layers "
             f"has none) and hangs; use --zero-stage 0"
         )
-    if ep > 1 and bf16 and parallel.pipeline_model_parallel_size > 1 and parallel.zero_stage == 0:
+    if bf16 and parallel.pipeline_model_parallel_size > 1 and parallel.zero_stage == 0:
         raise UserError(
             f"--bf16 with --pipeline-model-parallel-size {parallel.pipeline_model_parallel_size} "
             f"and --expert-model-parallel-size {ep}: DeepSpeed's bf16 pipeline optimizer reduces "

@@ -258,21 +258,39 @@ class ModelConfig:
     def validate(self, tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None) -> None:
         """Raise one UserError listing every shape problem for this TP/PP layout (and, with MoE,
         expert-parallel size `ep` and expert TP `etp`, None = `tp`), with the fix."""
+        self._check_sizes_positive()
+        problems = (
+            self._layout_problems(tp, pp)
+            + self._position_problems()
+            + self._layer_problems(tp)
+            + self._recompute_problems(pp)
+        )
+        if self.is_moe:
+            problems += moe_problems(self, tp, ep, tp if etp is None else etp)
+        if problems:
+            raise UserError("invalid model configuration: " + "; ".join(problems))
+
+    def _check_sizes_positive(self) -> None:
+        """One UserError naming every size below 1 (the other checks divide by them)."""
         problems = []
-        h, heads, groups = self.hidden_size, self.num_attention_heads, self.query_groups
         for name, value in (
             ("--num-layers", self.num_layers),
-            ("--hidden-size", h),
-            ("--num-attention-heads", heads),
+            ("--hidden-size", self.hidden_size),
+            ("--num-attention-heads", self.num_attention_heads),
             ("vocab size", self.vocab_size),
             ("--seq-length", self.seq_length),
-            ("--num-query-groups", groups),
+            ("--num-query-groups", self.query_groups),
             ("--ffn-hidden-size", self.ffn_size),
         ):
             if value < 1:
                 problems.append(f"{name} must be >= 1 (got {value})")
         if problems:
             raise UserError("; ".join(problems))
+
+    def _layout_problems(self, tp: int, pp: int) -> list[str]:
+        """Heads, query groups and FFN width split over TP; layers over PP: what does not divide."""
+        problems = []
+        h, heads, groups = self.hidden_size, self.num_attention_heads, self.query_groups
         if self.kv_channels is None and h % heads != 0:
             problems.append(
                 f"--hidden-size {h} is not divisible by --num-attention-heads {heads} "
@@ -303,6 +321,12 @@ class ModelConfig:
                 f"--num-layers {self.num_layers} is not divisible by --pipeline-model-parallel-size "
                 f"{pp} (each pipeline stage holds the same number of layers)"
             )
+        return problems
+
+    def _position_problems(self) -> list[str]:
+        """The position embedding: enough positions for --seq-length, a known type, RoPE's even
+        head dimension and its scaling factors."""
+        problems = []
         if self.max_positions < self.seq_length:
             problems.append(
                 f"--max-position-embeddings {self.max_positions} is smaller than --seq-length "
@@ -330,6 +354,11 @@ class ModelConfig:
                 f"{self.rope_scaling_factor}, {self.rope_scaling_low_freq_factor}, "
                 f"{self.rope_scaling_high_freq_factor})"
             )
+        return problems
+
+    def _layer_problems(self, tp: int) -> list[str]:
+        """A known normalization, dropouts in [0, 1), and a sequence TP can split."""
+        problems = []
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             problems.append(
                 f"--normalization {self.normalization!r} is not supported (use LayerNorm or RMSNorm)"
@@ -346,11 +375,7 @@ class ModelConfig:
                 f"--tensor-model-parallel-size {tp}, which does not divide it (use a sequence "
                 f"length that is a multiple of {tp})"
             )
-        problems += self._recompute_problems(pp)
-        if self.is_moe:
-            problems += moe_problems(self, tp, ep, tp if etp is None else etp)
-        if problems:
-            raise UserError("invalid model configuration: " + "; ".join(problems))
+        return problems
 
     def _recompute_problems(self, pp: int) -> list[str]:
         """Megatron's rules for the recompute flags."""
