@@ -12,17 +12,17 @@ import math
 import os
 from collections.abc import Callable, Sequence
 
-from pretrain.data.blend_build import BlendRequest, build_blend_split
-from pretrain.data.blended_dataset import normalize
-from pretrain.data.cache import load_or_build
+from pretrain.data.blends.blend_build import BlendRequest, build_blend_split
+from pretrain.data.blends.blended_dataset import normalize
+from pretrain.data.blends.mixture import MixturePlan
+from pretrain.data.caches.cache import load_or_build
 from pretrain.data.config import Blend, DataConfig, Split
-from pretrain.data.fingerprint import PrefixFiles
+from pretrain.data.datasets.gpt_dataset import GPTDataset, IndexSpec, index_spec, split_ranges
+from pretrain.data.datasets.mock import build_mock_datasets
+from pretrain.data.files.fingerprint import PrefixFiles
+from pretrain.data.files.indexed_dataset import IndexedDataset
+from pretrain.data.files.notices import Notices
 from pretrain.data.gc_pause import gc_paused
-from pretrain.data.gpt_dataset import GPTDataset, IndexSpec, index_spec, split_ranges
-from pretrain.data.indexed_dataset import IndexedDataset
-from pretrain.data.mixture import MixturePlan
-from pretrain.data.mock import build_mock_datasets
-from pretrain.data.notices import Notices
 from pretrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -174,7 +174,7 @@ def build_train_valid_test_datasets(
 ) -> list:
     """[train, valid, test] datasets (GPTDataset, BlendedDataset or None) for `num_samples` per split.
 
-    `mixture`: the train split's phases (pretrain/data/mixture.py); unless it is Megatron's one
+    `mixture`: the train split's phases (pretrain/data/blends/mixture.py); unless it is Megatron's one
     phase, the train split is its `MixtureDataset`; Megatron's one phase of a --data-schedule
     is the blend of its weights. `without_train`: build no train split.
 
@@ -233,7 +233,7 @@ def _mixture_train(b: _Builder, mixture: MixturePlan, num_samples: int):
     """The train split of a mixture that is not the flags' train blend."""
     if mixture.megatron:
         return b.train_split(mixture.blend, num_samples)
-    from pretrain.data.mixture_dataset import build_mixture
+    from pretrain.data.blends.mixture_dataset import build_mixture
 
     return build_mixture(mixture, b.cfg, b.tokenizer, b.files)
 

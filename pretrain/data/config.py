@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pretrain.data.blend_paths import expand
+from pretrain.data.files.blend_paths import expand
 from pretrain.data.schedule import SchedulePhase, check_schedule_prefixes, read_schedule
 from pretrain.errors import UserError
 from pretrain.flag_help import argument_group
@@ -239,7 +239,7 @@ def train_valid_test_num_samples(
 def parse_blend(values: list[str], source: str) -> Blend:
     """`[P]`, `[P1 P2 ...]` or `[W1 P1 W2 P2 ...]` -> (prefixes, weights or None); an entry
     that is a glob or a folder stands for the prefixes it names, its weight shared among them by
-    tokens (`pretrain/data/blend_paths.py`)."""
+    tokens (`pretrain/data/files/blend_paths.py`)."""
     return expand(*_blend_words(values, source), source)
 
 

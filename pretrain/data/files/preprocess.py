@@ -1,7 +1,7 @@
 """`tools/preprocess_data.py`: corpus -> `{prefix}_{key}_{document|sentence}.bin/.idx`, Megatron's bytes.
 
 The parent process reads raw records in small batches and hands them to a pool of worker
-processes (`pretrain.data.encoder`), at most a few batches ahead, and writes the results strictly
+processes (`pretrain.data.files.encoder`), at most a few batches ahead, and writes the results strictly
 in input order as they come back. So memory stays flat in corpus size, the output bytes do not
 depend on `--workers`, and nothing final-named appears before the run is complete.
 """
@@ -19,31 +19,31 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
-from pretrain.data.corpus import expand_inputs, iter_record_batches, total_input_bytes
-from pretrain.data.encoder import (
+from pretrain.data.files.corpus import expand_inputs, iter_record_batches, total_input_bytes
+from pretrain.data.files.encoder import (
     EncodeOptions,
     Encoder,
     encode_in_worker,
     init_worker,
     share_with_forked_workers,
 )
-from pretrain.data.fingerprint import (
+from pretrain.data.files.fingerprint import (
     dataset_counts,
     input_files,
     sidecar_path,
-    tokenizer_fingerprint,
     write_sidecar,
 )
-from pretrain.data.indexed_dataset import (
+from pretrain.data.files.indexed_dataset import (
     IndexedDatasetBuilder,
     get_bin_path,
     get_idx_path,
     remove_stray_temporaries,
 )
-from pretrain.data.output_lock import lock_output
+from pretrain.data.files.output_lock import lock_output
 from pretrain.errors import UserError, data_error
 from pretrain.flag_help import HelpFormatter
 from pretrain.tokenizer import TokenizerConfig, add_tokenizer_args
+from pretrain.tokenizer.fingerprint import tokenizer_fingerprint
 
 _MAX_REPORTED_SKIPS = 20
 
@@ -361,7 +361,7 @@ def _check_not_empty(cfg: PreprocessConfig, summary: Summary) -> None:
 def _write_sidecars(
     cfg: PreprocessConfig, encoder: Encoder, sources: list[str], largest: list[int]
 ) -> None:
-    """`PREFIX.json` beside each output pair: what made it and what it holds (pretrain/data/fingerprint.py)."""
+    """`PREFIX.json` beside each output pair: what made it and what it holds (pretrain/data/files/fingerprint.py)."""
     tokenizer = tokenizer_fingerprint(cfg.tokenizer, encoder.tokenizer)
     tokenizer["append_eod"] = cfg.append_eod
     inputs = input_files(sources)
