@@ -202,16 +202,32 @@ def build_train_valid_test_datasets(
             without_train=True,
         )
         return [_mixture_train(b, mixture, sizes[0]), *rest[1:]]
+    if cfg.blend is not None:
+        return _cut_blend(b, cfg, sizes, without_train)
+    return _per_split_blends(b, cfg.blend_per_split, sizes, multiple_validation_sets, without_train)
+
+
+def _cut_blend(b: _Builder, cfg: DataConfig, sizes: list, without_train: bool) -> list:
+    """--data-path's one blend (or prefix), cut into the three splits by --split."""
     matrix = cfg.split_matrix
     if without_train and matrix is not None:
         matrix[Split.train] = None
-    if cfg.blend is not None:
-        prefixes, weights = cfg.blend
-        if len(prefixes) == 1 and weights is None:
-            return b.gpt_splits(prefixes[0], matrix, sizes)
-        return b.blend_splits(cfg.blend, matrix, sizes)
+    prefixes, weights = cfg.blend
+    if len(prefixes) == 1 and weights is None:
+        return b.gpt_splits(prefixes[0], matrix, sizes)
+    return b.blend_splits(cfg.blend, matrix, sizes)
+
+
+def _per_split_blends(
+    b: _Builder,
+    blends: Sequence[Blend | None],
+    sizes: list,
+    multiple_validation_sets: bool,
+    without_train: bool,
+) -> list:
+    """--train/valid/test-data-path: each split's own blend, the whole of each prefix."""
     out = []
-    for i, blend in enumerate(cfg.blend_per_split):
+    for i, blend in enumerate(blends):
         if blend is None or (without_train and i == Split.train):
             out.append(None)
             continue

@@ -122,6 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer-type GPT2BPETokenizer --vocab-file data/gpt2/vocab.json --merge-file data/gpt2/merges.txt "
         "--append-eod --workers 2   (writes data/shakespeare_text_document.bin/.idx)",
     )
+    _add_input_args(p)
+    add_tokenizer_args(p)
+    _add_output_args(p)
+    _add_runtime_args(p)
+    return p
+
+
+def _add_input_args(p: argparse.ArgumentParser) -> None:
+    """What to read: the corpus, its keys, sentences or documents, malformed lines."""
     g = p.add_argument_group("input")
     g.add_argument(
         "--input",
@@ -156,7 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip and count malformed lines instead of stopping at the first one",
     )
-    add_tokenizer_args(p)
+
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    """What to write: the output prefix, empty outputs, the EOD."""
     g = p.add_argument_group("output")
     g.add_argument(
         "--output-prefix",
@@ -175,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="append the end-of-document id to every non-empty document",
     )
+
+
+def _add_runtime_args(p: argparse.ArgumentParser) -> None:
+    """How: worker processes, progress lines, and Megatron's flags that change nothing here."""
     g = p.add_argument_group("runtime")
     g.add_argument(
         "--workers",
@@ -199,7 +215,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=1000,
         help="documents between progress lines when stderr is not a terminal",
     )
-    return p
 
 
 @dataclass
