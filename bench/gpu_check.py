@@ -118,7 +118,11 @@ def parse_args(argv=None):
 
 def write_corpus(prefix: Path, tokens: int, seed: int = 0) -> str:
     """A random-token corpus (documents of 200-3000 GPT-2 ids + EOD) as PREFIX.bin/.idx."""
-    from pretrain.data.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
+    from pretrain.data.files.indexed_dataset import (
+        IndexedDatasetBuilder,
+        get_bin_path,
+        get_idx_path,
+    )
 
     rng = np.random.default_rng(seed)
     builder = IndexedDatasetBuilder(get_bin_path(str(prefix)), dtype=np.uint16)

@@ -1,7 +1,7 @@
 """Benchmark: build the GPT document + sample + shuffle indices for ~10M samples.
 
 Compares, in the same run and on the same inputs:
-  - ours: pretrain.data.gpt_dataset.build_indices (numba sample-index kernel), cold (fresh numba
+  - ours: pretrain.data.datasets.gpt_dataset.build_indices (numba sample-index kernel), cold (fresh numba
     cache: JIT compile included, measured in a subprocess) and warm (compiled code cached on disk);
   - numpy: the same arrays with a vectorized numpy sample index (cumsum + searchsorted), a strong
     pure-numpy baseline;
@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from pretrain.data import gpt_dataset, helpers  # noqa: E402
+from pretrain.data.datasets import gpt_dataset, helpers  # noqa: E402
 
 
 def document_lengths(num_tokens: int, seed: int) -> np.ndarray:
@@ -94,7 +94,7 @@ COLD = """
 import sys, time, numpy as np
 sys.path.insert(0, {root!r})
 t = time.perf_counter()
-from pretrain.data import helpers
+from pretrain.data.datasets import helpers
 helpers.build_sample_index(np.array([5, 3, 7], np.int32), np.array([2, 0, 1], np.int32), 4, 1, 15)
 print(time.perf_counter() - t)
 """

@@ -36,8 +36,8 @@ import torch  # noqa: E402
 
 from pretrain.data.builder import build_train_valid_test_datasets  # noqa: E402
 from pretrain.data.config import DataConfig  # noqa: E402
-from pretrain.data.indexed_dataset import IndexedDatasetBuilder  # noqa: E402
-from pretrain.data.samplers import build_pretraining_data_loader  # noqa: E402
+from pretrain.data.datasets.samplers import build_pretraining_data_loader  # noqa: E402
+from pretrain.data.files.indexed_dataset import IndexedDatasetBuilder  # noqa: E402
 from pretrain.model.config import ModelConfig  # noqa: E402
 from pretrain.tokenizer import NullTokenizer  # noqa: E402
 from pretrain.training.flops import PEAK_BF16_TFLOPS, flops_per_iteration  # noqa: E402

@@ -123,7 +123,7 @@ def worker(argv_file: str, report: str, label: str) -> None:
 def make_corpus(prefix: str, vocab: int, tokens: int) -> None:
     import numpy as np
 
-    from pretrain.data.indexed_dataset import (
+    from pretrain.data.files.indexed_dataset import (
         IndexedDatasetBuilder,
         get_bin_path,
         get_idx_path,

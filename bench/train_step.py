@@ -30,7 +30,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from pretrain.data.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path  # noqa: E402
+from pretrain.data.files.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path  # noqa: E402
 from pretrain.model.config import ModelConfig  # noqa: E402
 from pretrain.model.gpt import GPTModel  # noqa: E402
 from pretrain.model.loss import masked_mean_loss  # noqa: E402

@@ -1,5 +1,5 @@
 """Megatron's per-prefix index caches of a blend are written on a thread of their own
-(`pretrain/data/cache_writer.py`): the builder hands back the blend (read from the consolidated
+(`pretrain/data/caches/cache_writer.py`): the builder hands back the blend (read from the consolidated
 file) without waiting for them, no description is written before the arrays, and a writer that
 fails is a warning for training but an error for `build_data_cache.py`, whose job the files are."""
 
@@ -16,9 +16,10 @@ import pytest
 from test_data_cache_tool import run_tool
 from test_data_gpt_dataset import TOKENIZER, random_lengths, write_corpus
 
-from pretrain.data import cache_writer, gpt_dataset
 from pretrain.data.builder import build_train_valid_test_datasets
+from pretrain.data.caches import cache_writer
 from pretrain.data.config import DataConfig
+from pretrain.data.datasets import gpt_dataset
 from pretrain.errors import UserError
 
 SAMPLES = 600
@@ -157,7 +158,7 @@ def test_a_failing_writer_warns_training_and_fails_the_tool(prefixes, tmp_path):
 
 
 def test_wait_all_raises_what_stopped_a_writer(tmp_path):
-    from pretrain.data.cache import CacheRequest
+    from pretrain.data.caches.cache import CacheRequest
 
     (tmp_path / "x-a.npy").mkdir()  # the array's name is taken by a folder
     request = CacheRequest(

@@ -18,10 +18,10 @@ from test_data_gpt_dataset import (
     write_corpus,
 )
 
-from pretrain.data.blended_dataset import BlendedDataset
+from pretrain.data.blends.blended_dataset import BlendedDataset
 from pretrain.data.builder import build_train_valid_test_datasets, sizes_per_dataset
 from pretrain.data.config import DataConfig
-from pretrain.data.gpt_dataset import GPTDataset
+from pretrain.data.datasets.gpt_dataset import GPTDataset
 
 GPT_ARRAYS = ["document_index", "sample_index", "shuffle_index"]
 S = 32

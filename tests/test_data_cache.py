@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from test_data_gpt_dataset import TOKENIZER, random_lengths, write_corpus
 
-from pretrain.data import gpt_dataset
 from pretrain.data.config import DataConfig
-from pretrain.data.gpt_dataset import GPTDataset
-from pretrain.data.indexed_dataset import IndexedDataset
+from pretrain.data.datasets import gpt_dataset
+from pretrain.data.datasets.gpt_dataset import GPTDataset
+from pretrain.data.files.indexed_dataset import IndexedDataset
 
 NAMES = ("document_index", "sample_index", "shuffle_index")
 

@@ -8,9 +8,9 @@ import sys
 import pytest
 from test_data_gpt_dataset import TOKENIZER, random_lengths, write_corpus
 
-from pretrain.data import gpt_dataset
 from pretrain.data.builder import build_train_valid_test_datasets
 from pretrain.data.config import DataConfig, train_valid_test_num_samples
+from pretrain.data.datasets import gpt_dataset
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(ROOT, "tools", "build_data_cache.py")
@@ -128,8 +128,8 @@ def test_tool_refuses_a_flag_that_is_not_a_training_flag(tmp_path):
 
 def _builds_nothing(monkeypatch, cfg, counts, **resume):
     """Build the datasets as training does for `cfg` (and a resume); the build_indices calls."""
-    from pretrain.data.fingerprint import PrefixFiles
-    from pretrain.data.mixture import resolve_mixture
+    from pretrain.data.blends.mixture import resolve_mixture
+    from pretrain.data.files.fingerprint import PrefixFiles
 
     calls = []
     real = gpt_dataset.build_indices
@@ -151,9 +151,9 @@ def test_tool_builds_the_train_split_of_a_schedule_and_of_a_reweighted_load(tmp_
     and training built every source again, 'no cache with this description')."""
     import json
 
-    from pretrain.data.fingerprint import PrefixFiles
-    from pretrain.data.mixture import resolve_mixture
-    from pretrain.data.mixture_dataset import MixtureCounter
+    from pretrain.data.blends.mixture import resolve_mixture
+    from pretrain.data.blends.mixture_dataset import MixtureCounter
+    from pretrain.data.files.fingerprint import PrefixFiles
     from pretrain.data.schedule import read_schedule
 
     a = write_corpus(str(tmp_path / "a"), random_lengths(300, seed=1))

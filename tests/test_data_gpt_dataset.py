@@ -9,8 +9,13 @@ import pytest
 import torch
 
 from pretrain.data.config import DataConfig, split_matrix
-from pretrain.data.gpt_dataset import GPTDataset, document_tensors, plan_epochs, split_ranges
-from pretrain.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from pretrain.data.datasets.gpt_dataset import (
+    GPTDataset,
+    document_tensors,
+    plan_epochs,
+    split_ranges,
+)
+from pretrain.data.files.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from pretrain.tokenizer import NullTokenizer
 
 VOCAB = 1000

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from megatron.core.datasets import helpers_cpp  # test-only oracle (dev dependency)
 
-from pretrain.data import helpers
+from pretrain.data.datasets import helpers
 
 # ---- pure-Python references, written from docs/DATA_FORMAT.md §3/§4 ----------
 

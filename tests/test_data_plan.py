@@ -1,4 +1,4 @@
-"""Blend plan (pretrain/data/plan.py, tools/plan_blend.py): the samples drawn per prefix equal what
+"""Blend plan (pretrain/data/blends/plan.py, tools/plan_blend.py): the samples drawn per prefix equal what
 megatron-core's BlendedMegatronDatasetBuilder (test-only oracle) draws on the same files and flags,
 and the tool prints, warns and plots."""
 
@@ -16,8 +16,8 @@ from test_data_gpt_dataset import (
     write_corpus,
 )
 
+from pretrain.data.blends.plan import format_plan, plan_blend, plan_warnings, to_sample_weights
 from pretrain.data.config import DataConfig
-from pretrain.data.plan import format_plan, plan_blend, plan_warnings, to_sample_weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 S = 32

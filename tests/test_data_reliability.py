@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 from test_data_gpt_dataset import TOKENIZER, random_lengths, write_corpus
 
-from pretrain.data.blended_dataset import BlendedDataset
+from pretrain.data.blends.blended_dataset import BlendedDataset
 from pretrain.data.config import DataConfig, parse_blend
-from pretrain.data.gpt_dataset import GPTDataset
-from pretrain.data.indexed_dataset import HEADER_SIZE, IndexedDataset, IndexedDatasetBuilder
+from pretrain.data.datasets.gpt_dataset import GPTDataset
+from pretrain.data.files.indexed_dataset import HEADER_SIZE, IndexedDataset, IndexedDatasetBuilder
 from pretrain.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -222,7 +222,7 @@ def test_blend_cache_with_garbage_values_is_rebuilt(tmp_path):
 
 def _build_and_hang_mid_write(prefix, cache_dir, started):
     """A cache builder stopped inside the write of its first array (then killed by the test)."""
-    from pretrain.data import cache
+    from pretrain.data.caches import cache
 
     real_write = cache._write_chunks
 

@@ -10,13 +10,13 @@ from hypothesis import strategies as st
 from test_data_gpt_dataset import TOKENIZER, random_lengths, write_corpus
 
 from pretrain.data.config import DataConfig
-from pretrain.data.gpt_dataset import GPTDataset
-from pretrain.data.indexed_dataset import IndexedDataset
-from pretrain.data.samplers import (
+from pretrain.data.datasets.gpt_dataset import GPTDataset
+from pretrain.data.datasets.samplers import (
     PretrainingRandomSampler,
     PretrainingSampler,
     build_pretraining_data_loader,
 )
+from pretrain.data.files.indexed_dataset import IndexedDataset
 from pretrain.errors import UserError
 
 

@@ -15,10 +15,11 @@ import pytest
 from tokenizer_fixtures import CL100K, MERGES, VOCAB
 from training_fixtures import make_corpus, model_flags, train_flags
 
-from pretrain.data import fingerprint, token_stats
+from pretrain.data.checks import check_data, data_fingerprints
 from pretrain.data.config import DataConfig
-from pretrain.data.fingerprint import check_data, data_fingerprints, read_sidecar
-from pretrain.data.preprocess import PreprocessConfig, run
+from pretrain.data.files import fingerprint, token_stats
+from pretrain.data.files.fingerprint import read_sidecar
+from pretrain.data.files.preprocess import PreprocessConfig, run
 from pretrain.errors import UserError
 from pretrain.tokenizer import TokenizerConfig, build_tokenizer
 
@@ -214,7 +215,7 @@ def test_training_and_build_data_cache_check_before_launch(tmp_path, gpt2_data):
 
 
 def test_convert_checks_the_data_the_checkpoint_records(tmp_path, gpt2_data):
-    from pretrain.data.fingerprint import check_recorded_data
+    from pretrain.data.checks import check_recorded_data
 
     meta = {"blend": [[gpt2_data[0], str(tmp_path / "gone")], None], "blend_per_split": None}
     gpt2, tik = build_tokenizer(GPT2), build_tokenizer(TIKTOKEN)

@@ -16,7 +16,7 @@ from training_fixtures import PYTHON, REPO
 from training_fixtures import test_env as clean_env  # (pytest would collect test_env)
 
 from pretrain.cli import build_parser
-from pretrain.data.preprocess import build_parser as preprocess_parser
+from pretrain.data.files.preprocess import build_parser as preprocess_parser
 from pretrain.flag_help import help_text, metavar_of
 
 # Megatron-LM's argument group titles (megatron/training/arguments.py), in Megatron's order

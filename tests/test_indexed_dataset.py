@@ -7,7 +7,7 @@ import warnings
 import numpy as np
 import pytest
 
-from pretrain.data.indexed_dataset import (
+from pretrain.data.files.indexed_dataset import (
     DType,
     IndexedDataset,
     IndexedDatasetBuilder,

@@ -29,10 +29,11 @@ from training_fixtures import PYTHON, REPO, model_flags, run
 from training_fixtures import test_env as clean_env  # (pytest would collect test_env)
 
 from pretrain.cli import data_tool_parser, parse_data_tool_args
-from pretrain.data import blend_cache, cache_writer, gpt_dataset
 from pretrain.data.builder import build_train_valid_test_datasets
+from pretrain.data.caches import blend_cache, cache_writer
+from pretrain.data.caches.describe import describe, describe_blend
 from pretrain.data.config import DataConfig
-from pretrain.data.describe import describe, describe_blend
+from pretrain.data.datasets import gpt_dataset
 from pretrain.errors import UserError
 from pretrain.launch import free_port
 
@@ -268,7 +269,7 @@ def test_split_99_1_0_start_up_says_it_in_a_few_lines_and_opens_one_cache_file_p
 
 def test_descriptions_are_json_dumps_indent_4():
     """Megatron's cache names are md5s of `json.dumps(identifiers, indent=4)`; ours are made from
-    templates (pretrain/data/describe.py) and must be that text to the byte."""
+    templates (pretrain/data/caches/describe.py) and must be that text to the byte."""
     rng = np.random.default_rng(3)
     tokenizer = OrderedDict([("class", "X"), ("tokenizer_path", ['a"b\\c', "ü"]), ("n", 2.5)])
     for _ in range(50):
@@ -305,7 +306,7 @@ def test_descriptions_are_json_dumps_indent_4():
 
 MAP_MANY = """
 import resource, sys
-from pretrain.data.indexed_dataset import IndexedDataset
+from pretrain.data.files.indexed_dataset import IndexedDataset
 from pretrain.errors import UserError
 
 soft, hard = int(sys.argv[1]), int(sys.argv[2])

@@ -36,7 +36,7 @@ from tokenizer_fixtures import MERGES, VOCAB
 from training_fixtures import multirun_cmd, read_metrics, run
 
 from pretrain.cli import parse_args
-from pretrain.data.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
+from pretrain.data.files.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
 from pretrain.errors import UserError
 from pretrain.tokenizer import TokenizerConfig, build_tokenizer
 

@@ -78,6 +78,61 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     assert layer_of("pretrain.cli") > layer_of("pretrain.data.builder")
 
 
+# --- The rooms of pretrain.data (docs/ARCHITECTURE.md, "pretrain/data/") ---------------------
+# Bottom up, like LAYERS: a data module imports only its own room and the rooms below it.
+DATA_ROOMS = [
+    {"pretrain.data.files"},
+    {"pretrain.data.caches"},
+    {"pretrain.data.config", "pretrain.data.schedule"},
+    {"pretrain.data.datasets"},
+    {"pretrain.data.blends"},
+    {"pretrain.data.builder", "pretrain.data.checks", "pretrain.data.gc_pause"},
+]
+
+
+def data_room_of(module: str) -> int:
+    """`pretrain.data.files.corpus` -> the index of `pretrain.data.files` in DATA_ROOMS."""
+    name = ".".join(module.split(".")[:3])
+    for level, members in enumerate(DATA_ROOMS):
+        if name in members:
+            return level
+    raise AssertionError(f"{module} is in no data room: add it to DATA_ROOMS and ARCHITECTURE.md")
+
+
+def upward_data_imports(path: Path, me: str) -> list[tuple[int, str]]:
+    """(line, module) of every import in `path` (module `me`) of a higher data room."""
+    return [
+        (line, target)
+        for line, target in imports(path)
+        if target.startswith("pretrain.data.") and data_room_of(target) > data_room_of(me)
+    ]
+
+
+def test_no_data_module_imports_a_higher_data_room():
+    violations = []
+    for path in sorted((REPO / "pretrain" / "data").rglob("*.py")):
+        me = module_name(path)
+        if me != "pretrain.data":
+            for line, target in upward_data_imports(path, me):
+                violations.append(f"{path.relative_to(REPO)}:{line}: {me} imports {target}")
+    assert not violations, "\n".join(violations)
+
+
+def test_the_data_room_checker_sees_an_upward_import(tmp_path):
+    """The rule above is not vacuous: a file module importing a blend or the config is caught."""
+    bad = tmp_path / "bad.py"
+    bad.write_text(
+        "from pretrain.data.files.indexed_dataset import IndexedDataset\n"
+        "def f():\n"
+        "    from pretrain.data.blends.mixture import MixturePlan\n"
+        "    from pretrain.data.config import DataConfig\n"
+    )
+    assert upward_data_imports(bad, "pretrain.data.files.corpus") == [
+        (3, "pretrain.data.blends.mixture"),
+        (4, "pretrain.data.config"),
+    ]
+
+
 def test_importing_the_converters_loads_neither_deepspeed_nor_the_cli():
     modules = [module_name(p) for p in sorted((REPO / "pretrain" / "convert").glob("*.py"))]
     code = (

@@ -14,7 +14,7 @@ from training_fixtures import test_env as clean_env
 _HELD_AT_EXIT = """
 import torch
 from pretrain.data.config import DataConfig
-from pretrain.data.samplers import build_pretraining_data_loader
+from pretrain.data.datasets.samplers import build_pretraining_data_loader
 loader = build_pretraining_data_loader(
     torch.arange(64), 0, 2, 0, 1, DataConfig(seq_length=4, mock=True, num_workers=2)
 )

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from tokenizer_fixtures import MERGES, VOCAB
 
-from pretrain.data.indexed_dataset import IndexedDatasetBuilder
+from pretrain.data.files.indexed_dataset import IndexedDatasetBuilder
 from pretrain.errors import UserError
 from pretrain.tokenizer import TokenizerConfig, build_tokenizer
 

@@ -16,13 +16,13 @@ from test_data_gpt_dataset import TOKENIZER, megatron_core_datasets, random_leng
 from test_mixture_training import _identity_corpus
 from training_fixtures import make_corpus
 
-from pretrain.data.blended_dataset import BlendedDataset
+from pretrain.data.blends.blended_dataset import BlendedDataset
+from pretrain.data.blends.explain import locate
+from pretrain.data.blends.mixture import blend_arrays, resolve_mixture
+from pretrain.data.blends.mixture_dataset import MixtureCounter, MixtureDataset, SourceOrder
 from pretrain.data.builder import build_train_valid_test_datasets
 from pretrain.data.config import DataConfig
-from pretrain.data.explain import locate
-from pretrain.data.fingerprint import PrefixFiles
-from pretrain.data.mixture import blend_arrays, resolve_mixture
-from pretrain.data.mixture_dataset import MixtureCounter, MixtureDataset, SourceOrder
+from pretrain.data.files.fingerprint import PrefixFiles
 from pretrain.data.schedule import read_schedule
 from pretrain.errors import UserError
 from pretrain.tokenizer import NullTokenizer
@@ -291,7 +291,7 @@ def test_a_one_phase_schedule_is_the_blend_of_its_weights(tmp_path):
     """--data-schedule 0.9 a / 0.1 b, its next phase after the run's end, over --data-path a b
     (no weights): the train split is the direct blend --data-path 0.9 a 0.1 b, sample for
     sample, and plan_blend plans those weights and counts (not a's and b's sizes)."""
-    from pretrain.data.plan import plan_blend
+    from pretrain.data.blends.plan import plan_blend
 
     a = _identity_corpus(tmp_path / "a", 0, num_docs=40)
     b = _identity_corpus(tmp_path / "b", 1, num_docs=40)
@@ -356,7 +356,7 @@ def test_the_start_up_plan_warns_of_the_phases_epochs_not_the_blends(tmp_path, c
     size, a and c are each read under 2 times: it warned of nothing)."""
     import logging
 
-    from pretrain.data.plan import log_plan
+    from pretrain.data.blends.plan import log_plan
 
     a, c = corpora["a"], corpora["c"]
     schedule = _schedule(tmp_path, "s", [(0, {a: 1}), (2, {c: 1})])

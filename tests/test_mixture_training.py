@@ -49,7 +49,7 @@ from distributed import run_on_ranks
 from test_data_builder import megatron_world  # noqa: F401 (a fixture, used by name)
 from training_fixtures import model_flags, read_metrics
 
-from pretrain.data.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
+from pretrain.data.files.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
 from pretrain.tokenizer import NullTokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -13,7 +13,7 @@ from training_fixtures import PYTHON, REPO, logged_losses, model_flags, run, tra
 from pretrain.cli import parse_args
 from pretrain.data.builder import build_train_valid_test_datasets
 from pretrain.data.config import DataConfig
-from pretrain.data.mock import MockGPTDataset, MockSequences
+from pretrain.data.datasets.mock import MockGPTDataset, MockSequences
 from pretrain.errors import UserError
 from pretrain.tokenizer import NullTokenizer
 

@@ -1,12 +1,12 @@
-"""`PREFIX.lock` (pretrain/data/output_lock.py): a finished writer deletes it while holding it, and
+"""`PREFIX.lock` (pretrain/data/files/output_lock.py): a finished writer deletes it while holding it, and
 the deletion never lets two runs hold the lock, nor deletes another run's lock file."""
 
 import os
 
 import pytest
 
-import pretrain.data.output_lock as output_lock
-from pretrain.data.output_lock import lock_output
+import pretrain.data.files.output_lock as output_lock
+from pretrain.data.files.output_lock import lock_output
 from pretrain.errors import UserError
 
 

@@ -249,7 +249,7 @@ _LOADER = """
 import sys, time
 import torch
 from pretrain.data.config import DataConfig
-from pretrain.data.samplers import build_pretraining_data_loader
+from pretrain.data.datasets.samplers import build_pretraining_data_loader
 loader = build_pretraining_data_loader(
     torch.arange(64), 0, 2, 0, 1, DataConfig(seq_length=4, mock=True, num_workers=1)
 )

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from tokenizer_fixtures import CL100K, MERGES, VOCAB, awkward_texts
 
-from pretrain.data.preprocess import PreprocessConfig, run
+from pretrain.data.files.preprocess import PreprocessConfig, run
 from pretrain.errors import UserError
 from pretrain.tokenizer import TokenizerConfig
 
@@ -237,7 +237,7 @@ def test_split_sentences_first_run_and_matches_megatron_on_split_text(tmp_path, 
 def test_tiktoken_and_null_tokenizers(tmp_path):
     import tiktoken
 
-    from pretrain.data.indexed_dataset import IndexedDataset
+    from pretrain.data.files.indexed_dataset import IndexedDataset
 
     texts = ["Hello world", "", "漢字 😀 <|endoftext|>"]
     src = write_jsonl(tmp_path / "t.jsonl", [{"text": t} for t in texts])
@@ -412,7 +412,7 @@ def test_input_errors_name_the_input(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from pretrain.data.corpus import expand_inputs, iter_record_batches
+    from pretrain.data.files.corpus import expand_inputs, iter_record_batches
 
     (tmp_path / "notes.txt").write_text("x")
     (tmp_path / "empty").mkdir()

@@ -18,7 +18,7 @@ from test_preprocess_reliability import (
     run,
 )
 
-from pretrain.data.indexed_dataset import IndexedDataset
+from pretrain.data.files.indexed_dataset import IndexedDataset
 
 
 def test_input_named_like_the_runs_sidecar_is_refused(tmp_path):
@@ -125,7 +125,7 @@ def test_an_output_prefix_naming_a_folder_is_one_line_before_any_work(tmp_path, 
     a folder (before: a traceback at the final rename, after all the tokenizing)."""
     from test_preprocess_reliability import GPT2_FLAGS
 
-    from pretrain.data.preprocess import main
+    from pretrain.data.files.preprocess import main
     from pretrain.errors import UserError
 
     src = write_jsonl(tmp_path / "c.jsonl", make_records(seed=6, n=5))

@@ -21,9 +21,9 @@ import tiktoken_ext.openai_public
 from test_preprocess import GPT2, make_records, megatron_reference, same_files, write_jsonl
 from tokenizer_fixtures import CL100K, MERGES, VOCAB, awkward_texts
 
-from pretrain.data.corpus import RecordBatch
-from pretrain.data.encoder import LONG_TEXT, EncodeOptions, Encoder
-from pretrain.data.indexed_dataset import IndexedDataset
+from pretrain.data.files.corpus import RecordBatch
+from pretrain.data.files.encoder import LONG_TEXT, EncodeOptions, Encoder
+from pretrain.data.files.indexed_dataset import IndexedDataset
 from pretrain.tokenizer import TokenizerConfig
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -27,7 +27,7 @@ from training_fixtures import (
 
 from pretrain.cli import parse_args
 from pretrain.convert.checkpoint_reader import find_checkpoint
-from pretrain.data.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
+from pretrain.data.files.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
 from pretrain.errors import UserError
 from pretrain.training.spikes import is_spike
 

@@ -16,8 +16,8 @@ from pretrain.training.run import _prepared
 # One pretrain_gpt.py process whose real constructors and readers are wrapped to count calls.
 COUNTING_RUN = """
 import collections, json, sys
-from pretrain.data import fingerprint, token_stats
-from pretrain.data.indexed_dataset import IndexedDataset
+from pretrain.data.files import fingerprint, token_stats
+from pretrain.data.files.indexed_dataset import IndexedDataset
 from pretrain.tokenizer import NullTokenizer
 from pretrain.tokenizer import fingerprint as tokenizer_fp
 

@@ -16,10 +16,11 @@ from tokenizer_fixtures import MERGES, VOCAB
 from training_fixtures import PYTHON, REPO, model_flags, run, train_flags
 from training_fixtures import test_env as clean_env
 
+from pretrain.data.checks import check_data
 from pretrain.data.config import DataConfig
-from pretrain.data.fingerprint import check_data, read_sidecar
-from pretrain.data.preprocess import PreprocessConfig
-from pretrain.data.preprocess import run as preprocess
+from pretrain.data.files.fingerprint import read_sidecar
+from pretrain.data.files.preprocess import PreprocessConfig
+from pretrain.data.files.preprocess import run as preprocess
 from pretrain.errors import UserError
 from pretrain.launch import free_port
 from pretrain.tokenizer import TokenizerConfig, build_tokenizer

@@ -191,8 +191,8 @@ def test_cache_filled_by_megatron_is_used_as_is(tmp_path, gpt2_home):
     from test_data_gpt_dataset import megatron_gpt, random_lengths, write_corpus
 
     from pretrain.data.config import DataConfig
-    from pretrain.data.gpt_dataset import GPTDataset
-    from pretrain.data.indexed_dataset import IndexedDataset
+    from pretrain.data.datasets.gpt_dataset import GPTDataset
+    from pretrain.data.files.indexed_dataset import IndexedDataset
 
     mg, MIndexed, Split = megatron_gpt()
     prefix = write_corpus(str(tmp_path / "corpus"), random_lengths(200, seed=1), eod=50256)
@@ -224,7 +224,7 @@ def test_cache_filled_by_megatron_is_used_as_is(tmp_path, gpt2_home):
     assert ours.unique_description_hash == theirs.unique_description_hash
     after = {p: os.stat(cache / p).st_mtime_ns for p in os.listdir(cache)}
     # Megatron's files were used as they are: none rewritten, nothing rebuilt; the only file
-    # added is our record of the .idx fingerprint they belong to (pretrain/data/cache.py)
+    # added is our record of the .idx fingerprint they belong to (pretrain/data/caches/cache.py)
     added = sorted(set(after) - set(before))
     assert [p for p in added if not p.endswith("-idx_fingerprint.txt")] == [], added
     assert {p: after[p] for p in before} == before

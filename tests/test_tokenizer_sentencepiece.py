@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from tokenizer_fixtures import awkward_texts
 
-from pretrain.data.preprocess import PreprocessConfig, run
+from pretrain.data.files.preprocess import PreprocessConfig, run
 from pretrain.tokenizer import TokenizerConfig, build_tokenizer
 
 TYPES = ["SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"]

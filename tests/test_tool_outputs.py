@@ -18,7 +18,7 @@ from convert_fixtures import load_tool
 from test_plot_run import write_log
 
 from pretrain.convert.checkpoint_writer import write_checkpoint
-from pretrain.data.indexed_dataset import IndexedDatasetBuilder
+from pretrain.data.files.indexed_dataset import IndexedDatasetBuilder
 from pretrain.errors import exit_on_user_error
 from pretrain.model.config import ModelConfig
 from pretrain.model.gpt import GPTModel

@@ -30,7 +30,11 @@ VOCAB = 100  # NullTokenizer ids 0..99, eod = 100: 101 tokens
 
 def make_corpus(prefix: Path, num_docs: int = 200, seed: int = 0) -> str:
     """A tiny NullTokenizer corpus: documents of 5-60 random ids, each ending with eod."""
-    from pretrain.data.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
+    from pretrain.data.files.indexed_dataset import (
+        IndexedDatasetBuilder,
+        get_bin_path,
+        get_idx_path,
+    )
 
     rng = np.random.default_rng(seed)
     builder = IndexedDatasetBuilder(get_bin_path(str(prefix)), dtype=np.uint16)

@@ -31,18 +31,19 @@ from tqdm import tqdm  # noqa: E402
 
 from pretrain.cli import data_tool_parser, parse_data_tool_args  # noqa: E402
 from pretrain.cli.data_tools import load_meta, run_mixture  # noqa: E402
-from pretrain.data import cache_writer  # noqa: E402
 from pretrain.data.builder import (  # noqa: E402
     build_train_valid_test_datasets,
     check_splits_before_launch,
     count_builds,
 )
+from pretrain.data.caches import cache_writer  # noqa: E402
+from pretrain.data.checks import check_data  # noqa: E402
 from pretrain.data.config import (  # noqa: E402
     SPLIT_NAMES,
     DataConfig,
     train_valid_test_num_samples,
 )
-from pretrain.data.fingerprint import PrefixFiles, check_data  # noqa: E402
+from pretrain.data.files.fingerprint import PrefixFiles  # noqa: E402
 from pretrain.errors import exit_on_user_error  # noqa: E402
 from pretrain.outputs import ignore_file_size_signal, refuse_output  # noqa: E402
 from pretrain.tokenizer import TokenizerConfig, build_tokenizer  # noqa: E402

@@ -132,7 +132,7 @@ def _move_into_place(tmp: str, out_dir: str) -> None:
 def _no_space(err: BaseException, out_dir: str, needed: int) -> UserError | None:
     """One line for a full disk or file-size limit while writing the export (safetensors reports
     it as `SafetensorError: ... (os error N)`), else None."""
-    from pretrain.data.indexed_dataset import no_space_error
+    from pretrain.data.files.indexed_dataset import no_space_error
 
     code = getattr(err, "errno", None)
     found = re.search(r"\(os error (\d+)\)", str(err)) if code is None else None
@@ -227,7 +227,7 @@ def main(argv=None) -> None:
     tok_cfg, tokenizer, fingerprint = checkpoint_tokenizer(
         ck.tokenizer, ck.meta, args.load, overrides_from_args(args), args.allow_tokenizer_mismatch
     )
-    from pretrain.data.fingerprint import check_recorded_data  # the data it was trained on
+    from pretrain.data.checks import check_recorded_data  # the data it was trained on
 
     check_recorded_data(
         ck.meta.get("data"),

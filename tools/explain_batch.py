@@ -31,13 +31,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pretrain.cli import data_tool_parser, parse_data_tool_args  # noqa: E402
 from pretrain.cli.data_tools import load_meta, run_mixture  # noqa: E402
+from pretrain.data.blends.explain import SampleOrigin, explain_iteration  # noqa: E402
 from pretrain.data.builder import build_train_valid_test_datasets  # noqa: E402
+from pretrain.data.checks import check_data  # noqa: E402
 from pretrain.data.config import (  # noqa: E402
     DataConfig,
     train_valid_test_num_samples,
 )
-from pretrain.data.explain import SampleOrigin, explain_iteration  # noqa: E402
-from pretrain.data.fingerprint import check_data  # noqa: E402
 from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
 from pretrain.outputs import refuse_output  # noqa: E402
 from pretrain.tokenizer import TokenizerConfig, build_tokenizer  # noqa: E402

@@ -14,8 +14,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np  # noqa: E402
 
-from pretrain.data.fingerprint import read_sidecar, sidecar_path  # noqa: E402
-from pretrain.data.indexed_dataset import IndexedDataset  # noqa: E402
+from pretrain.data.files.fingerprint import read_sidecar, sidecar_path  # noqa: E402
+from pretrain.data.files.indexed_dataset import IndexedDataset  # noqa: E402
 from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
 from pretrain.flag_help import RawDescriptionHelpFormatter  # noqa: E402
 from pretrain.tokenizer import TokenizerConfig, add_tokenizer_args, build_tokenizer  # noqa: E402

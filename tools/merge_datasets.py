@@ -11,20 +11,20 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pretrain.data.fingerprint import (  # noqa: E402
+from pretrain.data.files.fingerprint import (  # noqa: E402
     dataset_counts,
     read_sidecar,
     sidecar_path,
     write_sidecar,
 )
-from pretrain.data.indexed_dataset import (  # noqa: E402
+from pretrain.data.files.indexed_dataset import (  # noqa: E402
     IndexedDataset,
     IndexedDatasetBuilder,
     get_bin_path,
     get_idx_path,
     remove_stray_temporaries,
 )
-from pretrain.data.output_lock import lock_output  # noqa: E402
+from pretrain.data.files.output_lock import lock_output  # noqa: E402
 from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
 from pretrain.outputs import ignore_file_size_signal, refuse_output  # noqa: E402
 from pretrain.tokenizer.fingerprint import describe_tokenizer, same_tokenizer  # noqa: E402

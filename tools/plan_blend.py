@@ -31,20 +31,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pretrain.cli import data_tool_parser, parse_data_tool_args  # noqa: E402
 from pretrain.cli.data_tools import load_meta, run_mixture  # noqa: E402
-from pretrain.data.builder import check_splits_before_launch  # noqa: E402
-from pretrain.data.config import (  # noqa: E402
-    DataConfig,
-    train_valid_test_num_samples,
-)
-from pretrain.data.mixture import phase_counts  # noqa: E402
-from pretrain.data.mixture_report import format_phases, phase_warnings  # noqa: E402
-from pretrain.data.plan import (  # noqa: E402
+from pretrain.data.blends.mixture import phase_counts  # noqa: E402
+from pretrain.data.blends.mixture_report import format_phases, phase_warnings  # noqa: E402
+from pretrain.data.blends.plan import (  # noqa: E402
     DEFAULT_MAX_EPOCHS,
     DEFAULT_MIN_EPOCHS,
     PlanRow,
     format_plan,
     plan_blend,
     warning_summaries,
+)
+from pretrain.data.builder import check_splits_before_launch  # noqa: E402
+from pretrain.data.config import (  # noqa: E402
+    DataConfig,
+    train_valid_test_num_samples,
 )
 from pretrain.errors import exit_on_user_error  # noqa: E402
 
@@ -127,7 +127,7 @@ def refuse_plot_path(ns: argparse.Namespace, cfg: DataConfig) -> None:
     """--plot may not be one of the files the plan reads (a prefix's .bin/.idx/.json, the
     --data-args-path files, --load), nor another dataset's or a checkpoint's file."""
     from pretrain.checkpoint.outputs import kept_data
-    from pretrain.data.fingerprint import data_prefixes
+    from pretrain.data.checks import data_prefixes
     from pretrain.outputs import refuse_output
 
     inputs = [

@@ -11,8 +11,8 @@ from pretrain.checkpoint.format import (
     META_FILE,
     available_tags,
 )
-from pretrain.data.fingerprint import sidecar_path
-from pretrain.data.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
+from pretrain.data.files.fingerprint import sidecar_path
+from pretrain.data.files.indexed_dataset import IndexedDataset, get_bin_path, get_idx_path
 
 
 def _dataset_of(path: str) -> str | None:

@@ -40,7 +40,7 @@ from pretrain.checkpoint.format import (
 from pretrain.checkpoint.full_state import FullState, write_shard
 from pretrain.checkpoint.integrity import check_finite, manifest
 from pretrain.checkpoint.pipeline_layers import stage_of_parameter
-from pretrain.data.indexed_dataset import no_space_error
+from pretrain.data.files.indexed_dataset import no_space_error
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
 

@@ -7,9 +7,9 @@ import argparse
 
 from pretrain.cli.flags import build_parser
 from pretrain.convert.checkpoint_reader import find_checkpoint
+from pretrain.data.blends.mixture import MixturePlan, resolve_mixture
 from pretrain.data.config import DataConfig, add_data_args, add_sample_count_args
-from pretrain.data.fingerprint import PrefixFiles
-from pretrain.data.mixture import MixturePlan, resolve_mixture
+from pretrain.data.files.fingerprint import PrefixFiles
 from pretrain.errors import UserError
 from pretrain.flag_help import RawDescriptionHelpFormatter, add_megatron_groups
 from pretrain.tokenizer import add_tokenizer_args

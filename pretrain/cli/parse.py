@@ -30,8 +30,8 @@ from pretrain.cli.resolve import (
     precision_config,
 )
 from pretrain.cli.script_flags import check_position_embedding, check_script_flags
+from pretrain.data.checks import check_data
 from pretrain.data.config import DataConfig
-from pretrain.data.fingerprint import check_data
 from pretrain.errors import UserError
 from pretrain.launch import detect_launch_env
 from pretrain.parallel.config import ParallelConfig, check_world_divisible

@@ -17,7 +17,7 @@ import torch
 from pretrain.cli.flags import section_values
 from pretrain.data.builder import check_splits_before_launch
 from pretrain.data.config import DataConfig, train_valid_test_num_samples
-from pretrain.data.fingerprint import PrefixFiles
+from pretrain.data.files.fingerprint import PrefixFiles
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
 from pretrain.parallel.config import ParallelConfig

@@ -12,17 +12,17 @@ import math
 import os
 from collections.abc import Callable, Sequence
 
-from pretrain.data.blend_build import BlendRequest, build_blend_split
-from pretrain.data.blended_dataset import normalize
-from pretrain.data.cache import load_or_build
+from pretrain.data.blends.blend_build import BlendRequest, build_blend_split
+from pretrain.data.blends.blended_dataset import normalize
+from pretrain.data.blends.mixture import MixturePlan
+from pretrain.data.caches.cache import load_or_build
 from pretrain.data.config import Blend, DataConfig, Split
-from pretrain.data.fingerprint import PrefixFiles
+from pretrain.data.datasets.gpt_dataset import GPTDataset, IndexSpec, index_spec, split_ranges
+from pretrain.data.datasets.mock import build_mock_datasets
+from pretrain.data.files.fingerprint import PrefixFiles
+from pretrain.data.files.indexed_dataset import IndexedDataset
+from pretrain.data.files.notices import Notices
 from pretrain.data.gc_pause import gc_paused
-from pretrain.data.gpt_dataset import GPTDataset, IndexSpec, index_spec, split_ranges
-from pretrain.data.indexed_dataset import IndexedDataset
-from pretrain.data.mixture import MixturePlan
-from pretrain.data.mock import build_mock_datasets
-from pretrain.data.notices import Notices
 from pretrain.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -174,7 +174,7 @@ def build_train_valid_test_datasets(
 ) -> list:
     """[train, valid, test] datasets (GPTDataset, BlendedDataset or None) for `num_samples` per split.
 
-    `mixture`: the train split's phases (pretrain/data/mixture.py); unless it is Megatron's one
+    `mixture`: the train split's phases (pretrain/data/blends/mixture.py); unless it is Megatron's one
     phase, the train split is its `MixtureDataset`; Megatron's one phase of a --data-schedule
     is the blend of its weights. `without_train`: build no train split.
 
@@ -202,16 +202,32 @@ def build_train_valid_test_datasets(
             without_train=True,
         )
         return [_mixture_train(b, mixture, sizes[0]), *rest[1:]]
+    if cfg.blend is not None:
+        return _cut_blend(b, cfg, sizes, without_train)
+    return _per_split_blends(b, cfg.blend_per_split, sizes, multiple_validation_sets, without_train)
+
+
+def _cut_blend(b: _Builder, cfg: DataConfig, sizes: list, without_train: bool) -> list:
+    """--data-path's one blend (or prefix), cut into the three splits by --split."""
     matrix = cfg.split_matrix
     if without_train and matrix is not None:
         matrix[Split.train] = None
-    if cfg.blend is not None:
-        prefixes, weights = cfg.blend
-        if len(prefixes) == 1 and weights is None:
-            return b.gpt_splits(prefixes[0], matrix, sizes)
-        return b.blend_splits(cfg.blend, matrix, sizes)
+    prefixes, weights = cfg.blend
+    if len(prefixes) == 1 and weights is None:
+        return b.gpt_splits(prefixes[0], matrix, sizes)
+    return b.blend_splits(cfg.blend, matrix, sizes)
+
+
+def _per_split_blends(
+    b: _Builder,
+    blends: Sequence[Blend | None],
+    sizes: list,
+    multiple_validation_sets: bool,
+    without_train: bool,
+) -> list:
+    """--train/valid/test-data-path: each split's own blend, the whole of each prefix."""
     out = []
-    for i, blend in enumerate(cfg.blend_per_split):
+    for i, blend in enumerate(blends):
         if blend is None or (without_train and i == Split.train):
             out.append(None)
             continue
@@ -233,7 +249,7 @@ def _mixture_train(b: _Builder, mixture: MixturePlan, num_samples: int):
     """The train split of a mixture that is not the flags' train blend."""
     if mixture.megatron:
         return b.train_split(mixture.blend, num_samples)
-    from pretrain.data.mixture_dataset import build_mixture
+    from pretrain.data.blends.mixture_dataset import build_mixture
 
     return build_mixture(mixture, b.cfg, b.tokenizer, b.files)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pretrain.data.blend_paths import expand
+from pretrain.data.files.blend_paths import expand
 from pretrain.data.schedule import SchedulePhase, check_schedule_prefixes, read_schedule
 from pretrain.errors import UserError
 from pretrain.flag_help import argument_group
@@ -44,6 +44,15 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add Megatron's data flags (paths, blends, split, cache, masks, loader) to `parser`'s
     "data and dataloader" group."""
     g = argument_group(parser, "data and dataloader")
+    _add_path_args(g)
+    _add_build_args(g)
+    _add_sample_args(g)
+    _add_loader_args(g)
+    return parser
+
+
+def _add_path_args(g) -> None:
+    """Which prefixes each split reads: paths, blends, per-split paths, --split, mock data."""
     g.add_argument(
         "--data-path",
         nargs="*",
@@ -86,6 +95,10 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         f"[default: {LEGACY_DEFAULT_SPLIT.replace(' ', '')} (Megatron's legacy default); "
         f"{MOCK_SPLIT} with --mock-data]",
     )
+
+
+def _add_build_args(g) -> None:
+    """How the datasets are built from them: caches, weights and their schedule, checks."""
     g.add_argument(
         "--data-cache-path",
         default=None,
@@ -124,6 +137,10 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=1,
         help="threads building the prefixes of a blend in parallel",
     )
+
+
+def _add_sample_args(g) -> None:
+    """What a sample holds besides its tokens: loss mask, positions, attention across EODs."""
     g.add_argument("--eod-mask-loss", action="store_true", help="no loss on EOD input tokens")
     g.add_argument(
         "--reset-position-ids", action="store_true", help="position ids restart after each EOD"
@@ -146,6 +163,10 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="keep a tokenizer pad id equal to another special token (not recommended)",
     )
+
+
+def _add_loader_args(g) -> None:
+    """The DataLoader: workers, sampler, and Megatron's start-up flags that change nothing here."""
     g.add_argument("--num-workers", type=int, default=2, help="DataLoader worker processes")
     g.add_argument(
         "--dataloader-type",
@@ -179,7 +200,6 @@ def add_data_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="accepted, not read: each .idx is opened once per process anyway (its header with "
         "the counts is part of that read)",
     )
-    return parser
 
 
 _SAMPLE_COUNT_FLAGS = (  # (group, flag, default, help) of integer flags
@@ -239,7 +259,7 @@ def train_valid_test_num_samples(
 def parse_blend(values: list[str], source: str) -> Blend:
     """`[P]`, `[P1 P2 ...]` or `[W1 P1 W2 P2 ...]` -> (prefixes, weights or None); an entry
     that is a glob or a folder stands for the prefixes it names, its weight shared among them by
-    tokens (`pretrain/data/blend_paths.py`)."""
+    tokens (`pretrain/data/files/blend_paths.py`)."""
     return expand(*_blend_words(values, source), source)
 
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
+from pretrain.data.blends.mixture import MixturePlan, phase_counts, resolve_mixture
+from pretrain.data.blends.mixture_dataset import MixtureCounter
+from pretrain.data.blends.plan import log_plan
 from pretrain.data.builder import build_train_valid_test_datasets
 from pretrain.data.config import train_valid_test_num_samples
-from pretrain.data.mixture import MixturePlan, phase_counts, resolve_mixture
-from pretrain.data.mixture_dataset import MixtureCounter
-from pretrain.data.plan import log_plan
-from pretrain.data.samplers import build_pretraining_data_loader
+from pretrain.data.datasets.samplers import build_pretraining_data_loader
 from pretrain.parallel import state
 from pretrain.training.logging import logger
 from pretrain.training.state import TrainState

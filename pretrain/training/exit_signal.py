@@ -8,7 +8,7 @@ same iteration; the loop then saves and returns, and the process exits 0.
 The launcher's death counts as the signal (`count`, which `exit_with_launcher`'s watch calls): a
 `deepspeed` command killed by SIGTERM does not pass it on, and a Kubernetes or Slurm SIGKILL of
 the launcher may come before the ranks see anything. The DataLoader workers ignore the signal
-(`pretrain.data.samplers.ignore_exit_signals`), so a signal to every process (Slurm, a launcher's
+(`pretrain.data.datasets.samplers.ignore_exit_signals`), so a signal to every process (Slurm, a launcher's
 process-group kill) reaches the rank's handler and nothing else.
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import signal
 
-from pretrain.data.samplers import EXIT_SIGNALS
+from pretrain.data.datasets.samplers import EXIT_SIGNALS
 from pretrain.training.distributed import any_rank
 
 SIGNALS = EXIT_SIGNALS  # Megatron's choices for --exit-signal; the DataLoader workers ignore them

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pretrain.data.mixture_dataset import MixtureCounter, consumed_tokens
+from pretrain.data.blends.mixture_dataset import MixtureCounter, consumed_tokens
 from pretrain.testing_hooks import RAISE_IN_STEP, raise_here
 from pretrain.training.batch_schedule import BatchSchedule
 from pretrain.training.checkpointing import Checkpointer

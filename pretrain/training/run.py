@@ -16,19 +16,16 @@ from dataclasses import dataclass, field
 import torch
 
 from pretrain.checkpoint.integrity import Choice
+from pretrain.data.checks import data_fingerprints, tokens_seen
 from pretrain.data.config import DataConfig
-from pretrain.data.fingerprint import (
-    PrefixFiles,
-    data_fingerprints,
-    tokenizer_fingerprint,
-    tokens_seen,
-)
+from pretrain.data.files.fingerprint import PrefixFiles
 from pretrain.errors import UserError
 from pretrain.launch import LaunchEnv
 from pretrain.model.config import ModelConfig
 from pretrain.parallel import state
 from pretrain.parallel.config import ParallelConfig
 from pretrain.tokenizer import Tokenizer, TokenizerConfig, build_tokenizer
+from pretrain.tokenizer.fingerprint import tokenizer_fingerprint
 from pretrain.training.checkpointing import CheckpointConfig, Checkpointer
 from pretrain.training.data_feed import data_iterators, rank_batches
 from pretrain.training.distributed import (

@@ -24,7 +24,7 @@ class TrainState:
     """Training sample ranges [start, end) a spike rewind will skip when it reaches them."""
     data_mixture: dict = field(default_factory=dict)
     """The train split's phases and, per source (prefix), the samples of its own order read
-    (`pretrain.data.mixture`: the record); empty with --dataloader-type cyclic or mock data."""
+    (`pretrain.data.blends.mixture`: the record); empty with --dataloader-type cyclic or mock data."""
 
     @classmethod
     def from_checkpoint(cls, client_state: dict) -> TrainState:

@@ -4,7 +4,7 @@ Megatron's caches are files per prefix (a description and three `.npy` per GPTDa
 more for our `.idx` fingerprint): a blend of 10,000 prefixes makes every rank open 50,000 files
 at start-up, a metadata storm on a shared file system. This file holds the same arrays for all
 of a split's prefixes plus the blend's own, so a rank opens one file per split and maps it once.
-Megatron's per-prefix files are still written beside it (`pretrain/data/blend_build.py`), so
+Megatron's per-prefix files are still written beside it (`pretrain/data/blends/blend_build.py`), so
 Megatron-LM finds its caches, and ours are built from Megatron's where they exist.
 
 Layout (`{dir}/{md5}-BlendCache-{split}.bin`, md5 of the request's description):

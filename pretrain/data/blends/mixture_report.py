@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pretrain.data.mixture import MixturePlan, samples_per_epoch
+from pretrain.data.blends.mixture import MixturePlan, samples_per_epoch
 
 
 def _epochs(plan: MixturePlan, counts: np.ndarray) -> np.ndarray:

@@ -36,11 +36,11 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from pretrain.data import helpers
-from pretrain.data.blended_dataset import MAX_DATASETS, normalize
+from pretrain.data.blends.blended_dataset import MAX_DATASETS, normalize
 from pretrain.data.config import Blend, DataConfig
-from pretrain.data.fingerprint import PrefixFiles
-from pretrain.data.gpt_dataset import split_ranges
+from pretrain.data.datasets import helpers
+from pretrain.data.datasets.gpt_dataset import split_ranges
+from pretrain.data.files.fingerprint import PrefixFiles
 from pretrain.errors import UserError
 
 EXTRA_TOKEN = 1  # each sample reads S + 1 tokens, as the datasets do

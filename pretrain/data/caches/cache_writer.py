@@ -4,7 +4,7 @@ A cold blend of thousands of prefixes builds thousands of small caches; creating
 per prefix, in one folder) costs as much as computing them. `CacheWriter` creates them on a
 background thread while the builder goes on computing (file system calls release the GIL), at a
 lower scheduling priority than the ranks' own work (`NICENESS`), with the guarantee
-`pretrain/data/cache.py` describes: arrays first, created under their final names, then one flush
+`pretrain/data/caches/cache.py` describes: arrays first, created under their final names, then one flush
 of each file system, then the descriptions, so a description is never durable before its arrays. A
 description is created in place too (no temporary and rename): a reader of ours trusts a cache only
 if its description is complete and equal to the expected one, and Megatron-LM only checks that the
@@ -31,7 +31,7 @@ import threading
 import numpy as np
 
 from pretrain.atomic import file_mode, sync_filesystem
-from pretrain.data.cache import (
+from pretrain.data.caches.cache import (
     CacheRequest,
     drop_description,
     make_folders,

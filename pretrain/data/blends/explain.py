@@ -12,11 +12,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from pretrain.data.blended_dataset import BlendedDataset
+from pretrain.data.blends.blended_dataset import BlendedDataset
+from pretrain.data.blends.mixture_dataset import MixtureDataset, SourceOrder
 from pretrain.data.config import DataConfig
-from pretrain.data.gpt_dataset import GPTDataset
-from pretrain.data.mixture_dataset import MixtureDataset, SourceOrder
-from pretrain.data.samplers import PretrainingRandomSampler, PretrainingSampler
+from pretrain.data.datasets.gpt_dataset import GPTDataset
+from pretrain.data.datasets.samplers import PretrainingRandomSampler, PretrainingSampler
 from pretrain.errors import UserError
 
 
@@ -36,7 +36,7 @@ class SampleOrigin:
     """The data prefix, as given on the command line."""
     dataset_sample: int
     """Index of the sample in that prefix's own order (its GPTDataset, then the further
-    segments a changing mixture adds: pretrain/data/mixture.py)."""
+    segments a changing mixture adds: pretrain/data/blends/mixture.py)."""
     documents: list[list[int]]
     """[document_id, first_token, end_token] for each document the sample's window covers."""
 

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from pretrain.data import helpers
-from pretrain.data.cache import CacheRequest, load_or_build
-from pretrain.data.describe import describe_blend
+from pretrain.data.caches.cache import CacheRequest, load_or_build
+from pretrain.data.caches.describe import describe_blend
+from pretrain.data.datasets import helpers
 from pretrain.errors import UserError
 
 MAX_DATASETS = 32767  # dataset ids are int16

@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pretrain.data.corpus import RecordBatch
-from pretrain.data.indexed_dataset import optimal_dtype
-from pretrain.data.sentences import SentenceSplitter
+from pretrain.data.files.corpus import RecordBatch
+from pretrain.data.files.indexed_dataset import optimal_dtype
+from pretrain.data.files.sentences import SentenceSplitter
 from pretrain.errors import UserError
 from pretrain.tokenizer import TokenizerConfig, build_tokenizer
 

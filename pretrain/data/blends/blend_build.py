@@ -11,7 +11,7 @@ writes the consolidated file, reads it back like everyone else and releases the 
 waiting for the writer (the others wait for the lock and read the file).
 
 The per-prefix notices of a build (prefixes whose split is empty, prefixes the blend reads more
-often than they were built for) are one summary line each (`pretrain/data/notices.py`).
+often than they were built for) are one summary line each (`pretrain/data/files/notices.py`).
 """
 
 from __future__ import annotations
@@ -27,18 +27,18 @@ from dataclasses import dataclass
 import numpy as np
 from filelock import FileLock, Timeout
 
-from pretrain.data import blend_cache
-from pretrain.data.blended_dataset import BlendedDataset
-from pretrain.data.cache import (
+from pretrain.data.blends.blended_dataset import BlendedDataset
+from pretrain.data.caches import blend_cache
+from pretrain.data.caches.cache import (
     NO_CACHE,
     load_or_build_all,
     remove_stray_temporaries_of,
     try_load,
 )
-from pretrain.data.cache_writer import CacheWriter
+from pretrain.data.caches.cache_writer import CacheWriter
 from pretrain.data.config import DataConfig
-from pretrain.data.gpt_dataset import GPTDataset, IndexSpec
-from pretrain.data.notices import Notices
+from pretrain.data.datasets.gpt_dataset import GPTDataset, IndexSpec
+from pretrain.data.files.notices import Notices
 from pretrain.errors import UserError
 
 log = logging.getLogger(__name__)

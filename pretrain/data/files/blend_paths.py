@@ -20,7 +20,7 @@ import glob
 import os
 import re
 
-from pretrain.data.indexed_dataset import get_bin_path, get_idx_path, read_index_header
+from pretrain.data.files.indexed_dataset import get_bin_path, get_idx_path, read_index_header
 from pretrain.errors import UserError
 
 _MAGIC = re.compile(r"[*?[]")

@@ -1,7 +1,7 @@
 """`tools/preprocess_data.py`: corpus -> `{prefix}_{key}_{document|sentence}.bin/.idx`, Megatron's bytes.
 
 The parent process reads raw records in small batches and hands them to a pool of worker
-processes (`pretrain.data.encoder`), at most a few batches ahead, and writes the results strictly
+processes (`pretrain.data.files.encoder`), at most a few batches ahead, and writes the results strictly
 in input order as they come back. So memory stays flat in corpus size, the output bytes do not
 depend on `--workers`, and nothing final-named appears before the run is complete.
 """
@@ -19,31 +19,31 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
-from pretrain.data.corpus import expand_inputs, iter_record_batches, total_input_bytes
-from pretrain.data.encoder import (
+from pretrain.data.files.corpus import expand_inputs, iter_record_batches, total_input_bytes
+from pretrain.data.files.encoder import (
     EncodeOptions,
     Encoder,
     encode_in_worker,
     init_worker,
     share_with_forked_workers,
 )
-from pretrain.data.fingerprint import (
+from pretrain.data.files.fingerprint import (
     dataset_counts,
     input_files,
     sidecar_path,
-    tokenizer_fingerprint,
     write_sidecar,
 )
-from pretrain.data.indexed_dataset import (
+from pretrain.data.files.indexed_dataset import (
     IndexedDatasetBuilder,
     get_bin_path,
     get_idx_path,
     remove_stray_temporaries,
 )
-from pretrain.data.output_lock import lock_output
+from pretrain.data.files.output_lock import lock_output
 from pretrain.errors import UserError, data_error
 from pretrain.flag_help import HelpFormatter
 from pretrain.tokenizer import TokenizerConfig, add_tokenizer_args
+from pretrain.tokenizer.fingerprint import tokenizer_fingerprint
 
 _MAX_REPORTED_SKIPS = 20
 
@@ -122,6 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer-type GPT2BPETokenizer --vocab-file data/gpt2/vocab.json --merge-file data/gpt2/merges.txt "
         "--append-eod --workers 2   (writes data/shakespeare_text_document.bin/.idx)",
     )
+    _add_input_args(p)
+    add_tokenizer_args(p)
+    _add_output_args(p)
+    _add_runtime_args(p)
+    return p
+
+
+def _add_input_args(p: argparse.ArgumentParser) -> None:
+    """What to read: the corpus, its keys, sentences or documents, malformed lines."""
     g = p.add_argument_group("input")
     g.add_argument(
         "--input",
@@ -156,7 +165,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="skip and count malformed lines instead of stopping at the first one",
     )
-    add_tokenizer_args(p)
+
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    """What to write: the output prefix, empty outputs, the EOD."""
     g = p.add_argument_group("output")
     g.add_argument(
         "--output-prefix",
@@ -175,6 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="append the end-of-document id to every non-empty document",
     )
+
+
+def _add_runtime_args(p: argparse.ArgumentParser) -> None:
+    """How: worker processes, progress lines, and Megatron's flags that change nothing here."""
     g = p.add_argument_group("runtime")
     g.add_argument(
         "--workers",
@@ -199,7 +215,6 @@ def build_parser() -> argparse.ArgumentParser:
         default=1000,
         help="documents between progress lines when stderr is not a terminal",
     )
-    return p
 
 
 @dataclass
@@ -361,7 +376,7 @@ def _check_not_empty(cfg: PreprocessConfig, summary: Summary) -> None:
 def _write_sidecars(
     cfg: PreprocessConfig, encoder: Encoder, sources: list[str], largest: list[int]
 ) -> None:
-    """`PREFIX.json` beside each output pair: what made it and what it holds (pretrain/data/fingerprint.py)."""
+    """`PREFIX.json` beside each output pair: what made it and what it holds (pretrain/data/files/fingerprint.py)."""
     tokenizer = tokenizer_fingerprint(cfg.tokenizer, encoder.tokenizer)
     tokenizer["append_eod"] = cfg.append_eod
     inputs = input_files(sources)

@@ -17,14 +17,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pretrain.data import helpers
-from pretrain.data.blended_dataset import normalize
+from pretrain.data.blends.blended_dataset import normalize
+from pretrain.data.blends.mixture import MixturePlan, phase_counts
+from pretrain.data.blends.mixture_report import format_phases, phase_warnings
 from pretrain.data.config import SPLIT_NAMES, Blend, DataConfig
-from pretrain.data.fingerprint import PrefixFiles
-from pretrain.data.gpt_dataset import split_ranges
-from pretrain.data.mixture import MixturePlan, phase_counts
-from pretrain.data.mixture_report import format_phases, phase_warnings
-from pretrain.data.notices import Notices
+from pretrain.data.datasets import helpers
+from pretrain.data.datasets.gpt_dataset import split_ranges
+from pretrain.data.files.fingerprint import PrefixFiles
+from pretrain.data.files.notices import Notices
 from pretrain.errors import UserError
 
 DEFAULT_MAX_EPOCHS = 4.0
@@ -237,7 +237,7 @@ def warning_summaries(
     rest: str = "tools/plan_blend.py lists every one",
 ) -> list[str]:
     """`plan_warnings` with one line per kind instead of per prefix when a kind concerns more
-    than one prefix: the count, the worst few (`pretrain/data/notices.py`) and `rest`, where
+    than one prefix: the count, the worst few (`pretrain/data/files/notices.py`) and `rest`, where
     the others are."""
     kinds: dict[str, list] = {}
     for kind, row, line in _warning_items(rows, max_epochs, min_epochs):
@@ -317,7 +317,9 @@ def log_plan(
     (none where `log` does not print INFO: every rank calls this, only rank 0 logs, and a blend of
     thousands of prefixes is not planned on the others). A changing `mixture`'s train split is
     its phases' (`counts`: `phase_counts` of its built dataset), with their epoch warnings."""
-    if cfg.mock or not log.isEnabledFor(logging.INFO):  # mock data: pretrain.data.mock logs it
+    if cfg.mock or not log.isEnabledFor(
+        logging.INFO
+    ):  # mock data: pretrain.data.datasets.mock logs it
         return []
     rows = plan_blend(cfg, num_samples, files, mixture)
     # every row at --logging-level 10 (DEBUG)

@@ -34,10 +34,10 @@ from Megatron, and why:
   flush, nobody has it mapped (it is new), and a description cut short by a crash does not equal
   the expected one; an existing file is replaced by a rename, as everywhere else. No
   fingerprint file is written per cache there: the blend's consolidated file
-  (`pretrain/data/blend_cache.py`) records every `.idx` fingerprint, and such a cache read on
+  (`pretrain/data/caches/blend_cache.py`) records every `.idx` fingerprint, and such a cache read on
   its own is treated like Megatron's (used if newer than the `.idx`, then its fingerprint
   recorded). No lock is taken per cache: the blend's builder holds the blend's lock
-  (`pretrain/data/blend_build.py`) while it computes, and a writer still writing after it is
+  (`pretrain/data/blends/blend_build.py`) while it computes, and a writer still writing after it is
   released is harmless: the other processes read the consolidated file, and one that needs one
   of these caches on its own finds no description yet, builds it and writes the same bytes.
 """
@@ -59,7 +59,7 @@ import numpy as np
 from filelock import FileLock, Timeout
 
 from pretrain.atomic import atomic_write, atomic_write_bytes, file_mode
-from pretrain.data.indexed_dataset import no_space_error
+from pretrain.data.files.indexed_dataset import no_space_error
 from pretrain.errors import UserError
 
 log = logging.getLogger(__name__)

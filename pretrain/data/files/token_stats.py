@@ -20,8 +20,8 @@ import numpy as np
 from filelock import FileLock
 
 from pretrain.atomic import atomic_write_bytes
-from pretrain.data.indexed_dataset import IndexedDataset, get_bin_path
-from pretrain.data.notices import Notices
+from pretrain.data.files.indexed_dataset import IndexedDataset, get_bin_path
+from pretrain.data.files.notices import Notices
 from pretrain.errors import UserError
 
 log = logging.getLogger(__name__)

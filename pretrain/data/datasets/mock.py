@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from pretrain.data.config import DataConfig, Split
-from pretrain.data.gpt_dataset import GPTDataset, split_ranges
+from pretrain.data.datasets.gpt_dataset import GPTDataset, split_ranges
 
 log = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pretrain.data import helpers
-from pretrain.data.cache import CacheRequest, Source, load_or_build
+from pretrain.data.caches.cache import CacheRequest, Source, load_or_build
+from pretrain.data.caches.describe import describe
 from pretrain.data.config import DataConfig
-from pretrain.data.describe import describe
+from pretrain.data.datasets import helpers
 from pretrain.errors import UserError
 
 log = logging.getLogger(__name__)

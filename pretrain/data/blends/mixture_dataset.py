@@ -1,6 +1,6 @@
 """A changing mixture's train split as a dataset, and the per-source counters a run records.
 
-`build_mixture` turns a `MixturePlan` (pretrain/data/mixture.py) into a `MixtureDataset`: each
+`build_mixture` turns a `MixturePlan` (pretrain/data/blends/mixture.py) into a `MixtureDataset`: each
 source's own order (its GPTDataset, or a `SourceOrder` of several) and the phases' blend arrays
 over them, read through the same batch code as Megatron's BlendedDataset. `MixtureCounter` says,
 at any position of the train order, how many samples of each source's own order have been read,
@@ -16,11 +16,11 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from pretrain.data.blended_dataset import blend_items
+from pretrain.data.blends.blended_dataset import blend_items
+from pretrain.data.blends.mixture import MixturePlan, Source, blend_arrays, order_identity
 from pretrain.data.config import DataConfig
-from pretrain.data.fingerprint import PrefixFiles
-from pretrain.data.gpt_dataset import GPTDataset, split_ranges
-from pretrain.data.mixture import MixturePlan, Source, blend_arrays, order_identity
+from pretrain.data.datasets.gpt_dataset import GPTDataset, split_ranges
+from pretrain.data.files.fingerprint import PrefixFiles
 
 log = logging.getLogger(__name__)
 

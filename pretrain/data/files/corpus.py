@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import zstandard
 
-from pretrain.data.indexed_dataset import get_bin_path, get_idx_path
-from pretrain.data.token_stats import FILE_NAME as TOKEN_STATS_FILE
+from pretrain.data.files.indexed_dataset import get_bin_path, get_idx_path
+from pretrain.data.files.token_stats import FILE_NAME as TOKEN_STATS_FILE
 from pretrain.errors import UserError
 
 JSON_SUFFIXES = (".jsonl", ".json")
