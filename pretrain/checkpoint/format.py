@@ -11,7 +11,7 @@ Layout (details in docs/CHECKPOINTS.md):
                                                     the step
     <save>/.global_step<N>.tmp-<id>/                a save in progress (renamed when complete)
 
-Training (`pretrain.training.checkpointing`) writes it; the converters (`pretrain.convert`) read
+Training (`pretrain.training.checkpoints.checkpointing`) writes it; the converters (`pretrain.convert`) read
 and write it. Both use this module only, so neither imports the other.
 """
 

@@ -29,7 +29,14 @@ from pretrain.model.config import ModelConfig
 from pretrain.parallel import state
 from pretrain.parallel.config import ParallelConfig
 from pretrain.tokenizer import Tokenizer, TokenizerConfig, build_tokenizer
-from pretrain.training.checkpointing import CheckpointConfig, Checkpointer
+from pretrain.training.checkpoints.checkpointing import CheckpointConfig, Checkpointer
+from pretrain.training.checkpoints.resume import (
+    check_before_launch,
+    load_checkpoint,
+    restore_rng_state,
+)
+from pretrain.training.checkpoints.resume_changes import check_tokenizer, data_changes
+from pretrain.training.checkpoints.save_lock import hold_save_lock
 from pretrain.training.data_feed import data_iterators, rank_batches
 from pretrain.training.distributed import (
     choose_backend,
@@ -37,17 +44,14 @@ from pretrain.training.distributed import (
     init_distributed,
     prepare_process_environment,
 )
-from pretrain.training.evaluator import EvalConfig
-from pretrain.training.exit_signal import ExitSignal
-from pretrain.training.logging import LoggingConfig, banner, logger, setup_logging
-from pretrain.training.loop import TrainingConfig
-from pretrain.training.lr_schedule import LRScheduleConfig
-from pretrain.training.optimizer import OptimizerConfig
+from pretrain.training.loop.exit_signal import ExitSignal
+from pretrain.training.loop.loop import TrainingConfig
 from pretrain.training.precision import PrecisionConfig
 from pretrain.training.rank_agreement import check_ranks_agree
-from pretrain.training.resume import check_before_launch, load_checkpoint, restore_rng_state
-from pretrain.training.resume_changes import check_tokenizer, data_changes
-from pretrain.training.save_lock import hold_save_lock
+from pretrain.training.report.evaluator import EvalConfig
+from pretrain.training.report.logging import LoggingConfig, banner, logger, setup_logging
+from pretrain.training.schedules.lr_schedule import LRScheduleConfig
+from pretrain.training.schedules.optimizer import OptimizerConfig
 from pretrain.training.state import TrainState
 from pretrain.training.step import moe_collector
 
@@ -251,12 +255,12 @@ def _train(
         "ignore", message=".*all_gather_into_tensor` is deprecated", category=FutureWarning
     )
     # DeepSpeed picks its accelerator when first imported: only after the environment is set.
-    from pretrain.training.engine import build_engine
-    from pretrain.training.evaluator import Evaluator
-    from pretrain.training.flops import flops_per_iteration, peak_tflops_per_device
-    from pretrain.training.logging import MetricsLogger, ScalarWriter, Throughput
-    from pretrain.training.loop import train
-    from pretrain.training.spikes import checkpoint_rewinder
+    from pretrain.training.backends.factory import build_engine
+    from pretrain.training.loop.loop import train
+    from pretrain.training.loop.spikes import checkpoint_rewinder
+    from pretrain.training.report.evaluator import Evaluator
+    from pretrain.training.report.flops import flops_per_iteration, peak_tflops_per_device
+    from pretrain.training.report.logging import MetricsLogger, ScalarWriter, Throughput
 
     par, t = cfg.parallel, cfg.training
     engine = build_engine(
@@ -282,7 +286,12 @@ def _train(
     # kept apart (--reset-attention-mask).
     use_document_ids = cfg.data.reset_attention_mask
     train_batches, valid_sets, test_batches, train_dataset, mixture = data_iterators(
-        cfg, prepared, train_state
+        data=cfg.data,
+        training=cfg.training,
+        evaluation=cfg.evaluation,
+        tokenizer=prepared.tokenizer,
+        files=prepared.files,
+        train_state=train_state,
     )
     if rng is not None:  # last: creating the loaders above draws from the torch generator
         restore_rng_state(rng)
@@ -384,7 +393,9 @@ def _train(
                     cfg.model,
                     cfg.parallel,
                     engine,
-                    functools.partial(rank_batches, cfg, train_dataset),
+                    functools.partial(
+                        rank_batches, cfg.data, cfg.training.micro_batch_size, train_dataset
+                    ),
                 ),
             )
         if completed:

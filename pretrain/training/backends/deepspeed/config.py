@@ -4,7 +4,7 @@ Two choices here keep DeepSpeed's math equal to Megatron's at every layout:
 - The optimizer is always ours (a client `torch.optim.AdamW`): a JSON optimizer would JIT-build
   `fused_adam` on CPU and bypass our parameter groups. The command line refuses a JSON optimizer.
 - Gradient clipping at ZeRO-0 is done by our optimizer with the true global norm
-  (`pretrain.training.optimizer`), so DeepSpeed's own clipping is switched off there: in a pipeline
+  (`pretrain.training.schedules.optimizer`), so DeepSpeed's own clipping is switched off there: in a pipeline
   grid DeepSpeed's fp32 ZeRO-0 norm leaves out every stage but the first, and its fp16/bf16 ZeRO-0
   wrapper (`FP16_UnfusedOptimizer`, used for any non-fused client optimizer) drops the gradients of
   every TP rank but the first (it checks the TP mark on the gradient tensors, which carry none):

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import deepspeed
 import torch
@@ -32,12 +32,11 @@ from pretrain.training.backends.deepspeed.comm import init_deepspeed_comm
 from pretrain.training.backends.deepspeed.config import build_deepspeed_config, we_clip_gradients
 from pretrain.training.backends.deepspeed.offload import partition_nvme_parameters
 from pretrain.training.backends.deepspeed.pipeline import build_pipeline_model
-from pretrain.training.checkpoint_writes import RankFiles
-from pretrain.training.engine import Carried, Engine, Write, count_parameters
-from pretrain.training.lr_schedule import LRScheduleConfig, SampleLRScheduler
-from pretrain.training.optimizer import ClippedAdamW, OptimizerConfig, build_optimizer
-from pretrain.training.per_source import SourceLosses
+from pretrain.training.checkpoints.checkpoint_writes import RankFiles
+from pretrain.training.engine import Carried, Engine, StepFunctions, Write, count_parameters
 from pretrain.training.precision import PrecisionConfig
+from pretrain.training.schedules.lr_schedule import LRScheduleConfig, SampleLRScheduler
+from pretrain.training.schedules.optimizer import ClippedAdamW, OptimizerConfig, build_optimizer
 
 
 @dataclass(eq=False)
@@ -51,6 +50,7 @@ class DeepSpeedEngine(Engine):
     padded_vocab_size: int
     ds_config: dict
     fp16: bool
+    step_functions: ClassVar[StepFunctions] = StepFunctions(steps.train_step, steps.evaluation_loss)
 
     @property
     def precision(self) -> str:
@@ -117,31 +117,6 @@ class DeepSpeedEngine(Engine):
         with _does_nothing(inner, "step"), _does_nothing(self.scheduler, "step"):
             yield
         self.ds.global_steps, self.ds.global_samples, self.ds.micro_steps = counters
-
-    def train_step(
-        self,
-        batches: Iterator[dict],
-        num_microbatches: int,
-        use_document_ids: bool,
-        device: torch.device,
-        judge: Callable[[float], bool] | None = None,
-    ) -> float:
-        """`Engine.train_step` (`steps.train_step`)."""
-        return steps.train_step(self, batches, num_microbatches, use_document_ids, device, judge)
-
-    def evaluation_loss(
-        self,
-        batches: Iterator[dict],
-        eval_iters: int,
-        num_microbatches: int,
-        use_document_ids: bool,
-        device: torch.device,
-        sources: SourceLosses | None = None,
-    ) -> float:
-        """`Engine.evaluation_loss` (`steps.evaluation_loss`)."""
-        return steps.evaluation_loss(
-            self, batches, eval_iters, num_microbatches, use_document_ids, device, sources
-        )
 
     def state_trees(self, with_optimizer: bool) -> list[tuple[dict, str]]:
         """`Engine.state_trees`: the module's weights; the wrapped torch optimizer's state and

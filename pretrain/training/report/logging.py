@@ -57,7 +57,7 @@ class Throughput:
     tokens_per_iteration: int
     """Global batch x sequence length."""
     flops_per_iteration: float
-    """Model FLOPs of one iteration (pretrain.training.flops)."""
+    """Model FLOPs of one iteration (pretrain.training.report.flops)."""
     world_size: int
     """Devices sharing the work."""
     peak_tflops: float | None
@@ -416,7 +416,7 @@ class MetricsLogger:
     def log_validation_sources(self, iteration: int, sources, where: str = "") -> None:
         """After Megatron's validation block: each blend source's token-weighted loss
         (`validation-loss/<prefix>` scalars) and the token-weighted total over all sources."""
-        from pretrain.training.per_source import format_source_lines
+        from pretrain.training.report.per_source import format_source_lines
 
         scalars = {f"validation-loss/{name}": v for name, v in sources.losses().items()}
         scalars["validation-loss/token-weighted"] = sources.token_weighted_total()

@@ -34,10 +34,10 @@ from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
 from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.random import get_tensor_parallel_rng
-from pretrain.training import scheduler_resume
-from pretrain.training.checkpoint_writes import agree
-from pretrain.training.checkpointing import CheckpointConfig
-from pretrain.training.logging import logger
+from pretrain.training.checkpoints import scheduler_resume
+from pretrain.training.checkpoints.checkpoint_writes import agree
+from pretrain.training.checkpoints.checkpointing import CheckpointConfig
+from pretrain.training.report.logging import logger
 from pretrain.training.state import TrainState
 
 if TYPE_CHECKING:

@@ -15,16 +15,16 @@ import torch
 
 from pretrain.data.mixture_dataset import MixtureCounter, consumed_tokens
 from pretrain.testing_hooks import RAISE_IN_STEP, raise_here
-from pretrain.training.batch_schedule import BatchSchedule
-from pretrain.training.checkpointing import Checkpointer
+from pretrain.training.checkpoints.checkpointing import Checkpointer
 from pretrain.training.distributed import any_rank
-from pretrain.training.divergence import DivergenceCheck
-from pretrain.training.evaluator import Evaluator
-from pretrain.training.exit_signal import ExitSignal
-from pretrain.training.logging import MetricsLogger, logger
-from pretrain.training.manual_gc import ManualGC, ManualGCConfig
-from pretrain.training.skip import flatten_iterations, skip_iteration
-from pretrain.training.spikes import Rewinder, SpikeConfig, SpikePolicy
+from pretrain.training.loop.divergence import DivergenceCheck
+from pretrain.training.loop.exit_signal import ExitSignal
+from pretrain.training.loop.manual_gc import ManualGC, ManualGCConfig
+from pretrain.training.loop.skip import flatten_iterations, skip_iteration
+from pretrain.training.loop.spikes import Rewinder, SpikeConfig, SpikePolicy
+from pretrain.training.report.evaluator import Evaluator
+from pretrain.training.report.logging import MetricsLogger, logger
+from pretrain.training.schedules.batch_schedule import BatchSchedule
 from pretrain.training.state import TrainState
 from pretrain.training.step import model_iteration
 
