@@ -17,6 +17,8 @@ from pretrain.data.plan import log_plan
 from pretrain.data.samplers import build_pretraining_data_loader
 from pretrain.parallel import state
 from pretrain.training.report.logging import logger
+from pretrain.training.report.per_source import source_names
+from pretrain.training.report.validation_sets import ValidationSet, set_suffixes
 from pretrain.training.state import TrainState
 
 if TYPE_CHECKING:
@@ -61,9 +63,6 @@ def data_iterators(
     or with --eval-iters 0; train and validation positioned after `train_state`'s consumed
     samples, whose `data_mixture` record is set to the counter's; no train batches for a run
     whose checkpoint is at or past --train-iters."""
-    from pretrain.training.report.per_source import source_names
-    from pretrain.training.report.validation_sets import ValidationSet, set_suffixes
-
     t, ev = training, evaluation
     consumed_train, consumed_valid = (
         train_state.consumed_train_samples,
@@ -93,23 +92,27 @@ def data_iterators(
         train_state.data_mixture = counter.record(consumed_train)
     batches = functools.partial(rank_batches, data, t.micro_batch_size)
 
-    if valid_ds is None or ev.eval_iters == 0:
-        valid_sets = []
-    elif ev.multiple_validation_sets:
-        suffixes = set_suffixes(ev.validation_set_names, data)
-        valid_sets = [
-            ValidationSet(suffix, batches(d, consumed_valid))
-            for suffix, d in zip(suffixes, valid_ds, strict=True)
-        ]
-    else:
-        sources = source_names(valid_ds)
-        valid_sets = [ValidationSet("", batches(valid_ds, consumed_valid), sources)]
+    valid_sets = _validation_sets(
+        valid_ds, ev, data, functools.partial(batches, consumed=consumed_valid)
+    )
     test = None if test_ds is None or ev.eval_iters == 0 else batches(test_ds, 0)
     # a finished run launched again (a requeue) trains nothing: its consumed samples may be
     # all a blend holds (Megatron sizes it exactly), which no sampler can start after
     done = train_state.iteration >= t.train_iters
     train = iter(()) if done else batches(train_ds, consumed_train)
     return train, valid_sets, test, train_ds, counter
+
+
+def _validation_sets(valid_ds, evaluation: EvalConfig, data: DataConfig, batches) -> list:
+    """The `ValidationSet`s the evaluator runs (`batches(dataset)`: a set's loader dicts): one
+    per --valid-data prefix with --multiple-validation-sets, else one (per-source sums of a
+    blend); none without a valid split or with --eval-iters 0."""
+    if valid_ds is None or evaluation.eval_iters == 0:
+        return []
+    if evaluation.multiple_validation_sets:
+        suffixes = set_suffixes(evaluation.validation_set_names, data)
+        return [ValidationSet(s, batches(d)) for s, d in zip(suffixes, valid_ds, strict=True)]
+    return [ValidationSet("", batches(valid_ds), source_names(valid_ds))]
 
 
 def rank_batches(data: DataConfig, micro_batch_size: int, dataset, consumed: int):
