@@ -272,10 +272,7 @@ def build_deepspeed_engine(
         we_clip=we_clip_gradients(parallel, precision),
         model_parallel_group=state.get_model_parallel_group(),
     )
-    local_experts = experts.expert_parameters(model)
-    experts.keep_local(local_experts)
-    if local_experts and parallel.zero_stage > 0:  # before the scheduler reads the groups
-        experts.use_expert_groups(model, optimizer, local_experts, model_config.num_moe_experts)
+    local_experts = _local_experts(model, optimizer, parallel, model_config)
     scheduler = SampleLRScheduler(optimizer, schedule, global_batch_size=global_batch_size)
     params_total = count_parameters(model)
     ds_config = build_deepspeed_config(
@@ -290,18 +287,10 @@ def build_deepspeed_engine(
     )
     if not pipeline:
         partition_nvme_parameters(model, ds_config, state.mpu)
-    ds_engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        optimizer=optimizer,
-        lr_scheduler=scheduler,
-        config=ds_config,
-        mpu=None if pipeline else state.mpu,
-    )
+    ds_engine = _initialize(model, optimizer, scheduler, ds_config, pipeline)
     experts.finish(ds_engine, model)
     if parallel.zero_stage == 0:
         experts.reduce_over_expert_data_parallel(ds_engine, local_experts)
-    _mark_master_copies(ds_engine.optimizer)
-    _undo_warmup_step(ds_engine.optimizer)
     return DeepSpeedEngine(
         ds=ds_engine,
         pipeline=pipeline,
@@ -311,3 +300,28 @@ def build_deepspeed_engine(
         ds_config=ds_config,
         fp16=precision.fp16,
     )
+
+
+def _local_experts(model, optimizer, parallel: ParallelConfig, model_config: ModelConfig) -> list:
+    """This rank's expert parameters, kept out of DeepSpeed's broadcast (and, under ZeRO, in
+    optimizer groups of their own, before the LR scheduler reads the groups)."""
+    local_experts = experts.expert_parameters(model)
+    experts.keep_local(local_experts)
+    if local_experts and parallel.zero_stage > 0:
+        experts.use_expert_groups(model, optimizer, local_experts, model_config.num_moe_experts)
+    return local_experts
+
+
+def _initialize(model, optimizer, scheduler, ds_config: dict, pipeline: bool):
+    """`deepspeed.initialize` (the mpu so ZeRO shards over DP only, none for the pipeline
+    engine), then the fp16/bf16 ZeRO-0 wrapper's copies made to match the model."""
+    ds_engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=ds_config,
+        mpu=None if pipeline else state.mpu,
+    )
+    _mark_master_copies(ds_engine.optimizer)
+    _undo_warmup_step(ds_engine.optimizer)
+    return ds_engine

@@ -10,7 +10,7 @@ it cuts each parameter for this TP rank and puts it into the module (in the modu
 the fp32 master and the optimizer state.
 
 Any TP, PP, DP and ZeRO stage 0-3 on either side (under the pipeline engine DeepSpeed allows
-ZeRO 0-1), in fp32, bf16 or fp16; `resume.relayout_possible` chooses this path over DeepSpeed's
+ZeRO 0-1), in fp32, bf16 or fp16; `compatible.relayout_possible` chooses this path over DeepSpeed's
 own load. MoE: at expert-parallel size > 1 each expert tensor (weight and moments) is gathered
 over the EP group along `expert_partition_dim` at save, so the state holds every expert and
 any EP resumes it, each rank cutting its own experts at load; persistent buffers (the routers'

@@ -208,17 +208,8 @@ def build_torch_engine(
         offload=parallel.offload_param == "cpu",
         reshard_after_forward=plan.pipeline_size == 1,
     )
-    mesh, edp_mesh = device_mesh(device), experts.expert_mesh(device)
-    pipe = None
-    if plan.pipeline_size > 1:
-        for stage in model.stage_modules:
-            shard_model(stage, list(stage.layers.values()), mesh, policy, edp_mesh)
-        dtype = torch.bfloat16 if policy.bf16 else torch.float32
-        pipe = Pipeline(
-            model_config, plan, model.stage_modules, parallel.pipeline_schedule, device, dtype
-        )
-    else:
-        shard_model(model, list(model.layers), mesh, policy, edp_mesh)
+    mesh = device_mesh(device)
+    pipe = _shard(model, model_config, plan, parallel, mesh, policy, device)
     optimizer = build_optimizer(
         model.named_parameters(),
         optimizer_config,
@@ -238,4 +229,27 @@ def build_torch_engine(
         params_total=params_total,
         padded_vocab_size=model_config.padded_vocab_size(tp),
         pipe=pipe,
+    )
+
+
+def _shard(
+    model: torch.nn.Module,
+    model_config: ModelConfig,
+    plan: StagePlan,
+    parallel: ParallelConfig,
+    mesh: DeviceMesh,
+    policy: ShardingPolicy,
+    device: torch.device,
+) -> Pipeline | None:
+    """Shard the GPT (or each of this rank's stage modules) with FSDP2 per layer; at PP > 1
+    return the schedule over the stages."""
+    edp_mesh = experts.expert_mesh(device)
+    if plan.pipeline_size == 1:
+        shard_model(model, list(model.layers), mesh, policy, edp_mesh)
+        return None
+    for stage in model.stage_modules:
+        shard_model(stage, list(stage.layers.values()), mesh, policy, edp_mesh)
+    dtype = torch.bfloat16 if policy.bf16 else torch.float32
+    return Pipeline(
+        model_config, plan, model.stage_modules, parallel.pipeline_schedule, device, dtype
     )
