@@ -52,7 +52,7 @@ from pretrain.training.loop.spikes import SpikeConfig
 from pretrain.training.report.evaluator import EvalConfig
 from pretrain.training.report.logging import LoggingConfig
 from pretrain.training.report.validation_sets import check_validation_sets
-from pretrain.training.run import Prepared, RunConfig
+from pretrain.training.run_config import Prepared, RunConfig
 from pretrain.training.schedules.optimizer import OptimizerConfig
 
 

@@ -1,7 +1,7 @@
 """`pretrain(config)`: process group -> engine -> checkpoint -> data -> loop -> final save.
 
-`RunConfig` bundles every component's config for one run; this module is the only one that
-sees all of them, and hands each component the part it needs.
+`RunConfig` (`run_config.py`) bundles every component's config for one run; this module is the
+only one that sees all of them, and hands each component the part it needs.
 """
 
 from __future__ import annotations
@@ -11,26 +11,19 @@ import dataclasses
 import functools
 import os
 import warnings
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from pretrain.checkpoint.integrity import Choice
-from pretrain.data.config import DataConfig
 from pretrain.data.fingerprint import (
-    PrefixFiles,
     data_fingerprints,
-    tokenizer_fingerprint,
     tokens_seen,
 )
 from pretrain.errors import UserError
-from pretrain.launch import LaunchEnv
-from pretrain.model.config import ModelConfig
 from pretrain.parallel import state
 from pretrain.parallel.config import ParallelConfig
-from pretrain.tokenizer import Tokenizer, TokenizerConfig, build_tokenizer
-from pretrain.training.checkpoints.checkpointing import CheckpointConfig, Checkpointer
+from pretrain.training.checkpoints.checkpointing import Checkpointer
 from pretrain.training.checkpoints.resume import (
     check_before_launch,
     load_checkpoint,
@@ -48,12 +41,10 @@ from pretrain.training.distributed import (
 from pretrain.training.loop.exit_signal import ExitSignal
 from pretrain.training.loop.loop import TrainingConfig, train
 from pretrain.training.loop.spikes import checkpoint_rewinder
-from pretrain.training.precision import PrecisionConfig
 from pretrain.training.rank_agreement import check_ranks_agree
-from pretrain.training.report.evaluator import EvalConfig, Evaluator
+from pretrain.training.report.evaluator import Evaluator
 from pretrain.training.report.flops import flops_per_iteration, peak_tflops_per_device
 from pretrain.training.report.logging import (
-    LoggingConfig,
     MetricsLogger,
     ScalarWriter,
     Throughput,
@@ -61,87 +52,12 @@ from pretrain.training.report.logging import (
     logger,
     setup_logging,
 )
-from pretrain.training.schedules.lr_schedule import LRScheduleConfig
-from pretrain.training.schedules.optimizer import OptimizerConfig
+from pretrain.training.run_config import Prepared, RunConfig
 from pretrain.training.state import TrainState
 from pretrain.training.step import moe_collector
 
 if TYPE_CHECKING:
     from pretrain.training.engine import Engine
-
-
-@dataclass(frozen=True, kw_only=True)
-class Prepared:
-    """What the checks before launch built (`pretrain.cli`), handed to `pretrain` so that a
-    process builds its tokenizer and opens (validates) each data prefix once."""
-
-    tokenizer_config: TokenizerConfig
-    """The config `tokenizer` was built from."""
-    tokenizer: Tokenizer
-    """The built tokenizer (its files read, its vocabulary size known)."""
-    tokenizer_fingerprint: dict
-    """`tokenizer_fingerprint(tokenizer_config, tokenizer)`: its behaviour and files hashed once
-    per process (the data check, the resume check and the checkpoints' record use it)."""
-    data_config: DataConfig
-    """The data config `files` was made for."""
-    files: PrefixFiles
-    """The data prefixes' `.idx` files, sidecars and largest token ids as already read."""
-
-    @classmethod
-    def build(
-        cls,
-        tokenizer_config: TokenizerConfig,
-        data_config: DataConfig,
-        tokenizer: Tokenizer | None = None,
-    ) -> Prepared:
-        """`tokenizer` (built from `tokenizer_config` now when not given) fingerprinted, and no
-        data files read yet."""
-        if tokenizer is None:
-            tokenizer = build_tokenizer(tokenizer_config)
-        return cls(
-            tokenizer_config=tokenizer_config,
-            tokenizer=tokenizer,
-            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer_config, tokenizer),
-            data_config=data_config,
-            files=PrefixFiles(data_config.data_cache_path),
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunConfig:
-    """Everything one pretrain_gpt.py run is configured with (built by `pretrain.cli`)."""
-
-    model: ModelConfig
-    """The architecture."""
-    parallel: ParallelConfig
-    """TP/PP/DP layout, ZeRO stage, backend."""
-    training: TrainingConfig
-    """Iterations, batch sizes, early exits."""
-    schedule: LRScheduleConfig
-    """The learning-rate schedule, in samples."""
-    optimizer: OptimizerConfig
-    """AdamW and gradient clipping."""
-    precision: PrecisionConfig
-    """fp32/bf16/fp16 and loss scaling."""
-    evaluation: EvalConfig
-    """When and how long to evaluate."""
-    data: DataConfig
-    """Data prefixes, blends, splits, sample shape."""
-    tokenizer: TokenizerConfig
-    """The tokenizer that made the data."""
-    checkpoint: CheckpointConfig
-    """Saving and resuming."""
-    logging: LoggingConfig
-    """Log lines, TensorBoard, metrics file."""
-    launch: LaunchEnv
-    """This process's rank and the rendezvous, from the launcher."""
-    deepspeed_json: dict | None = None
-    """The user's --deepspeed_config, already checked against the flags."""
-    argv: tuple[str, ...] = ()
-    """The command line, recorded in checkpoints and dashboards."""
-    prepared: Prepared | None = field(default=None, compare=False, repr=False)
-    """The tokenizer and data files the checks before launch built; None: `pretrain` builds them.
-    Not part of the configuration (equal configs may differ here)."""
 
 
 def _prepared(cfg: RunConfig) -> Prepared:
