@@ -199,21 +199,11 @@ def _train(
     flops = flops_per_iteration(cfg.model, t.global_batch_size, engine.padded_vocab_size)
     logger.info(_banner(cfg, engine, backend, device, flops))
     if train_state.iteration >= t.train_iters:
-        logger.info(
-            f"checkpoint is at iteration {train_state.iteration} >= --train-iters "
-            f"{t.train_iters}: nothing to do (and nothing saved)"
-        )
+        logger.info(_nothing_to_do(train_state, t))
     writer = _scalar_writer(cfg)
     metrics = _metrics_logger(cfg, engine, writer, flops)
     evaluator = _evaluator(cfg, valid_sets, test_batches, device, metrics)
-    checkpointer = Checkpointer(
-        cfg.checkpoint,
-        model=cfg.model,
-        parallel=cfg.parallel,
-        tokenizer=cfg.tokenizer.record(),
-        run_record=record,
-        tokens_seen=_tokens_seen_counter(cfg, train_dataset),
-    )
+    checkpointer = _checkpointer(cfg, record, train_dataset)
     train_batches_again = functools.partial(
         rank_batches, cfg.data, t.micro_batch_size, train_dataset
     )
@@ -241,6 +231,27 @@ def _train(
         writer.close()
     _finish(cfg, engine, train_state, owns_process_group)
     return train_state
+
+
+def _nothing_to_do(train_state: TrainState, t: TrainingConfig) -> str:
+    """The line for a checkpoint already at or past --train-iters (a requeued finished run)."""
+    return (
+        f"checkpoint is at iteration {train_state.iteration} >= --train-iters "
+        f"{t.train_iters}: nothing to do (and nothing saved)"
+    )
+
+
+def _checkpointer(cfg: RunConfig, record: dict, train_dataset) -> Checkpointer:
+    """The run's `Checkpointer`: what it saves beside the backend's files (`record`: the run's
+    `_run_record`) and the tokens seen per source."""
+    return Checkpointer(
+        cfg.checkpoint,
+        model=cfg.model,
+        parallel=cfg.parallel,
+        tokenizer=cfg.tokenizer.record(),
+        run_record=record,
+        tokens_seen=_tokens_seen_counter(cfg, train_dataset),
+    )
 
 
 def _quiet_deepspeed_startup() -> None:
