@@ -81,7 +81,7 @@ def _install_timers(timings: Path, label: list[str]) -> None:
     import torch.distributed as dist
 
     import pretrain.training.run as run_module
-    from pretrain.training.checkpointing import Checkpointer
+    from pretrain.training.checkpoints.checkpointing import Checkpointer
 
     def record(**fields) -> None:
         if dist.get_rank() == 0:

@@ -48,7 +48,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from pretrain.model.config import ModelConfig  # noqa: E402
-from pretrain.training.flops import flops_per_iteration, peak_tflops_per_device  # noqa: E402
+from pretrain.training.report.flops import flops_per_iteration, peak_tflops_per_device  # noqa: E402
 
 VOCAB = 50257  # GPT-2's: padded to 50304
 

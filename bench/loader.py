@@ -11,7 +11,7 @@ capacity, which other jobs on a shared machine do not distort), for three config
 
 "need_per_gpu" is the samples/s one H100 consumes training GPT-2 124M at 50% MFU, a stated figure
 (no GPU here): 0.5 x 989 TFLOP/s (dense bf16) / FLOPs per sample, with FLOPs per sample from
-`pretrain.training.flops.flops_per_iteration` (the formula the training log's TFLOP/s and MFU
+`pretrain.training.report.flops.flops_per_iteration` (the formula the training log's TFLOP/s and MFU
 use): S x [72 L h^2 + 6 L h S + 6 h V], i.e. 6 x N x tokens (N = 12 L h^2 + h V, the matmul
 parameters) plus causal attention (6 L h S per token); L=12, h=768, V=50304 (padded).
 "ratio" = the slowest configuration's samples per CPU-second / need_per_gpu.
@@ -40,7 +40,7 @@ from pretrain.data.datasets.samplers import build_pretraining_data_loader  # noq
 from pretrain.data.files.indexed_dataset import IndexedDatasetBuilder  # noqa: E402
 from pretrain.model.config import ModelConfig  # noqa: E402
 from pretrain.tokenizer import NullTokenizer  # noqa: E402
-from pretrain.training.flops import PEAK_BF16_TFLOPS, flops_per_iteration  # noqa: E402
+from pretrain.training.report.flops import PEAK_BF16_TFLOPS, flops_per_iteration  # noqa: E402
 
 VOCAB = 50257
 MFU = 0.5

@@ -76,11 +76,11 @@ def worker(argv_file: str, report: str, label: str) -> None:
     import torch
     import torch.distributed as dist
 
-    import pretrain.training.engine as engine_module
+    import pretrain.training.backends.factory as engine_module
     import pretrain.training.run as run_module
     from pretrain.cli import parse_args
     from pretrain.errors import exit_on_user_error
-    from pretrain.training.logging import MetricsLogger
+    from pretrain.training.report.logging import MetricsLogger
 
     before = {}
     build = engine_module.build_engine

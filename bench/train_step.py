@@ -8,7 +8,7 @@ process (DeepSpeed engine, data loader from a generated NullTokenizer corpus, lo
 file); the plain loop runs in this process on random tokens of the same shape. Median iteration
 times exclude the first `--warmup` iterations; the plain loop runs before and after ours. ratio = ours / plain (target <= 1.05).
 On a CUDA machine the defaults switch to a ~1.3B GPT in bf16 (24 x 2048, seq 2048) and MFU is
-reported against the table in pretrain/training/flops.py (or --peak-tflops).
+reported against the table in pretrain/training/report/flops.py (or --peak-tflops).
 The last line printed is one JSON object with the figures.
 """
 
@@ -34,8 +34,8 @@ from pretrain.data.files.indexed_dataset import IndexedDatasetBuilder, get_bin_p
 from pretrain.model.config import ModelConfig  # noqa: E402
 from pretrain.model.gpt import GPTModel  # noqa: E402
 from pretrain.model.loss import masked_mean_loss  # noqa: E402
-from pretrain.training.flops import flops_per_iteration, peak_tflops_per_device  # noqa: E402
-from pretrain.training.optimizer import param_groups  # noqa: E402
+from pretrain.training.report.flops import flops_per_iteration, peak_tflops_per_device  # noqa: E402
+from pretrain.training.schedules.optimizer import param_groups  # noqa: E402
 
 
 def parse() -> argparse.Namespace:

@@ -15,10 +15,10 @@ from pretrain.cli import parse_args
 from pretrain.errors import UserError
 from pretrain.launch import detect_launch_env
 from pretrain.training.backends.deepspeed.config import build_deepspeed_config
-from pretrain.training.flops import flops_per_iteration
-from pretrain.training.logging import IterationStats, format_iteration_line
-from pretrain.training.lr_schedule import LRScheduleConfig, SampleLRScheduler, lr_at
-from pretrain.training.optimizer import param_groups
+from pretrain.training.report.flops import flops_per_iteration
+from pretrain.training.report.logging import IterationStats, format_iteration_line
+from pretrain.training.schedules.lr_schedule import LRScheduleConfig, SampleLRScheduler, lr_at
+from pretrain.training.schedules.optimizer import param_groups
 
 ONE_RANK = {}  # no launcher variables: one process
 

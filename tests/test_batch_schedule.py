@@ -24,7 +24,7 @@ from training_fixtures import (
 
 from pretrain.cli import parse_args
 from pretrain.errors import UserError
-from pretrain.training.batch_schedule import BatchSchedule, parse_step_schedule
+from pretrain.training.schedules.batch_schedule import BatchSchedule, parse_step_schedule
 
 
 def megatron_rampup(start, increment, samples, gbs, mbs, dp):

@@ -10,7 +10,7 @@ from pretrain.cli import parse_args
 from pretrain.convert.checkpoint_writer import write_checkpoint
 from pretrain.errors import UserError
 from pretrain.model import GPTModel
-from pretrain.training.resume import check_before_launch
+from pretrain.training.checkpoints.resume import check_before_launch
 
 
 def check(cfg):

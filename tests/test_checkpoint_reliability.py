@@ -38,7 +38,7 @@ from pretrain.checkpoint.format import FINGERPRINTS_KEY, META_FILE
 from pretrain.checkpoint.integrity import choose_checkpoint, manifest
 from pretrain.errors import UserError
 from pretrain.launch import free_port
-from pretrain.training.save_lock import LOCK_FILE
+from pretrain.training.checkpoints.save_lock import LOCK_FILE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

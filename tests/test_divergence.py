@@ -37,8 +37,8 @@ from training_fixtures import test_env as clean_env
 from pretrain.checkpoint.integrity import nonfinite_tensors
 from pretrain.convert.checkpoint_reader import read_checkpoint
 from pretrain.launch import free_port
-from pretrain.training.log_parse import read_run_log
-from pretrain.training.logging import LoggingConfig, MetricsLogger, ScalarWriter, Throughput
+from pretrain.training.report.log_parse import read_run_log
+from pretrain.training.report.logging import LoggingConfig, MetricsLogger, ScalarWriter, Throughput
 
 DIVERGE = ["--lr", "1e8", "--clip-grad", "0"]  # after train_flags: these win
 GOOD = 2

@@ -26,8 +26,8 @@ from training_fixtures import (
     train_flags,
 )
 
-from pretrain.training.logging import format_eval_line
-from pretrain.training.lr_schedule import lr_at
+from pretrain.training.report.logging import format_eval_line
+from pretrain.training.schedules.lr_schedule import lr_at
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from pretrain.errors import UserError, print_user_error
-from pretrain.training import exit_signal
-from pretrain.training.exit_signal import ExitSignal
+from pretrain.training.loop import exit_signal
+from pretrain.training.loop.exit_signal import ExitSignal
 
 
 class _Writes(io.StringIO):

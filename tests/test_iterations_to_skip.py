@@ -23,7 +23,7 @@ from training_fixtures import (
 )
 
 from pretrain.convert.checkpoint_reader import find_checkpoint
-from pretrain.training.skip import iteration_spec
+from pretrain.training.loop.skip import iteration_spec
 
 GBS, MBS = 8, 2
 

@@ -38,7 +38,7 @@ from pretrain.cli import build_parser, parse_args
 from pretrain.cli.refused import REFUSED_FLAGS
 from pretrain.errors import UserError
 from pretrain.training.backends.deepspeed.config import build_deepspeed_config
-from pretrain.training.logging import ScalarWriter
+from pretrain.training.report.logging import ScalarWriter
 
 pytestmark = [pytest.mark.timeout(600)]
 

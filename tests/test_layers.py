@@ -29,7 +29,7 @@ FORBIDDEN = {("pretrain.convert", "pretrain.training"), ("pretrain.training", "p
 
 
 def component(module: str) -> str:
-    """`pretrain.training.loop` -> `pretrain.training` (the unit the layer table names)."""
+    """`pretrain.training.loop.loop` -> `pretrain.training` (the unit the layer table names)."""
     return ".".join(module.split(".")[:2])
 
 
@@ -212,3 +212,109 @@ def test_the_backend_checker_sees_a_library_import(tmp_path):
         (4, "torch.distributed.pipelining"),
         (5, "torch.distributed.checkpoint"),
     ]
+
+
+# Inside pretrain.training, the rooms (docs/ARCHITECTURE.md, "Training rooms"): what each may
+# not import. "top" is the shared modules at the top of training/ (the engine interface, step,
+# state, distributed, precision, rank_agreement); "setup" is run.py, run_config.py and
+# data_feed.py, which only the setup (and the CLI above training) imports.
+ROOM_MAY_NOT_IMPORT = {
+    "top": {"loop", "backends", "setup"},
+    "schedules": {"top", "loop", "checkpoints", "report", "backends", "setup"},
+    "report": {"loop", "checkpoints", "schedules", "backends", "setup"},
+    "checkpoints": {"loop", "backends", "setup"},
+    "loop": {"backends", "setup"},
+    "backends": {"loop", "setup"},
+    "setup": set(),
+}
+SETUP = {"pretrain.training.run", "pretrain.training.run_config", "pretrain.training.data_feed"}
+
+
+def room_of(module: str) -> str | None:
+    """`pretrain.training.loop.spikes` -> "loop"; None outside pretrain.training."""
+    parts = module.split(".")
+    if parts[:2] != ["pretrain", "training"] or len(parts) < 3:
+        return None
+    if parts[2] in ROOM_MAY_NOT_IMPORT:
+        return parts[2]
+    return "setup" if ".".join(parts[:3]) in SETUP else "top"
+
+
+def test_each_training_room_imports_only_what_it_may():
+    violations = []
+    for path in sorted((REPO / "pretrain" / "training").rglob("*.py")):
+        me = module_name(path)
+        mine = room_of(me)
+        for line, target in imports(path):
+            theirs = room_of(target)
+            if mine is not None and theirs in ROOM_MAY_NOT_IMPORT[mine]:
+                violations.append(f"{path.relative_to(REPO)}:{line}: {mine} room imports {target}")
+    assert not violations, "\n".join(violations)
+
+
+def test_the_room_checker_sees_a_forbidden_import(tmp_path):
+    """The rule above is not vacuous: the interface importing a backend, a schedule importing
+    the loop and a report module importing the checkpointer are each caught."""
+    assert room_of("pretrain.training.backends.factory") in ROOM_MAY_NOT_IMPORT["top"]
+    assert room_of("pretrain.training.loop.loop") in ROOM_MAY_NOT_IMPORT["schedules"]
+    assert room_of("pretrain.training.checkpoints") in ROOM_MAY_NOT_IMPORT["report"]
+    assert room_of("pretrain.training.engine") == "top"
+    assert room_of("pretrain.training.run") == "setup"
+
+
+def product_modules() -> dict[str, Path]:
+    """Every module under pretrain/, by dotted name."""
+    return {module_name(p): p for p in sorted((REPO / "pretrain").rglob("*.py"))}
+
+
+def import_graph(modules: dict[str, Path]) -> dict[str, set[str]]:
+    """module -> the product modules it imports (function-level and TYPE_CHECKING imports
+    included; `from pkg import sub` is an import of `pkg.sub` where that is a module)."""
+    graph = {}
+    for me, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [f"{node.module}.{a.name}" for a in node.names]
+                targets |= {n if n in modules else node.module for n in names}
+            elif isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+        graph[me] = {t for t in targets if t in modules and t != me}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as [a, b, ..., a], or None."""
+    done, path = set(), []
+
+    def visit(module: str) -> list[str] | None:
+        if module in path:
+            return path[path.index(module) :] + [module]
+        if module in done:
+            return None
+        path.append(module)
+        for target in sorted(graph[module]):
+            cycle = visit(target)
+            if cycle:
+                return cycle
+        path.pop()
+        done.add(module)
+        return None
+
+    for module in sorted(graph):
+        cycle = visit(module)
+        if cycle:
+            return cycle
+    return None
+
+
+def test_no_import_cycle_among_product_modules():
+    cycle = find_cycle(import_graph(product_modules()))
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_sees_a_cycle():
+    """The rule above is not vacuous: a two-module circle and a longer one are named."""
+    assert find_cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"b"}, "d": set()}) == ["b", "c", "b"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None

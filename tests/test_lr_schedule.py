@@ -8,8 +8,8 @@ import torch
 
 from pretrain.cli import parse_args
 from pretrain.errors import UserError
-from pretrain.training.batch_schedule import BatchSchedule
-from pretrain.training.lr_schedule import (
+from pretrain.training.schedules.batch_schedule import BatchSchedule
+from pretrain.training.schedules.lr_schedule import (
     DECAY_STYLES,
     WSD_DECAY_STYLES,
     LRScheduleConfig,

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.timeout(600)
 
 RECORDING_RUN = """
 import gc, json, sys
-from pretrain.training.evaluator import Evaluator
-from pretrain.training.logging import MetricsLogger
+from pretrain.training.report.evaluator import Evaluator
+from pretrain.training.report.logging import MetricsLogger
 
 events, phase = [], {"loop": False}
 
@@ -40,7 +40,7 @@ def wrap(cls, name, before, after):
 def iteration_done(kwargs):
     events.append(["iteration", kwargs["iteration"], gc.isenabled()])
 
-import pretrain.training.loop as loop
+import pretrain.training.loop.loop as loop
 
 real_train = loop.train
 

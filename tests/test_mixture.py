@@ -26,7 +26,7 @@ from pretrain.data.files.fingerprint import PrefixFiles
 from pretrain.data.schedule import read_schedule
 from pretrain.errors import UserError
 from pretrain.tokenizer import NullTokenizer
-from pretrain.training.logging import MAX_SOURCES_SHOWN, shown_sources
+from pretrain.training.report.logging import MAX_SOURCES_SHOWN, shown_sources
 
 S, SEED, GBS = 16, 5, 4
 

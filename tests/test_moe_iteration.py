@@ -10,7 +10,7 @@ import torch
 
 from pretrain.model.config import ModelConfig
 from pretrain.model.gpt import GPTModel
-from pretrain.training.logging import LoggingConfig, MetricsLogger, Throughput
+from pretrain.training.report.logging import LoggingConfig, MetricsLogger, Throughput
 from pretrain.training.step import model_iteration, moe_collector
 
 BATCH, SEQ, VOCAB = 2, 12, 64

@@ -12,7 +12,7 @@ torch's build lock.
 import pytest
 import torch
 
-from pretrain.training.optimizer import param_groups
+from pretrain.training.schedules.optimizer import param_groups
 
 
 def _train(make_optimizer) -> list[torch.Tensor]:

@@ -10,8 +10,8 @@ import sys
 import numpy as np
 from PIL import Image
 
-from pretrain.training.log_parse import parse_iteration_lines, read_run_log
-from pretrain.training.logging import (
+from pretrain.training.report.log_parse import parse_iteration_lines, read_run_log
+from pretrain.training.report.logging import (
     IterationStats,
     banner,
     format_eval_line,

@@ -30,7 +30,7 @@ from training_fixtures import (
 )
 from training_fixtures import test_env as clean_env
 
-from pretrain.training.save_lock import LOCK_FILE
+from pretrain.training.checkpoints.save_lock import LOCK_FILE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -9,9 +9,9 @@ import torch
 
 from pretrain.cli import parse_args
 from pretrain.errors import UserError
-from pretrain.training.checkpointing import CheckpointConfig
-from pretrain.training.lr_schedule import LRScheduleConfig, SampleLRScheduler
-from pretrain.training.scheduler_resume import resolve
+from pretrain.training.checkpoints.checkpointing import CheckpointConfig
+from pretrain.training.checkpoints.scheduler_resume import resolve
+from pretrain.training.schedules.lr_schedule import LRScheduleConfig, SampleLRScheduler
 
 GBS, SAVED_AT, FURTHER = 8, 40, 6
 # The run that saved: --train-iters 40 (the decay span) --lr-warmup-iters 4, cosine.

@@ -29,7 +29,7 @@ from pretrain.cli import parse_args
 from pretrain.convert.checkpoint_reader import find_checkpoint
 from pretrain.data.files.indexed_dataset import IndexedDatasetBuilder, get_bin_path, get_idx_path
 from pretrain.errors import UserError
-from pretrain.training.spikes import is_spike
+from pretrain.training.loop.spikes import is_spike
 
 SPIKE, ITERS, BAD_TOKEN = 9, 12, VOCAB - 1  # the corpus draws ids 0..9 only
 DETECT = "--check-for-spiky-loss --spiky-loss-window 4 --spiky-loss-min-window 3 "

@@ -1,6 +1,6 @@
 """Start-up does each piece of work once per process: `parse_args` builds the tokenizer and opens
 (validates) the data prefixes for its checks, and `pretrain` trains with those instead of
-building and validating them again (`pretrain.training.run.Prepared`)."""
+building and validating them again (`pretrain.training.run_config.Prepared`)."""
 
 import dataclasses
 import json

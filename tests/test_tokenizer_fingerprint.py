@@ -25,7 +25,7 @@ from pretrain.errors import UserError
 from pretrain.launch import free_port
 from pretrain.tokenizer import TokenizerConfig, build_tokenizer
 from pretrain.tokenizer.fingerprint import tokenizer_fingerprint
-from pretrain.training.resume_changes import check_tokenizer
+from pretrain.training.checkpoints.resume_changes import check_tokenizer
 
 LINES = [
     "ROMEO:\nBut soft, what light through yonder window breaks?",

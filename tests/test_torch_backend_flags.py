@@ -9,7 +9,7 @@ from training_fixtures import make_corpus, model_flags, train_flags
 from pretrain.checkpoint.format import build_metadata
 from pretrain.cli import parse_args
 from pretrain.errors import UserError
-from pretrain.training.resume import check_compatible
+from pretrain.training.checkpoints.compatible import check_compatible
 
 ONE_RANK = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
 TWO_RANKS = {**ONE_RANK, "WORLD_SIZE": "2"}

@@ -31,8 +31,8 @@ def _batch(generator: torch.Generator) -> dict:
 
 def _engine_checks(rank: int, world: int, argv: list[str], folder: str) -> dict:
     from pretrain.cli import parse_args
-    from pretrain.training.engine import build_engine
-    from pretrain.training.per_source import SourceLosses
+    from pretrain.training.backends.factory import build_engine
+    from pretrain.training.report.per_source import SourceLosses
 
     env = {"RANK": str(rank), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1"}
     cfg = parse_args(argv, env={**env, "MASTER_PORT": "1"})
@@ -86,7 +86,7 @@ def _engine_checks(rank: int, world: int, argv: list[str], folder: str) -> dict:
 
 def _dcp_round_trip(engine, folder: str) -> dict:
     from pretrain.errors import UserError
-    from pretrain.training.checkpoint_writes import RankFiles
+    from pretrain.training.checkpoints.checkpoint_writes import RankFiles
 
     files = RankFiles()
     engine.save_native(folder, "step", {"iteration": 1}, files)

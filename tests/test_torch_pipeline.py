@@ -138,7 +138,7 @@ def _run_case(case: tuple) -> dict:
     )
     from pretrain.training.backends.torch.pipeline import Pipeline
     from pretrain.training.backends.torch.stages import build_stage_modules
-    from pretrain.training.per_source import SourceLosses
+    from pretrain.training.report.per_source import SourceLosses
 
     _, config, schedule, chunks, count, document_ids = case
     plan = StagePlan(

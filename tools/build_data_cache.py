@@ -47,7 +47,7 @@ from pretrain.data.files.fingerprint import PrefixFiles  # noqa: E402
 from pretrain.errors import exit_on_user_error  # noqa: E402
 from pretrain.outputs import ignore_file_size_signal, refuse_output  # noqa: E402
 from pretrain.tokenizer import TokenizerConfig, build_tokenizer  # noqa: E402
-from pretrain.training.logging import rank0_level  # noqa: E402
+from pretrain.training.report.logging import rank0_level  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
-from pretrain.training.log_parse import read_run_log  # noqa: E402
+from pretrain.training.report.log_parse import read_run_log  # noqa: E402
 
 
 def human_size(num_bytes: int) -> str:

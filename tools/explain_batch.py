@@ -41,7 +41,7 @@ from pretrain.data.config import (  # noqa: E402
 from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
 from pretrain.outputs import refuse_output  # noqa: E402
 from pretrain.tokenizer import TokenizerConfig, build_tokenizer  # noqa: E402
-from pretrain.training.skip import flatten_iterations, iteration_spec, skipped_in  # noqa: E402
+from pretrain.training.loop.skip import flatten_iterations, iteration_spec, skipped_in  # noqa: E402
 
 PREVIEW_TOKENS = 24
 PREVIEW_CHARS = 70

@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pretrain.errors import UserError, exit_on_user_error  # noqa: E402
-from pretrain.training.log_parse import RunLog, read_run_log  # noqa: E402
+from pretrain.training.report.log_parse import RunLog, read_run_log  # noqa: E402
 
 PANELS = [  # (iteration-line field, title, log scale)
     ("lm loss", "loss (dots: validation)", False),

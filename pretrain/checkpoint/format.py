@@ -11,7 +11,7 @@ Layout (details in docs/CHECKPOINTS.md):
                                                     the step
     <save>/.global_step<N>.tmp-<id>/                a save in progress (renamed when complete)
 
-Training (`pretrain.training.checkpointing`) writes it; the converters (`pretrain.convert`) read
+Training (`pretrain.training.checkpoints.checkpointing`) writes it; the converters (`pretrain.convert`) read
 and write it. Both use this module only, so neither imports the other.
 """
 
@@ -22,6 +22,7 @@ import json
 import os
 import re
 import typing
+from dataclasses import dataclass
 
 import torch
 
@@ -35,6 +36,7 @@ LATEST_FILE = "latest"
 MEGATRON_LATEST_FILE = "latest_checkpointed_iteration.txt"
 FILES_KEY = "files"
 FINGERPRINTS_KEY = "fingerprints"  # pretrain.checkpoint.fingerprints
+FULL_STATE_ONLY = "full_state_only"  # pretrain.checkpoint.relayout: a reshard_checkpoint output
 _TAG = re.compile(r"^global_step(\d+)$")
 _TEMPORARY = re.compile(r"^\.global_step\d+\.(tmp|old)-(.+)$")
 
@@ -101,6 +103,63 @@ def saved_backend(meta: dict) -> str:
     """The backend that wrote a checkpoint: "torch" or "deepspeed" (older checkpoints, which do
     not say, and converted ones are DeepSpeed's layout)."""
     return meta["parallel"].get("backend", "deepspeed")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResumeRecord:
+    """What a resume decides by, read from a checkpoint's metadata in one call
+    (`resume_record`): the layout and backend it was saved at, its precision, what it holds."""
+
+    tensor_model_parallel_size: int
+    pipeline_model_parallel_size: int
+    data_parallel_size: int
+    zero_stage: int
+    expert_model_parallel_size: int
+    """1 for checkpoints written before MoE."""
+    backend: str
+    """"torch" or "deepspeed" (`saved_backend`)."""
+    precision: str | None
+    """"bf16", "fp16" or "fp32"; None where the metadata does not say (converted checkpoints)."""
+    full_state: bool
+    """It holds the layout-independent state (False: saved with --no-save-full-state)."""
+    full_state_only: bool
+    """It holds only that state (`tools/reshard_checkpoint.py`'s output, no backend files)."""
+    weights_only: bool
+    """Converted: no optimizer state or data position (`--finetune` only)."""
+    padded_vocab_size: int | None
+    vocab_size: int
+    make_vocab_size_divisible_by: int | None
+
+    @property
+    def sharding(self) -> str:
+        """How the optimizer state was split: "FSDP2" or "ZeRO-<stage>"."""
+        return "FSDP2" if self.backend == "torch" else f"ZeRO-{self.zero_stage}"
+
+
+def resume_record(meta: dict) -> ResumeRecord:
+    """The `ResumeRecord` of a checkpoint's metadata (`read_meta`'s)."""
+    saved, precision = meta["parallel"], meta.get("precision")
+    if isinstance(precision, dict):
+        precision = (
+            "bf16" if precision.get("bf16") else ("fp16" if precision.get("fp16") else "fp32")
+        )
+    else:
+        precision = None
+    return ResumeRecord(
+        tensor_model_parallel_size=saved["tensor_model_parallel_size"],
+        pipeline_model_parallel_size=saved["pipeline_model_parallel_size"],
+        data_parallel_size=saved["data_parallel_size"],
+        zero_stage=saved["zero_stage"],
+        expert_model_parallel_size=saved.get("expert_model_parallel_size") or 1,
+        backend=saved_backend(meta),
+        precision=precision,
+        full_state=bool(meta.get("full_state", True)),
+        full_state_only=bool(meta.get(FULL_STATE_ONLY)),
+        weights_only=bool(meta.get("weights_only")),
+        padded_vocab_size=meta.get("padded_vocab_size"),
+        vocab_size=meta["model"]["vocab_size"],
+        make_vocab_size_divisible_by=meta["model"].get("make_vocab_size_divisible_by"),
+    )
 
 
 def build_metadata(

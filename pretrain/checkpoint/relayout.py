@@ -33,6 +33,7 @@ from pretrain.checkpoint.commit import commit_latest, directory_size, fsync_path
 from pretrain.checkpoint.format import (
     FILES_KEY,
     FINGERPRINTS_KEY,
+    FULL_STATE_ONLY,
     META_FILE,
     model_config_from_meta,
     tag_for,
@@ -43,8 +44,6 @@ from pretrain.checkpoint.pipeline_layers import stage_of_parameter
 from pretrain.data.files.indexed_dataset import no_space_error
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
-
-FULL_STATE_ONLY = "full_state_only"
 
 
 @dataclass(frozen=True, kw_only=True)

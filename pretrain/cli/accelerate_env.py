@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from pretrain.errors import UserError
-from pretrain.training.run import RunConfig
+from pretrain.training.run_config import RunConfig
 
 _PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 

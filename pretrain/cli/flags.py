@@ -23,10 +23,10 @@ from pretrain.model.config import ModelConfig
 from pretrain.model.moe.config import parse_layer_freq
 from pretrain.tokenizer import add_tokenizer_args
 from pretrain.training.backends.torch.pipeline_flags import SCHEDULE_CHOICES
-from pretrain.training.exit_signal import SIGNALS
-from pretrain.training.lr_schedule import DECAY_STYLES, WSD_DECAY_STYLES
-from pretrain.training.skip import iteration_spec
-from pretrain.training.spikes import POLICIES
+from pretrain.training.loop.exit_signal import SIGNALS
+from pretrain.training.loop.skip import iteration_spec
+from pretrain.training.loop.spikes import POLICIES
+from pretrain.training.schedules.lr_schedule import DECAY_STYLES, WSD_DECAY_STYLES
 
 # Megatron-LM's choices for --dist-ckpt-strictness (key mismatches in a torch_dist load)
 DIST_CKPT_STRICTNESS = (

@@ -36,7 +36,6 @@ from pretrain.errors import UserError
 from pretrain.launch import detect_launch_env
 from pretrain.parallel.config import ParallelConfig, check_world_divisible
 from pretrain.tokenizer import TokenizerConfig, build_tokenizer
-from pretrain.training import scheduler_resume
 from pretrain.training.backends.deepspeed.config import (
     check_user_config,
     json_batch_sizes,
@@ -45,15 +44,16 @@ from pretrain.training.backends.deepspeed.config import (
 from pretrain.training.backends.deepspeed.offload import check_nvme_checkpoints, resolve_offload
 from pretrain.training.backends.torch.flags import check_deepspeed_only, resolve_torch_flags
 from pretrain.training.backends.torch.pipeline_flags import resolve_pipeline_flags
-from pretrain.training.checkpointing import CheckpointConfig
-from pretrain.training.evaluator import EvalConfig
-from pretrain.training.logging import LoggingConfig
-from pretrain.training.loop import TrainingConfig
-from pretrain.training.manual_gc import ManualGCConfig
-from pretrain.training.optimizer import OptimizerConfig
-from pretrain.training.run import Prepared, RunConfig
-from pretrain.training.spikes import SpikeConfig
-from pretrain.training.validation_sets import check_validation_sets
+from pretrain.training.checkpoints import scheduler_resume
+from pretrain.training.checkpoints.checkpointing import CheckpointConfig
+from pretrain.training.loop.loop import TrainingConfig
+from pretrain.training.loop.manual_gc import ManualGCConfig
+from pretrain.training.loop.spikes import SpikeConfig
+from pretrain.training.report.evaluator import EvalConfig
+from pretrain.training.report.logging import LoggingConfig
+from pretrain.training.report.validation_sets import check_validation_sets
+from pretrain.training.run_config import Prepared, RunConfig
+from pretrain.training.schedules.optimizer import OptimizerConfig
 
 
 def _refuse_deprecated(argv: Sequence[str]) -> None:

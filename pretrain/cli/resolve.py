@@ -21,9 +21,9 @@ from pretrain.data.files.fingerprint import PrefixFiles
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
 from pretrain.parallel.config import ParallelConfig
-from pretrain.training.batch_schedule import BatchSchedule, parse_step_schedule
-from pretrain.training.lr_schedule import LRScheduleConfig, check_wsd, spans_in_samples
 from pretrain.training.precision import PrecisionConfig
+from pretrain.training.schedules.batch_schedule import BatchSchedule, parse_step_schedule
+from pretrain.training.schedules.lr_schedule import LRScheduleConfig, check_wsd, spans_in_samples
 
 # flag -> (namespace dest, smallest value, what the flag means): integers whose smaller values
 # would otherwise end mid-run in a ZeroDivisionError, a DeepSpeed assertion or an empty

@@ -1,6 +1,6 @@
 """A checkpoint of any TP, PP and ZeRO stage -> one full, unpadded TP = 1 state dict.
 
-What pretrain_gpt.py writes (pretrain/training/checkpointing.py, docs/CHECKPOINTS.md):
+What pretrain_gpt.py writes (pretrain/training/checkpoints/checkpointing.py, docs/CHECKPOINTS.md):
 
     <save>/latest                                   "global_step<N>"
     <save>/global_step<N>/pretrain_meta.json        model config, parallel layout, tokenizer config

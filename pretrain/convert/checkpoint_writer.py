@@ -5,7 +5,7 @@ iteration or RNG state. What DeepSpeed reads then is exactly what this module wr
 
     DIR/latest, DIR/latest_checkpointed_iteration.txt       "global_step0", "0"
     DIR/global_step0/pretrain_meta.json                     model config and layout, checked by
-                                                            pretrain/training/checkpointing.py
+                                                            pretrain/training/checkpoints/checkpointing.py
     PP = 1:  mp_rank_<tp:02>_model_states.pt                {"module": this TP rank's weights, ...}
     PP > 1:  mp_rank_<r:02>_model_states.pt (r < pp*tp)     {"module": None, ...} (engine bookkeeping)
              layer_<idx:02>-model_<tp:02>-model_states.pt   one per pipeline layer and TP rank

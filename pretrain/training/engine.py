@@ -1,4 +1,5 @@
-"""The engine: what training asks of a backend, and the choice of backend.
+"""The engine: what training asks of a backend (the choice of backend is
+`pretrain.training.backends.factory`).
 
 A backend owns the model's parallel form, the optimizer and its state, and how one iteration's
 micro-batches run forward and backward; the loop, the evaluator, the checkpointer, the metrics
@@ -18,7 +19,7 @@ import abc
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar, NamedTuple
 
 import torch
 
@@ -27,13 +28,13 @@ from pretrain.parallel import state
 from pretrain.training.distributed import collective_device
 
 if TYPE_CHECKING:
-    from pretrain.training.checkpoint_writes import RankFiles
-    from pretrain.training.lr_schedule import SampleLRScheduler
-    from pretrain.training.per_source import SourceLosses
+    from pretrain.training.checkpoints.checkpoint_writes import RankFiles
+    from pretrain.training.report.per_source import SourceLosses
+    from pretrain.training.schedules.lr_schedule import SampleLRScheduler
 
 Write = Callable[[dict, str], None]
 """`write(payload, path)`: save one file of a checkpoint (fsynced; a failure is kept, not raised:
-`pretrain.training.checkpoint_writes.RankFiles.write`)."""
+`pretrain.training.checkpoints.checkpoint_writes.RankFiles.write`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -51,6 +52,14 @@ class Carried:
     """The saving run's precision ("fp32", "bf16", "fp16"; None: not recorded)."""
 
 
+class StepFunctions(NamedTuple):
+    """A backend's iteration as functions of its engine (its `steps` module's), which
+    `Engine.train_step` / `Engine.evaluation_loss` call with the engine first."""
+
+    train_step: Callable[..., float]
+    evaluation_loss: Callable[..., float]
+
+
 class Engine(abc.ABC):
     """One rank's model, optimizer and LR schedule under a backend.
 
@@ -64,6 +73,8 @@ class Engine(abc.ABC):
     padded_vocab_size: int
     fp16: bool
     pipeline: bool
+    step_functions: ClassVar[StepFunctions]
+    """The backend's `train_step` and `evaluation_loss` (its `steps` module's)."""
 
     # --- what the iteration asks ---------------------------------------------------------------
 
@@ -86,7 +97,6 @@ class Engine(abc.ABC):
     def set_global_batch_size(self, global_batch_size: int) -> None:
         """Use this global batch for the next iteration (gradient accumulation, LR increment)."""
 
-    @abc.abstractmethod
     def train_step(
         self,
         batches: Iterator[dict],
@@ -100,8 +110,10 @@ class Engine(abc.ABC):
         masked mean, averaged over micro-batches and data-parallel ranks, on every rank).
         `judge(loss)`, asked on every rank before the optimizer step, returning False withholds
         the update: weights, optimizer state, LR schedule and step counters stay as they were."""
+        return self.step_functions.train_step(
+            self, batches, num_microbatches, use_document_ids, device, judge
+        )
 
-    @abc.abstractmethod
     def evaluation_loss(
         self,
         batches: Iterator[dict],
@@ -114,6 +126,9 @@ class Engine(abc.ABC):
         """Mean loss over `eval_iters` global batches, without gradients or steps; with
         `sources`, each micro-batch's per-token losses are also added per blend source (where
         the loss is computed; the caller reduces them)."""
+        return self.step_functions.evaluation_loss(
+            self, batches, eval_iters, num_microbatches, use_document_ids, device, sources
+        )
 
     @abc.abstractmethod
     def learning_rate(self) -> float:
@@ -279,16 +294,3 @@ def _summed(count: int, groups: list) -> int:
         if torch.distributed.is_initialized() and group is not None:
             torch.distributed.all_reduce(total, group=group)
     return int(total.item())
-
-
-def build_engine(**kwargs) -> Engine:
-    """The engine of the backend the run's `ParallelConfig` names (`parallel.backend`), built
-    from the keyword arguments of `pretrain.training.backends.deepspeed.engine.
-    build_deepspeed_engine` (the torch backend takes the ones it needs)."""
-    if kwargs["parallel"].backend == "torch":
-        from pretrain.training.backends.torch.engine import build_torch_engine
-
-        return build_torch_engine(**kwargs)
-    from pretrain.training.backends.deepspeed.engine import build_deepspeed_engine
-
-    return build_deepspeed_engine(**kwargs)

@@ -24,7 +24,7 @@ import torch
 
 from pretrain.errors import UserError
 from pretrain.launch import LaunchEnv
-from pretrain.training.logging import logger
+from pretrain.training.report.logging import logger
 
 
 def node_name() -> str:

@@ -1,7 +1,7 @@
 """`pretrain(config)`: process group -> engine -> checkpoint -> data -> loop -> final save.
 
-`RunConfig` bundles every component's config for one run; this module is the only one that
-sees all of them, and hands each component the part it needs.
+`RunConfig` (`run_config.py`) bundles every component's config for one run; this module is the
+only one that sees all of them, and hands each component the part it needs.
 """
 
 from __future__ import annotations
@@ -11,22 +11,23 @@ import dataclasses
 import functools
 import os
 import warnings
-from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from pretrain.checkpoint.integrity import Choice
 from pretrain.data.checks import data_fingerprints, tokens_seen
-from pretrain.data.config import DataConfig
-from pretrain.data.files.fingerprint import PrefixFiles
 from pretrain.errors import UserError
-from pretrain.launch import LaunchEnv
-from pretrain.model.config import ModelConfig
 from pretrain.parallel import state
 from pretrain.parallel.config import ParallelConfig
-from pretrain.tokenizer import Tokenizer, TokenizerConfig, build_tokenizer
-from pretrain.tokenizer.fingerprint import tokenizer_fingerprint
-from pretrain.training.checkpointing import CheckpointConfig, Checkpointer
+from pretrain.training.checkpoints.checkpointing import Checkpointer
+from pretrain.training.checkpoints.resume import (
+    check_before_launch,
+    load_checkpoint,
+    restore_rng_state,
+)
+from pretrain.training.checkpoints.resume_changes import check_tokenizer, data_changes
+from pretrain.training.checkpoints.save_lock import hold_save_lock
 from pretrain.training.data_feed import data_iterators, rank_batches
 from pretrain.training.distributed import (
     choose_backend,
@@ -34,93 +35,26 @@ from pretrain.training.distributed import (
     init_distributed,
     prepare_process_environment,
 )
-from pretrain.training.evaluator import EvalConfig
-from pretrain.training.exit_signal import ExitSignal
-from pretrain.training.logging import LoggingConfig, banner, logger, setup_logging
-from pretrain.training.loop import TrainingConfig
-from pretrain.training.lr_schedule import LRScheduleConfig
-from pretrain.training.optimizer import OptimizerConfig
-from pretrain.training.precision import PrecisionConfig
+from pretrain.training.loop.exit_signal import ExitSignal
+from pretrain.training.loop.loop import TrainingConfig, train
+from pretrain.training.loop.spikes import checkpoint_rewinder
 from pretrain.training.rank_agreement import check_ranks_agree
-from pretrain.training.resume import check_before_launch, load_checkpoint, restore_rng_state
-from pretrain.training.resume_changes import check_tokenizer, data_changes
-from pretrain.training.save_lock import hold_save_lock
+from pretrain.training.report.evaluator import Evaluator
+from pretrain.training.report.flops import flops_per_iteration, peak_tflops_per_device
+from pretrain.training.report.logging import (
+    MetricsLogger,
+    ScalarWriter,
+    Throughput,
+    banner,
+    logger,
+    setup_logging,
+)
+from pretrain.training.run_config import Prepared, RunConfig
 from pretrain.training.state import TrainState
 from pretrain.training.step import moe_collector
 
-
-@dataclass(frozen=True, kw_only=True)
-class Prepared:
-    """What the checks before launch built (`pretrain.cli`), handed to `pretrain` so that a
-    process builds its tokenizer and opens (validates) each data prefix once."""
-
-    tokenizer_config: TokenizerConfig
-    """The config `tokenizer` was built from."""
-    tokenizer: Tokenizer
-    """The built tokenizer (its files read, its vocabulary size known)."""
-    tokenizer_fingerprint: dict
-    """`tokenizer_fingerprint(tokenizer_config, tokenizer)`: its behaviour and files hashed once
-    per process (the data check, the resume check and the checkpoints' record use it)."""
-    data_config: DataConfig
-    """The data config `files` was made for."""
-    files: PrefixFiles
-    """The data prefixes' `.idx` files, sidecars and largest token ids as already read."""
-
-    @classmethod
-    def build(
-        cls,
-        tokenizer_config: TokenizerConfig,
-        data_config: DataConfig,
-        tokenizer: Tokenizer | None = None,
-    ) -> Prepared:
-        """`tokenizer` (built from `tokenizer_config` now when not given) fingerprinted, and no
-        data files read yet."""
-        if tokenizer is None:
-            tokenizer = build_tokenizer(tokenizer_config)
-        return cls(
-            tokenizer_config=tokenizer_config,
-            tokenizer=tokenizer,
-            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer_config, tokenizer),
-            data_config=data_config,
-            files=PrefixFiles(data_config.data_cache_path),
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
-class RunConfig:
-    """Everything one pretrain_gpt.py run is configured with (built by `pretrain.cli`)."""
-
-    model: ModelConfig
-    """The architecture."""
-    parallel: ParallelConfig
-    """TP/PP/DP layout, ZeRO stage, backend."""
-    training: TrainingConfig
-    """Iterations, batch sizes, early exits."""
-    schedule: LRScheduleConfig
-    """The learning-rate schedule, in samples."""
-    optimizer: OptimizerConfig
-    """AdamW and gradient clipping."""
-    precision: PrecisionConfig
-    """fp32/bf16/fp16 and loss scaling."""
-    evaluation: EvalConfig
-    """When and how long to evaluate."""
-    data: DataConfig
-    """Data prefixes, blends, splits, sample shape."""
-    tokenizer: TokenizerConfig
-    """The tokenizer that made the data."""
-    checkpoint: CheckpointConfig
-    """Saving and resuming."""
-    logging: LoggingConfig
-    """Log lines, TensorBoard, metrics file."""
-    launch: LaunchEnv
-    """This process's rank and the rendezvous, from the launcher."""
-    deepspeed_json: dict | None = None
-    """The user's --deepspeed_config, already checked against the flags."""
-    argv: tuple[str, ...] = ()
-    """The command line, recorded in checkpoints and dashboards."""
-    prepared: Prepared | None = field(default=None, compare=False, repr=False)
-    """The tokenizer and data files the checks before launch built; None: `pretrain` builds them.
-    Not part of the configuration (equal configs may differ here)."""
+if TYPE_CHECKING:
+    from pretrain.training.engine import Engine
 
 
 def _prepared(cfg: RunConfig) -> Prepared:
@@ -239,6 +173,86 @@ def _train(
     exit_signal: ExitSignal | None,
 ) -> TrainState:
     """`pretrain` after the process group exists and --save is locked."""
+    _quiet_deepspeed_startup()
+    engine = _build_engine(cfg, backend)
+    train_state, rng = (
+        load_checkpoint(cfg.checkpoint, engine, choice, cfg.parallel)
+        if cfg.checkpoint.load
+        else (TrainState(), None)
+    )
+    train_batches, valid_sets, test_batches, train_dataset, mixture = data_iterators(
+        data=cfg.data,
+        training=cfg.training,
+        evaluation=cfg.evaluation,
+        tokenizer=prepared.tokenizer,
+        files=prepared.files,
+        train_state=train_state,
+    )
+    if rng is not None:  # last: creating the loaders above draws from the torch generator
+        restore_rng_state(rng)
+    t = cfg.training
+    if t.batch_schedule is not None:
+        _start_batch_schedule(t, train_state.consumed_train_samples)
+    flops = flops_per_iteration(cfg.model, t.global_batch_size, engine.padded_vocab_size)
+    logger.info(_banner(cfg, engine, backend, device, flops))
+    if train_state.iteration >= t.train_iters:
+        logger.info(_nothing_to_do(train_state, t))
+    writer = _scalar_writer(cfg)
+    metrics = _metrics_logger(cfg, engine, writer, flops)
+    evaluator = _evaluator(cfg, valid_sets, test_batches, device, metrics)
+    checkpointer = _checkpointer(cfg, record, train_dataset)
+    train_batches_again = functools.partial(
+        rank_batches, cfg.data, t.micro_batch_size, train_dataset
+    )
+    try:
+        with exit_signal or contextlib.nullcontext():
+            completed = train(
+                t,
+                engine,
+                train_state,
+                train_batches,
+                metrics=metrics,
+                evaluator=evaluator,
+                checkpointer=checkpointer,
+                use_document_ids=_uses_document_ids(cfg),
+                device=device,
+                exit_signal=exit_signal,
+                mixture=mixture,
+                rewinder=checkpoint_rewinder(
+                    cfg.checkpoint, cfg.model, cfg.parallel, engine, train_batches_again
+                ),
+            )
+        if completed:
+            evaluator.evaluate_at_end(engine, train_state)
+    finally:
+        writer.close()
+    _finish(cfg, engine, train_state, owns_process_group)
+    return train_state
+
+
+def _nothing_to_do(train_state: TrainState, t: TrainingConfig) -> str:
+    """The line for a checkpoint already at or past --train-iters (a requeued finished run)."""
+    return (
+        f"checkpoint is at iteration {train_state.iteration} >= --train-iters "
+        f"{t.train_iters}: nothing to do (and nothing saved)"
+    )
+
+
+def _checkpointer(cfg: RunConfig, record: dict, train_dataset) -> Checkpointer:
+    """The run's `Checkpointer`: what it saves beside the backend's files (`record`: the run's
+    `_run_record`) and the tokens seen per source."""
+    return Checkpointer(
+        cfg.checkpoint,
+        model=cfg.model,
+        parallel=cfg.parallel,
+        tokenizer=cfg.tokenizer.record(),
+        run_record=record,
+        tokens_seen=_tokens_seen_counter(cfg, train_dataset),
+    )
+
+
+def _quiet_deepspeed_startup() -> None:
+    """Silence two harmless warnings DeepSpeed causes at start-up."""
     # DeepSpeed broadcasts the tied embedding through autograd once at start-up; harmless.
     warnings.filterwarnings(
         "ignore", message="c10d::broadcast_: an autograd kernel was not registered"
@@ -247,16 +261,15 @@ def _train(
     warnings.filterwarnings(
         "ignore", message=".*all_gather_into_tensor` is deprecated", category=FutureWarning
     )
+
+
+def _build_engine(cfg: RunConfig, backend: str) -> Engine:
+    """The run's engine, of the backend its `ParallelConfig` names."""
     # DeepSpeed picks its accelerator when first imported: only after the environment is set.
-    from pretrain.training.engine import build_engine
-    from pretrain.training.evaluator import Evaluator
-    from pretrain.training.flops import flops_per_iteration, peak_tflops_per_device
-    from pretrain.training.logging import MetricsLogger, ScalarWriter, Throughput
-    from pretrain.training.loop import train
-    from pretrain.training.spikes import checkpoint_rewinder
+    from pretrain.training.backends.factory import build_engine
 
     par, t = cfg.parallel, cfg.training
-    engine = build_engine(
+    return build_engine(
         model_config=cfg.model,
         parallel=par,
         optimizer_config=cfg.optimizer,
@@ -270,54 +283,45 @@ def _train(
         timeout_minutes=par.distributed_timeout_minutes,
         user_json=cfg.deepspeed_json,
     )
-    train_state, rng = (
-        load_checkpoint(cfg.checkpoint, engine, choice, cfg.parallel)
-        if cfg.checkpoint.load
-        else (TrainState(), None)
-    )
-    # Causal attention needs no input; document ids (O(S) per sample) only when documents are
-    # kept apart (--reset-attention-mask).
-    use_document_ids = cfg.data.reset_attention_mask
-    train_batches, valid_sets, test_batches, train_dataset, mixture = data_iterators(
-        cfg, prepared, train_state
-    )
-    if rng is not None:  # last: creating the loaders above draws from the torch generator
-        restore_rng_state(rng)
-    if t.batch_schedule is not None:
-        _start_batch_schedule(t, train_state.consumed_train_samples)
 
-    flops = flops_per_iteration(cfg.model, t.global_batch_size, engine.padded_vocab_size)
-    logger.info(
-        banner(
-            tp=par.tensor_model_parallel_size,
-            pp=par.pipeline_model_parallel_size,
-            dp=par.data_parallel_size,
-            sharding="FSDP2" if par.backend == "torch" else f"ZeRO-{par.zero_stage}",
-            world=par.world_size,
-            launcher=cfg.launch.launcher,
-            backend=backend,
-            device=str(device),
-            params_total=engine.params_total,
-            tokens_per_iteration=t.global_batch_size * t.seq_length,
-            global_batch=t.global_batch_size,
-            micro_batch=t.micro_batch_size,
-            num_microbatches=t.num_microbatches,
-            precision=cfg.precision.name,
-            save=cfg.checkpoint.save,
-            load=cfg.checkpoint.load,
-            flops_per_iteration=flops,
-            threads=torch.get_num_threads(),
-            offload=engine.offload,
-            pipeline=_pipeline_line(par),
-        )
+
+def _uses_document_ids(cfg: RunConfig) -> bool:
+    """Causal attention needs no input; document ids (O(S) per sample) only when documents are
+    kept apart (--reset-attention-mask)."""
+    return cfg.data.reset_attention_mask
+
+
+def _banner(cfg: RunConfig, engine: Engine, backend: str, device: torch.device, flops) -> str:
+    """The start-up banner: layout, batch, precision, checkpoints, FLOPs, offload, pipeline."""
+    par, t = cfg.parallel, cfg.training
+    return banner(
+        tp=par.tensor_model_parallel_size,
+        pp=par.pipeline_model_parallel_size,
+        dp=par.data_parallel_size,
+        sharding="FSDP2" if par.backend == "torch" else f"ZeRO-{par.zero_stage}",
+        world=par.world_size,
+        launcher=cfg.launch.launcher,
+        backend=backend,
+        device=str(device),
+        params_total=engine.params_total,
+        tokens_per_iteration=t.global_batch_size * t.seq_length,
+        global_batch=t.global_batch_size,
+        micro_batch=t.micro_batch_size,
+        num_microbatches=t.num_microbatches,
+        precision=cfg.precision.name,
+        save=cfg.checkpoint.save,
+        load=cfg.checkpoint.load,
+        flops_per_iteration=flops,
+        threads=torch.get_num_threads(),
+        offload=engine.offload,
+        pipeline=_pipeline_line(par),
     )
-    if train_state.iteration >= t.train_iters:
-        logger.info(
-            f"checkpoint is at iteration {train_state.iteration} >= --train-iters "
-            f"{t.train_iters}: nothing to do (and nothing saved)"
-        )
+
+
+def _scalar_writer(cfg: RunConfig) -> ScalarWriter:
+    """Where the scalars go: TensorBoard, W&B, the metrics file (rank 0)."""
     log = cfg.logging
-    writer = ScalarWriter(
+    return ScalarWriter(
         cfg.launch.rank,
         log.tensorboard_dir,
         log.wandb_project,
@@ -326,68 +330,52 @@ def _train(
         {"argv": list(cfg.argv)},
         wandb_dir=log.wandb_save_dir,
     )
-    metrics = MetricsLogger(
-        log,
+
+
+def _metrics_logger(cfg: RunConfig, engine: Engine, writer: ScalarWriter, flops) -> MetricsLogger:
+    """The loop's metrics: Megatron's line, throughput against the peak, MoE figures."""
+    t = cfg.training
+    return MetricsLogger(
+        cfg.logging,
         writer,
         Throughput(
             tokens_per_iteration=t.global_batch_size * t.seq_length,
             flops_per_iteration=flops,
-            world_size=par.world_size,
-            peak_tflops=peak_tflops_per_device(log.peak_tflops),
+            world_size=cfg.parallel.world_size,
+            peak_tflops=peak_tflops_per_device(cfg.logging.peak_tflops),
         ),
         train_iters=t.train_iters,
         global_batch_size=t.global_batch_size,
         skipped_steps_at_start=engine.skipped_steps,
         moe=moe_collector(engine, cfg.model),
     )
+
+
+def _evaluator(
+    cfg: RunConfig, valid_sets, test_batches, device: torch.device, metrics: MetricsLogger
+) -> Evaluator:
+    """The evaluator over the run's validation sets and test batches."""
+    t, data = cfg.training, cfg.data
     evaluator = Evaluator(
         cfg.evaluation,
         valid_sets,
         test_batches,
         global_batch_size=t.global_batch_size,
         num_microbatches=t.num_microbatches,
-        use_document_ids=use_document_ids,
+        use_document_ids=_uses_document_ids(cfg),
         device=device,
         metrics=metrics,
     )
-    data = cfg.data
     evaluator.note_missing_data(
         f"--split {data.split}" if data.blend is not None else "the per-split data paths"
     )
-    checkpointer = Checkpointer(
-        cfg.checkpoint,
-        model=cfg.model,
-        parallel=par,
-        tokenizer=cfg.tokenizer.record(),
-        run_record=record,
-        tokens_seen=_tokens_seen_counter(cfg, train_dataset),
-    )
-    try:
-        with exit_signal or contextlib.nullcontext():
-            completed = train(
-                t,
-                engine,
-                train_state,
-                train_batches,
-                metrics=metrics,
-                evaluator=evaluator,
-                checkpointer=checkpointer,
-                use_document_ids=use_document_ids,
-                device=device,
-                exit_signal=exit_signal,
-                mixture=mixture,
-                rewinder=checkpoint_rewinder(
-                    cfg.checkpoint,
-                    cfg.model,
-                    cfg.parallel,
-                    engine,
-                    functools.partial(rank_batches, cfg, train_dataset),
-                ),
-            )
-        if completed:
-            evaluator.evaluate_at_end(engine, train_state)
-    finally:
-        writer.close()
+    return evaluator
+
+
+def _finish(
+    cfg: RunConfig, engine: Engine, train_state: TrainState, owns_process_group: bool
+) -> None:
+    """Tear down the engine and the groups together, then say where the run stopped."""
     torch.distributed.barrier()
     engine.destroy()
     state.destroy_model_parallel()
@@ -401,4 +389,3 @@ def _train(
             else ""
         )
     )
-    return train_state

@@ -19,7 +19,7 @@ from pretrain.model.loss import masked_mean_loss
 from pretrain.model.moe import losses as moe_losses
 from pretrain.model.moe import metrics as moe_metrics
 from pretrain.parallel import state
-from pretrain.training.per_source import SourceLosses
+from pretrain.training.report.per_source import SourceLosses
 
 if TYPE_CHECKING:
     from pretrain.training.engine import Engine

@@ -12,7 +12,7 @@ updates the expert biases from the iteration's token counts summed over the pipe
 TP x DP ranks (so the update is the global batch's, at any DP size) and resets the
 global-aux-loss counts; the training step calls it once per iteration, after the last backward
 (Megatron does it in finalize_model_grads); an iteration whose update is withheld (a loss spike,
-`pretrain.training.spikes`) leaves the biases as they were.
+`pretrain.training.loop.spikes`) leaves the biases as they were.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Two choices here keep DeepSpeed's math equal to Megatron's at every layout:
 - The optimizer is always ours (a client `torch.optim.AdamW`): a JSON optimizer would JIT-build
   `fused_adam` on CPU and bypass our parameter groups. The command line refuses a JSON optimizer.
 - Gradient clipping at ZeRO-0 is done by our optimizer with the true global norm
-  (`pretrain.training.optimizer`), so DeepSpeed's own clipping is switched off there: in a pipeline
+  (`pretrain.training.schedules.optimizer`), so DeepSpeed's own clipping is switched off there: in a pipeline
   grid DeepSpeed's fp32 ZeRO-0 norm leaves out every stage but the first, and its fp16/bf16 ZeRO-0
   wrapper (`FP16_UnfusedOptimizer`, used for any non-fused client optimizer) drops the gradients of
   every TP rank but the first (it checks the TP mark on the gradient tensors, which carry none):
@@ -15,9 +15,11 @@ Two choices here keep DeepSpeed's math equal to Megatron's at every layout:
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 from pretrain.errors import UserError
@@ -162,49 +164,9 @@ def check_user_config(
 ) -> int:
     """Compare the user's DeepSpeed JSON with the flags (one UserError naming the disagreement);
     return the ZeRO stage to use (--zero-stage, else the JSON's, else 0)."""
-    gbs, mbs, dp = global_batch_size, micro_batch_size, data_parallel_size
-
-    def mismatch(key: str, json_value: Any, flag: str, flag_value: Any) -> UserError:
-        return UserError(
-            f"--deepspeed_config {path} sets {key}={json_value} but {flag} is {flag_value} "
-            f"(make them agree, or drop the key from the JSON)"
-        )
-
-    if "train_batch_size" in ds and ds["train_batch_size"] != gbs:
-        raise mismatch("train_batch_size", ds["train_batch_size"], "--global-batch-size", gbs)
-    if "train_micro_batch_size_per_gpu" in ds and ds["train_micro_batch_size_per_gpu"] != mbs:
-        raise mismatch(
-            "train_micro_batch_size_per_gpu",
-            ds["train_micro_batch_size_per_gpu"],
-            "--micro-batch-size",
-            mbs,
-        )
-    gas = gbs // (mbs * dp)
-    if "gradient_accumulation_steps" in ds and ds["gradient_accumulation_steps"] != gas:
-        raise mismatch(
-            "gradient_accumulation_steps",
-            ds["gradient_accumulation_steps"],
-            "--global-batch-size/(--micro-batch-size x data-parallel size)",
-            gas,
-        )
-    for key, flag in (("bf16", "--bf16"), ("fp16", "--fp16")):
-        enabled = bool(ds.get(key, {}).get("enabled", False))
-        given = getattr(precision, key)
-        if enabled != given:
-            raise mismatch(
-                f"{key}.enabled", str(enabled).lower(), flag, "given" if given else "not given"
-            )
-    fp16_json = ds.get("fp16", {})
-    for key, flag, value in (
-        ("loss_scale", "--loss-scale", precision.loss_scale or 0),  # 0 = dynamic in DeepSpeed
-        ("initial_scale_power", "--initial-loss-scale", math.log2(precision.initial_loss_scale)),
-        ("loss_scale_window", "--loss-scale-window", precision.loss_scale_window),
-        ("hysteresis", "--hysteresis", precision.hysteresis),
-        ("min_loss_scale", "--min-loss-scale", precision.min_loss_scale),
-    ):
-        if precision.fp16 and key in fp16_json and float(fp16_json[key]) != float(value):
-            shown = precision.initial_loss_scale if key == "initial_scale_power" else value
-            raise mismatch(f"fp16.{key}", fp16_json[key], flag, shown)
+    mismatch = functools.partial(_mismatch, path)
+    _check_batch(ds, mismatch, global_batch_size, micro_batch_size, data_parallel_size)
+    _check_precision(ds, mismatch, precision)
     if "gradient_clipping" in ds and float(ds["gradient_clipping"]) != clip_grad:
         raise mismatch("gradient_clipping", ds["gradient_clipping"], "--clip-grad", clip_grad)
     for section, flags in (
@@ -223,3 +185,54 @@ def check_user_config(
     if json_stage is not None and zero_stage_flag is not None and json_stage != zero_stage_flag:
         raise mismatch("zero_optimization.stage", json_stage, "--zero-stage", zero_stage_flag)
     return zero_stage_flag if zero_stage_flag is not None else (json_stage or 0)
+
+
+def _mismatch(path: str, key: str, json_value: Any, flag: str, flag_value: Any) -> UserError:
+    """The one line for a JSON key that disagrees with a flag."""
+    return UserError(
+        f"--deepspeed_config {path} sets {key}={json_value} but {flag} is {flag_value} "
+        f"(make them agree, or drop the key from the JSON)"
+    )
+
+
+def _check_batch(ds: dict, mismatch: Callable, gbs: int, mbs: int, dp: int) -> None:
+    """The JSON's batch keys against --global-batch-size, --micro-batch-size and the DP size."""
+    if "train_batch_size" in ds and ds["train_batch_size"] != gbs:
+        raise mismatch("train_batch_size", ds["train_batch_size"], "--global-batch-size", gbs)
+    if "train_micro_batch_size_per_gpu" in ds and ds["train_micro_batch_size_per_gpu"] != mbs:
+        raise mismatch(
+            "train_micro_batch_size_per_gpu",
+            ds["train_micro_batch_size_per_gpu"],
+            "--micro-batch-size",
+            mbs,
+        )
+    gas = gbs // (mbs * dp)
+    if "gradient_accumulation_steps" in ds and ds["gradient_accumulation_steps"] != gas:
+        raise mismatch(
+            "gradient_accumulation_steps",
+            ds["gradient_accumulation_steps"],
+            "--global-batch-size/(--micro-batch-size x data-parallel size)",
+            gas,
+        )
+
+
+def _check_precision(ds: dict, mismatch: Callable, precision: PrecisionConfig) -> None:
+    """The JSON's bf16/fp16 sections against --bf16/--fp16 and the loss-scale flags."""
+    for key, flag in (("bf16", "--bf16"), ("fp16", "--fp16")):
+        enabled = bool(ds.get(key, {}).get("enabled", False))
+        given = getattr(precision, key)
+        if enabled != given:
+            raise mismatch(
+                f"{key}.enabled", str(enabled).lower(), flag, "given" if given else "not given"
+            )
+    fp16_json = ds.get("fp16", {})
+    for key, flag, value in (
+        ("loss_scale", "--loss-scale", precision.loss_scale or 0),  # 0 = dynamic in DeepSpeed
+        ("initial_scale_power", "--initial-loss-scale", math.log2(precision.initial_loss_scale)),
+        ("loss_scale_window", "--loss-scale-window", precision.loss_scale_window),
+        ("hysteresis", "--hysteresis", precision.hysteresis),
+        ("min_loss_scale", "--min-loss-scale", precision.min_loss_scale),
+    ):
+        if precision.fp16 and key in fp16_json and float(fp16_json[key]) != float(value):
+            shown = precision.initial_loss_scale if key == "initial_scale_power" else value
+            raise mismatch(f"fp16.{key}", fp16_json[key], flag, shown)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import deepspeed
 import torch
@@ -32,12 +32,11 @@ from pretrain.training.backends.deepspeed.comm import init_deepspeed_comm
 from pretrain.training.backends.deepspeed.config import build_deepspeed_config, we_clip_gradients
 from pretrain.training.backends.deepspeed.offload import partition_nvme_parameters
 from pretrain.training.backends.deepspeed.pipeline import build_pipeline_model
-from pretrain.training.checkpoint_writes import RankFiles
-from pretrain.training.engine import Carried, Engine, Write, count_parameters
-from pretrain.training.lr_schedule import LRScheduleConfig, SampleLRScheduler
-from pretrain.training.optimizer import ClippedAdamW, OptimizerConfig, build_optimizer
-from pretrain.training.per_source import SourceLosses
+from pretrain.training.checkpoints.checkpoint_writes import RankFiles
+from pretrain.training.engine import Carried, Engine, StepFunctions, Write, count_parameters
 from pretrain.training.precision import PrecisionConfig
+from pretrain.training.schedules.lr_schedule import LRScheduleConfig, SampleLRScheduler
+from pretrain.training.schedules.optimizer import ClippedAdamW, OptimizerConfig, build_optimizer
 
 
 @dataclass(eq=False)
@@ -51,6 +50,7 @@ class DeepSpeedEngine(Engine):
     padded_vocab_size: int
     ds_config: dict
     fp16: bool
+    step_functions: ClassVar[StepFunctions] = StepFunctions(steps.train_step, steps.evaluation_loss)
 
     @property
     def precision(self) -> str:
@@ -117,31 +117,6 @@ class DeepSpeedEngine(Engine):
         with _does_nothing(inner, "step"), _does_nothing(self.scheduler, "step"):
             yield
         self.ds.global_steps, self.ds.global_samples, self.ds.micro_steps = counters
-
-    def train_step(
-        self,
-        batches: Iterator[dict],
-        num_microbatches: int,
-        use_document_ids: bool,
-        device: torch.device,
-        judge: Callable[[float], bool] | None = None,
-    ) -> float:
-        """`Engine.train_step` (`steps.train_step`)."""
-        return steps.train_step(self, batches, num_microbatches, use_document_ids, device, judge)
-
-    def evaluation_loss(
-        self,
-        batches: Iterator[dict],
-        eval_iters: int,
-        num_microbatches: int,
-        use_document_ids: bool,
-        device: torch.device,
-        sources: SourceLosses | None = None,
-    ) -> float:
-        """`Engine.evaluation_loss` (`steps.evaluation_loss`)."""
-        return steps.evaluation_loss(
-            self, batches, eval_iters, num_microbatches, use_document_ids, device, sources
-        )
 
     def state_trees(self, with_optimizer: bool) -> list[tuple[dict, str]]:
         """`Engine.state_trees`: the module's weights; the wrapped torch optimizer's state and
@@ -297,10 +272,7 @@ def build_deepspeed_engine(
         we_clip=we_clip_gradients(parallel, precision),
         model_parallel_group=state.get_model_parallel_group(),
     )
-    local_experts = experts.expert_parameters(model)
-    experts.keep_local(local_experts)
-    if local_experts and parallel.zero_stage > 0:  # before the scheduler reads the groups
-        experts.use_expert_groups(model, optimizer, local_experts, model_config.num_moe_experts)
+    local_experts = _local_experts(model, optimizer, parallel, model_config)
     scheduler = SampleLRScheduler(optimizer, schedule, global_batch_size=global_batch_size)
     params_total = count_parameters(model)
     ds_config = build_deepspeed_config(
@@ -315,18 +287,10 @@ def build_deepspeed_engine(
     )
     if not pipeline:
         partition_nvme_parameters(model, ds_config, state.mpu)
-    ds_engine, _, _, _ = deepspeed.initialize(
-        model=model,
-        optimizer=optimizer,
-        lr_scheduler=scheduler,
-        config=ds_config,
-        mpu=None if pipeline else state.mpu,
-    )
+    ds_engine = _initialize(model, optimizer, scheduler, ds_config, pipeline)
     experts.finish(ds_engine, model)
     if parallel.zero_stage == 0:
         experts.reduce_over_expert_data_parallel(ds_engine, local_experts)
-    _mark_master_copies(ds_engine.optimizer)
-    _undo_warmup_step(ds_engine.optimizer)
     return DeepSpeedEngine(
         ds=ds_engine,
         pipeline=pipeline,
@@ -336,3 +300,28 @@ def build_deepspeed_engine(
         ds_config=ds_config,
         fp16=precision.fp16,
     )
+
+
+def _local_experts(model, optimizer, parallel: ParallelConfig, model_config: ModelConfig) -> list:
+    """This rank's expert parameters, kept out of DeepSpeed's broadcast (and, under ZeRO, in
+    optimizer groups of their own, before the LR scheduler reads the groups)."""
+    local_experts = experts.expert_parameters(model)
+    experts.keep_local(local_experts)
+    if local_experts and parallel.zero_stage > 0:
+        experts.use_expert_groups(model, optimizer, local_experts, model_config.num_moe_experts)
+    return local_experts
+
+
+def _initialize(model, optimizer, scheduler, ds_config: dict, pipeline: bool):
+    """`deepspeed.initialize` (the mpu so ZeRO shards over DP only, none for the pipeline
+    engine), then the fp16/bf16 ZeRO-0 wrapper's copies made to match the model."""
+    ds_engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=ds_config,
+        mpu=None if pipeline else state.mpu,
+    )
+    _mark_master_copies(ds_engine.optimizer)
+    _undo_warmup_step(ds_engine.optimizer)
+    return ds_engine

@@ -14,7 +14,7 @@ import contextlib
 import torch
 
 from pretrain.checkpoint import safe_load
-from pretrain.training.checkpoint_writes import RankFiles
+from pretrain.training.checkpoints.checkpoint_writes import RankFiles
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ it cuts each parameter for this TP rank and puts it into the module (in the modu
 the fp32 master and the optimizer state.
 
 Any TP, PP, DP and ZeRO stage 0-3 on either side (under the pipeline engine DeepSpeed allows
-ZeRO 0-1), in fp32, bf16 or fp16; `resume.relayout_possible` chooses this path over DeepSpeed's
+ZeRO 0-1), in fp32, bf16 or fp16; `compatible.relayout_possible` chooses this path over DeepSpeed's
 own load. MoE: at expert-parallel size > 1 each expert tensor (weight and moments) is gathered
 over the EP group along `expert_partition_dim` at save, so the state holds every expert and
 any EP resumes it, each rank cutting its own experts at load; persistent buffers (the routers'
@@ -44,7 +44,7 @@ from pretrain.training.engine import (
 )
 
 if TYPE_CHECKING:
-    from pretrain.training.backends.deepspeed.engine import DeepSpeedEngine as Engine
+    from pretrain.training.backends.deepspeed.held import Held
 
 
 def _partition(param: torch.Tensor) -> tuple[int, int] | None:
@@ -53,12 +53,12 @@ def _partition(param: torch.Tensor) -> tuple[int, int] | None:
     return None
 
 
-def _named_parameters(engine: Engine, owned: bool = False) -> dict[str, torch.nn.Parameter]:
+def _named_parameters(engine: Held, owned: bool = False) -> dict[str, torch.nn.Parameter]:
     """This rank's parameters by GPTModel name (`_gpt_names`)."""
     return _gpt_names(engine, dict(engine.ds.module.named_parameters()), owned)
 
 
-def _named_buffers(engine: Engine) -> dict[str, torch.Tensor]:
+def _named_buffers(engine: Held) -> dict[str, torch.Tensor]:
     """This rank's persistent buffers (in the state dict, not parameters) by GPTModel name."""
     module = engine.ds.module
     params = dict(module.named_parameters())
@@ -66,7 +66,7 @@ def _named_buffers(engine: Engine) -> dict[str, torch.Tensor]:
     return _gpt_names(engine, buffers, owned=True)
 
 
-def _gpt_names(engine: Engine, named: dict, owned: bool) -> dict:
+def _gpt_names(engine: Held, named: dict, owned: bool) -> dict:
     """`named` (the module's names) by GPTModel name. Under the pipeline engine DeepSpeed names
     them `<pipeline layer index>.<rest>`, the tied embedding `tied_modules.embed.<rest>`: on the
     first stage it is the embedding; on the last stage a copy (its word embedding kept equal to
@@ -88,7 +88,7 @@ def _gpt_names(engine: Engine, named: dict, owned: bool) -> dict:
     return out
 
 
-def _collect(engine: Engine, keep: Callable[[int], bool]) -> dict[str, dict]:
+def _collect(engine: Held, keep: Callable[[int], bool]) -> dict[str, dict]:
     """The entries (fp32 master, moments) of the parameters, then the persistent buffers, that
     `keep(i)` selects (i: position in this rank's order), on the CPU. Every rank gathers every
     parameter (ZeRO's gathers are collectives over DP, the experts' over EP), one at a time, and
@@ -114,7 +114,7 @@ def _collect(engine: Engine, keep: Callable[[int], bool]) -> dict[str, dict]:
 
 
 def save_full_state(
-    engine: Engine, step_dir: str, write: Callable[[dict, str], None], stamp: dict
+    engine: Held, step_dir: str, write: Callable[[dict, str], None], stamp: dict
 ) -> None:
     """`Engine.save_full_state` on the DeepSpeed backend (`write_full_state_shard`: collective
     over DP, each DP rank writing 1/DP of the entries); `stamp` (the step's position) goes into
@@ -133,7 +133,7 @@ def save_full_state(
     )
 
 
-def _set_module_weight(engine: Engine, param: torch.nn.Parameter, value: torch.Tensor) -> None:
+def _set_module_weight(engine: Held, param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """Put `value` into the module's (low-precision) parameter; ZeRO-3 holds only a partition of
     it, so it is gathered, set on every rank alike, and partitioned again."""
     if hasattr(param, "ds_id"):
@@ -146,7 +146,7 @@ def _set_module_weight(engine: Engine, param: torch.nn.Parameter, value: torch.T
 
 
 def load_full_state(
-    engine: Engine, step_dir: str, *, vocab_size: int, with_optimizer: bool, with_schedule: bool
+    engine: Held, step_dir: str, *, vocab_size: int, with_optimizer: bool, with_schedule: bool
 ) -> Carried:
     """Set this rank's weights (and optimizer state, LR schedule position unless not
     `with_schedule` (--finetune), fp16 loss scale) from `step_dir`'s full state; say what was

@@ -35,7 +35,7 @@ from deepspeed.utils import (
 )
 
 if TYPE_CHECKING:
-    from pretrain.training.backends.deepspeed.engine import DeepSpeedEngine as Engine
+    from pretrain.training.backends.deepspeed.held import Held
 
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -45,7 +45,7 @@ LOSS_SCALE_KEYS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresi
 class _Fragments:
     """Masters and moments in DeepSpeed's fp32 partitions (ZeRO 1-3, BF16_Optimizer)."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Held):
         self.optimizer = engine.ds.optimizer  # DeepSpeed's; .optimizer is our AdamW
         self.stage3 = engine.ds.zero_optimization_stage() == 3
 
@@ -106,7 +106,7 @@ class _Fragments:
 class _Copies:
     """Masters and moments per parameter, unpartitioned (ZeRO-0 without BF16_Optimizer)."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Held):
         optimizer = engine.ds.optimizer
         self.wrapped = isinstance(optimizer, FP16_UnfusedOptimizer)
         self.adam = optimizer.optimizer if self.wrapped else optimizer
@@ -148,19 +148,19 @@ class _Copies:
             }
 
 
-def masters(engine: Engine) -> _Fragments | _Copies:
+def masters(engine: Held) -> _Fragments | _Copies:
     """The accessor of the fp32 masters and Adam state of `engine`'s optimizer."""
     if engine.ds.zero_optimization_stage() or isinstance(engine.ds.optimizer, BF16_Optimizer):
         return _Fragments(engine)
     return _Copies(engine)
 
 
-def _scaler(engine: Engine):
+def _scaler(engine: Held):
     optimizer = engine.ds.optimizer
     return getattr(optimizer, "loss_scaler", None) or getattr(optimizer, "loss_scale_config", None)
 
 
-def loss_scale_state(engine: Engine) -> dict | None:
+def loss_scale_state(engine: Held) -> dict | None:
     """fp16: the loss scaler's scale and overflow counters (plain numbers); else None."""
     scaler = _scaler(engine) if engine.fp16 else None
     if scaler is None:
@@ -169,7 +169,7 @@ def loss_scale_state(engine: Engine) -> dict | None:
     return {k: float(v) for k, v in values.items() if v is not None}
 
 
-def set_loss_scale_state(engine: Engine, saved: dict | None) -> bool:
+def set_loss_scale_state(engine: Held, saved: dict | None) -> bool:
     """Put a saved fp16 loss scale into this fp16 run's dynamic scaler; False (nothing set)
     without a saved one, without fp16 or with a static --loss-scale. A counter the target's
     scaler does not have (hysteresis at ZeRO-0) is dropped, one it has and the source did not

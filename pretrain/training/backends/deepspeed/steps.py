@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 import torch
 from deepspeed.runtime.pipe.schedule import OptimizerStep
 
-from pretrain.training.per_source import SourceLosses
+from pretrain.training.report.per_source import SourceLosses
 from pretrain.training.step import dp_mean, micro_batch_loss
 
 if TYPE_CHECKING:
-    from pretrain.training.backends.deepspeed.engine import DeepSpeedEngine
+    from pretrain.training.backends.deepspeed.held import Held
 
 
 class PipelineBatches:
@@ -55,7 +55,7 @@ class PipelineBatches:
 
 
 def train_step(
-    engine: DeepSpeedEngine,
+    engine: Held,
     batches: Iterator[dict],
     num_microbatches: int,
     use_document_ids: bool,
@@ -86,7 +86,7 @@ def train_step(
 
 
 def _judged_pipeline_batch(
-    engine: DeepSpeedEngine, items: PipelineBatches, judge: Callable[[float], bool]
+    engine: Held, items: PipelineBatches, judge: Callable[[float], bool]
 ) -> float:
     """DeepSpeed's pipeline `train_batch`, asking `judge(loss)` on every rank at the optimizer
     step (the schedule's last instruction, after every backward) and withholding the update
@@ -125,7 +125,7 @@ def _pipeline_loss(ds) -> float:
 
 @torch.no_grad()
 def evaluation_loss(
-    engine: DeepSpeedEngine,
+    engine: Held,
     batches: Iterator[dict],
     eval_iters: int,
     num_microbatches: int,

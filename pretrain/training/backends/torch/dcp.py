@@ -42,18 +42,18 @@ from pretrain.checkpoint import dcp_reader, safe_load
 from pretrain.parallel import state
 from pretrain.testing_hooks import stream_watcher
 from pretrain.training.backends.torch.full_state import persistent_buffers
-from pretrain.training.checkpoint_writes import RankFiles
+from pretrain.training.checkpoints.checkpoint_writes import RankFiles
 from pretrain.training.engine import split_over_ep
 
 if TYPE_CHECKING:
-    from pretrain.training.backends.torch.engine import TorchEngine
+    from pretrain.training.backends.torch.held import Held
 
 TRAIN_STATE_FILE = "train_state.pt"
 METADATA_FILE = dcp_reader.METADATA_FILE
 MOMENTS = ("exp_avg", "exp_avg_sq", "step")
 
 
-def _state_dict(engine: TorchEngine, optimizer: bool) -> dict[str, torch.Tensor]:
+def _state_dict(engine: Held, optimizer: bool) -> dict[str, torch.Tensor]:
     """The tensors DCP saves or loads in place: this rank's weights and, with `optimizer`, Adam's
     state (created, zero, where no step has run yet, so a load has somewhere to go)."""
     tp_prefix = f"tp{state.get_tensor_model_parallel_rank():02d}."
@@ -107,7 +107,7 @@ class _Writer(FileSystemWriter):
 
 
 def save(
-    engine: TorchEngine, path: str, client_state: dict, files: RankFiles, *, background: bool
+    engine: Held, path: str, client_state: dict, files: RankFiles, *, background: bool
 ) -> Future | None:
     """Write this rank's part of the DCP checkpoint into `path` and (rank 0) `train_state.pt`
     through `files`; a failure is recorded in `files`, not raised. `background`: staged now,
@@ -146,7 +146,7 @@ def _one_line_failure(writing: Future) -> Future:
 
 
 def load(
-    engine: TorchEngine, path: str, *, optimizer: bool, schedule: bool
+    engine: Held, path: str, *, optimizer: bool, schedule: bool
 ) -> tuple[str | None, dict | None]:
     """Load `path` (saved by `save` at this TP size, any data-parallel size) into this rank's
     weights and, with `optimizer`, Adam's state; with `schedule` the LR schedule position:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -34,13 +34,12 @@ from pretrain.training.backends.torch.fsdp import (
 )
 from pretrain.training.backends.torch.pipeline import Pipeline
 from pretrain.training.backends.torch.stages import StagePlan, stage_parts
-from pretrain.training.checkpoint_writes import RankFiles
+from pretrain.training.checkpoints.checkpoint_writes import RankFiles
 from pretrain.training.distributed import collective_device
-from pretrain.training.engine import Carried, Engine, Write, count_parameters
-from pretrain.training.lr_schedule import LRScheduleConfig, SampleLRScheduler
-from pretrain.training.optimizer import OptimizerConfig, build_optimizer
-from pretrain.training.per_source import SourceLosses
+from pretrain.training.engine import Carried, Engine, StepFunctions, Write, count_parameters
 from pretrain.training.precision import PrecisionConfig
+from pretrain.training.schedules.lr_schedule import LRScheduleConfig, SampleLRScheduler
+from pretrain.training.schedules.optimizer import OptimizerConfig, build_optimizer
 
 
 @dataclass(eq=False)
@@ -59,6 +58,7 @@ class TorchEngine(Engine):
     pipeline: bool = False  # DeepSpeed's per-layer checkpoint layout: never here
     pipe: Pipeline | None = None
     """PP > 1: the schedule over this rank's stages (`model` is their `StageParts`)."""
+    step_functions: ClassVar[StepFunctions] = StepFunctions(steps.train_step, steps.evaluation_loss)
 
     @property
     def precision(self) -> str:
@@ -80,31 +80,6 @@ class TorchEngine(Engine):
     def set_global_batch_size(self, global_batch_size: int) -> None:
         """The LR schedule's sample increment (the micro-batch count is `train_step`'s)."""
         self.scheduler.increment = global_batch_size
-
-    def train_step(
-        self,
-        batches: Iterator[dict],
-        num_microbatches: int,
-        use_document_ids: bool,
-        device: torch.device,
-        judge: Callable[[float], bool] | None = None,
-    ) -> float:
-        """`Engine.train_step` (`steps.train_step`)."""
-        return steps.train_step(self, batches, num_microbatches, use_document_ids, device, judge)
-
-    def evaluation_loss(
-        self,
-        batches: Iterator[dict],
-        eval_iters: int,
-        num_microbatches: int,
-        use_document_ids: bool,
-        device: torch.device,
-        sources: SourceLosses | None = None,
-    ) -> float:
-        """`Engine.evaluation_loss` (`steps.evaluation_loss`)."""
-        return steps.evaluation_loss(
-            self, batches, eval_iters, num_microbatches, use_document_ids, device, sources
-        )
 
     def learning_rate(self) -> float:
         """The learning rate the next optimizer step uses."""
@@ -233,17 +208,8 @@ def build_torch_engine(
         offload=parallel.offload_param == "cpu",
         reshard_after_forward=plan.pipeline_size == 1,
     )
-    mesh, edp_mesh = device_mesh(device), experts.expert_mesh(device)
-    pipe = None
-    if plan.pipeline_size > 1:
-        for stage in model.stage_modules:
-            shard_model(stage, list(stage.layers.values()), mesh, policy, edp_mesh)
-        dtype = torch.bfloat16 if policy.bf16 else torch.float32
-        pipe = Pipeline(
-            model_config, plan, model.stage_modules, parallel.pipeline_schedule, device, dtype
-        )
-    else:
-        shard_model(model, list(model.layers), mesh, policy, edp_mesh)
+    mesh = device_mesh(device)
+    pipe = _shard(model, model_config, plan, parallel, mesh, policy, device)
     optimizer = build_optimizer(
         model.named_parameters(),
         optimizer_config,
@@ -263,4 +229,27 @@ def build_torch_engine(
         params_total=params_total,
         padded_vocab_size=model_config.padded_vocab_size(tp),
         pipe=pipe,
+    )
+
+
+def _shard(
+    model: torch.nn.Module,
+    model_config: ModelConfig,
+    plan: StagePlan,
+    parallel: ParallelConfig,
+    mesh: DeviceMesh,
+    policy: ShardingPolicy,
+    device: torch.device,
+) -> Pipeline | None:
+    """Shard the GPT (or each of this rank's stage modules) with FSDP2 per layer; at PP > 1
+    return the schedule over the stages."""
+    edp_mesh = experts.expert_mesh(device)
+    if plan.pipeline_size == 1:
+        shard_model(model, list(model.layers), mesh, policy, edp_mesh)
+        return None
+    for stage in model.stage_modules:
+        shard_model(stage, list(stage.layers.values()), mesh, policy, edp_mesh)
+    dtype = torch.bfloat16 if policy.bf16 else torch.float32
+    return Pipeline(
+        model_config, plan, model.stage_modules, parallel.pipeline_schedule, device, dtype
     )

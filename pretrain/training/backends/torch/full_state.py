@@ -37,7 +37,7 @@ from pretrain.training.engine import (
 )
 
 if TYPE_CHECKING:
-    from pretrain.training.backends.torch.engine import TorchEngine
+    from pretrain.training.backends.torch.held import Held
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -65,7 +65,7 @@ def persistent_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def _collect(engine: TorchEngine, keep) -> dict[str, dict]:
+def _collect(engine: Held, keep) -> dict[str, dict]:
     """The entries (fp32 master, moments, step) of the parameters, then the persistent buffers,
     that `keep(i)` selects; every rank joins every gather (collectives over DP, expert DP and
     EP) and drops at once what it does not keep."""
@@ -92,7 +92,7 @@ def _collect(engine: TorchEngine, keep) -> dict[str, dict]:
     return entries
 
 
-def save_full_state(engine: TorchEngine, step_dir: str, write: Write, stamp: dict) -> None:
+def save_full_state(engine: Held, step_dir: str, write: Write, stamp: dict) -> None:
     """`Engine.save_full_state` on the torch backend (collective over DP)."""
     write_full_state_shard(
         step_dir,
@@ -116,7 +116,7 @@ def _like(param: DTensor, value: torch.Tensor) -> DTensor:
 
 
 def load_full_state(
-    engine: TorchEngine,
+    engine: Held,
     step_dir: str,
     *,
     vocab_size: int,

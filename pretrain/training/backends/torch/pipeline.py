@@ -42,7 +42,7 @@ from pretrain.parallel.cross_entropy import vocab_parallel_cross_entropy
 from pretrain.training.backends.torch.fsdp import local_tensor, reshard
 from pretrain.training.backends.torch.pipeline_flags import SCHEDULE_CHOICES
 from pretrain.training.backends.torch.stages import StageModule, StagePlan
-from pretrain.training.per_source import SourceLosses
+from pretrain.training.report.per_source import SourceLosses
 from pretrain.training.step import dp_mean
 
 SCHEDULES = dict(

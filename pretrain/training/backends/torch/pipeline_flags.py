@@ -14,7 +14,7 @@ multiple of their rounds (max(1, m // PP)); ZBV takes any number.
 from __future__ import annotations
 
 from pretrain.errors import UserError
-from pretrain.training.batch_schedule import BatchSchedule
+from pretrain.training.schedules.batch_schedule import BatchSchedule
 
 SCHEDULE_CHOICES = ("1f1b", "interleaved-1f1b", "interleaved-zero-bubble", "zbv-zero-bubble")
 """--pipeline-schedule's values, in `pipeline.SCHEDULES` order."""

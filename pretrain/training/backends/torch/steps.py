@@ -21,15 +21,15 @@ import torch
 
 from pretrain.model.moe import losses as moe_losses
 from pretrain.training.backends.torch.fsdp import reshard
-from pretrain.training.per_source import SourceLosses
+from pretrain.training.report.per_source import SourceLosses
 from pretrain.training.step import dp_mean, micro_batch_loss
 
 if TYPE_CHECKING:
-    from pretrain.training.backends.torch.engine import TorchEngine
+    from pretrain.training.backends.torch.held import Held
 
 
 def train_step(
-    engine: TorchEngine,
+    engine: Held,
     batches: Iterator[dict],
     num_microbatches: int,
     use_document_ids: bool,
@@ -71,7 +71,7 @@ def _accumulate(
 
 @torch.no_grad()
 def evaluation_loss(
-    engine: TorchEngine,
+    engine: Held,
     batches: Iterator[dict],
     eval_iters: int,
     num_microbatches: int,

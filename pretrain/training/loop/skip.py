@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 
-from pretrain.training.logging import logger
+from pretrain.training.report.logging import logger
 from pretrain.training.state import TrainState
 
 

@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pretrain.training.logging import SOURCE_FIELD
+from pretrain.training.report.logging import SOURCE_FIELD
 
 ITERATION_LINE = re.compile(r"^\s*iteration\s+(\d+)/\s*(\d+)\s*\|(.*)$")
 FIELD = re.compile(r"\s*([^|:]+?):\s*([^|]+?)\s*\|")

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pretrain.training.logging import MetricsLogger, logger
-from pretrain.training.per_source import SourceLosses
+from pretrain.training.report.logging import MetricsLogger, logger
+from pretrain.training.report.per_source import SourceLosses
+from pretrain.training.report.validation_sets import ValidationSet
 from pretrain.training.state import TrainState
-from pretrain.training.validation_sets import ValidationSet
 
 if TYPE_CHECKING:  # imports deepspeed, which must wait for the launch environment
     from pretrain.training.engine import Engine

@@ -15,16 +15,16 @@ import torch
 
 from pretrain.data.blends.mixture_dataset import MixtureCounter, consumed_tokens
 from pretrain.testing_hooks import RAISE_IN_STEP, raise_here
-from pretrain.training.batch_schedule import BatchSchedule
-from pretrain.training.checkpointing import Checkpointer
+from pretrain.training.checkpoints.checkpointing import Checkpointer
 from pretrain.training.distributed import any_rank
-from pretrain.training.divergence import DivergenceCheck
-from pretrain.training.evaluator import Evaluator
-from pretrain.training.exit_signal import ExitSignal
-from pretrain.training.logging import MetricsLogger, logger
-from pretrain.training.manual_gc import ManualGC, ManualGCConfig
-from pretrain.training.skip import flatten_iterations, skip_iteration
-from pretrain.training.spikes import Rewinder, SpikeConfig, SpikePolicy
+from pretrain.training.loop.divergence import DivergenceCheck
+from pretrain.training.loop.exit_signal import ExitSignal
+from pretrain.training.loop.manual_gc import ManualGC, ManualGCConfig
+from pretrain.training.loop.skip import flatten_iterations, skip_iteration
+from pretrain.training.loop.spikes import Rewinder, SpikeConfig, SpikePolicy
+from pretrain.training.report.evaluator import Evaluator
+from pretrain.training.report.logging import MetricsLogger, logger
+from pretrain.training.schedules.batch_schedule import BatchSchedule
 from pretrain.training.state import TrainState
 from pretrain.training.step import model_iteration
 
@@ -153,40 +153,72 @@ def train(
             train_state.iteration += 1
             train_state.consumed_train_samples += global_batch
             source_tokens = _count_sources(train_state, mixture, config.seq_length)
-            metrics.record_iteration(
-                iteration=train_state.iteration,
-                consumed_samples=train_state.consumed_train_samples,
-                global_batch_size=global_batch,
-                loss=loss,
-                seconds=seconds,
-                learning_rate=engine.learning_rate(),  # after the step, as Megatron logs it
-                grad_norm=engine.grad_norm(),
-                loss_scale=engine.loss_scale(),
-                skipped_steps=engine.skipped_steps,
-                source_tokens=source_tokens,
-            )
+            _record(metrics, engine, train_state, global_batch, loss, seconds, source_tokens)
             divergence.after_step(
                 train_state.iteration, loss, lambda: checkpointer.committed_before_stop(engine)
             )
             gc_points.after_iteration(train_state.iteration)
-            if evaluator.should_evaluate(train_state.iteration):
-                with gc_points.evaluation():
-                    evaluator.evaluate(engine, train_state)
-            checkpointer.poll(engine)  # commits a background save once every rank has written it
-            if checkpointer.should_save(train_state.iteration):
-                checkpointer.save(engine, train_state)
-            if _should_exit(config, train_state.iteration, started):
-                why = " (--exit-interval / --exit-duration-in-mins)"
-                _stop(engine, train_state, checkpointer, why)
-                return False
-            if exit_signal is not None and exit_signal.requested():
-                why = f": {exit_signal.name} received (--exit-signal-handler)"
+            _evaluate_and_save(engine, train_state, evaluator, checkpointer, gc_points)
+            why = _exit_reason(config, train_state.iteration, started, exit_signal)
+            if why is not None:
                 _stop(engine, train_state, checkpointer, why)
                 return False
     if train_state.iteration > first_iteration:
         _count_sources(train_state, mixture, config.seq_length)  # after skipped iterations
         checkpointer.save_if_unsaved(engine, train_state)
     return True
+
+
+def _record(
+    metrics: MetricsLogger,
+    engine: Engine,
+    train_state: TrainState,
+    global_batch: int,
+    loss: float,
+    seconds: float,
+    source_tokens: dict[str, int] | None,
+) -> None:
+    """Hand the iteration that just ran to the metrics (the engine's figures after its step,
+    as Megatron logs them)."""
+    metrics.record_iteration(
+        iteration=train_state.iteration,
+        consumed_samples=train_state.consumed_train_samples,
+        global_batch_size=global_batch,
+        loss=loss,
+        seconds=seconds,
+        learning_rate=engine.learning_rate(),
+        grad_norm=engine.grad_norm(),
+        loss_scale=engine.loss_scale(),
+        skipped_steps=engine.skipped_steps,
+        source_tokens=source_tokens,
+    )
+
+
+def _evaluate_and_save(
+    engine: Engine,
+    train_state: TrainState,
+    evaluator: Evaluator,
+    checkpointer: Checkpointer,
+    gc_points: ManualGC,
+) -> None:
+    """After an iteration: evaluate when due, commit a finished background save, save when due."""
+    if evaluator.should_evaluate(train_state.iteration):
+        with gc_points.evaluation():
+            evaluator.evaluate(engine, train_state)
+    checkpointer.poll(engine)  # commits a background save once every rank has written it
+    if checkpointer.should_save(train_state.iteration):
+        checkpointer.save(engine, train_state)
+
+
+def _exit_reason(
+    config: TrainingConfig, iteration: int, started: float, exit_signal: ExitSignal | None
+) -> str | None:
+    """Why the run stops early after `iteration`, as the exit line says it; None: it goes on."""
+    if _should_exit(config, iteration, started):
+        return " (--exit-interval / --exit-duration-in-mins)"
+    if exit_signal is not None and exit_signal.requested():
+        return f": {exit_signal.name} received (--exit-signal-handler)"
+    return None
 
 
 def _stop(engine: Engine, train_state: TrainState, checkpointer: Checkpointer, why: str) -> None:

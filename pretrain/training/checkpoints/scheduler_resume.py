@@ -20,9 +20,9 @@ of it is compared. `--finetune` loads no scheduler state and decides nothing.
 from __future__ import annotations
 
 from pretrain.errors import UserError
-from pretrain.training.checkpointing import CheckpointConfig
-from pretrain.training.logging import logger
-from pretrain.training.lr_schedule import SampleLRScheduler
+from pretrain.training.checkpoints.checkpointing import CheckpointConfig
+from pretrain.training.report.logging import logger
+from pretrain.training.schedules.lr_schedule import SampleLRScheduler
 
 OVERRIDE = "--override-opt_param-scheduler"
 USE_CHECKPOINT = "--use-checkpoint-opt_param-scheduler"

@@ -142,7 +142,7 @@ class SampleLRScheduler:
     `state_dict()` in its checkpoints, so the schedule resumes where it stopped. With a batch-size
     schedule the loop sets `increment` to the iteration's global batch before each step. A load
     takes the position and keeps the checkpoint's values in `loaded`; which schedule continues is
-    `pretrain.training.scheduler_resume`'s decision.
+    `pretrain.training.checkpoints.scheduler_resume`'s decision.
     """
 
     def __init__(

@@ -28,7 +28,7 @@ import time
 import torch
 
 from pretrain.errors import UserError
-from pretrain.training.logging import logger
+from pretrain.training.report.logging import logger
 
 LOCK_FILE = "pretrain_gpt.lock"
 _NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}

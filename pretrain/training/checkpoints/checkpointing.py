@@ -4,7 +4,7 @@ The format (file names, tags, `latest`, metadata) is `pretrain.checkpoint.format
 file-system steps of the commit `pretrain.checkpoint.commit`, what "complete" means and which
 step `--load` picks `pretrain.checkpoint.integrity`; this module adds the when
 (`Checkpointer.should_save`) and the how for a live engine on every rank (any backend). Resuming is
-`pretrain.training.resume`.
+`pretrain.training.checkpoints.resume`.
 
 Save (docs/CHECKPOINTS.md, "Commit protocol"): every rank writes its backend's files and RNG
 state into a hidden temporary folder, each file fsynced; the ranks agree that all writes
@@ -12,7 +12,7 @@ succeeded; rank 0 writes the metadata with every file's size, renames the folder
 replaces `latest`; a final agreement. A failure on any rank (a full disk) is one line on every
 rank, the temporary folder is removed, and the previous checkpoint is untouched. A process
 killed at any point leaves `latest` naming a complete checkpoint. A save whose weights or
-optimizer state hold NaN/Inf on any rank writes nothing (one warning; `pretrain.training.divergence`).
+optimizer state hold NaN/Inf on any rank writes nothing (one warning; `nonfinite_state`).
 
 A stop never abandons a finished step (docs/RELIABILITY.md, "Stops and pending async saves"): a
 background save (--async-save) was finite when staged, so before any stop it is committed:
@@ -62,9 +62,7 @@ from pretrain.checkpoint.format import (
     tag_for,
     temporary_name,
 )
-from pretrain.checkpoint.integrity import (
-    manifest,
-)
+from pretrain.checkpoint.integrity import manifest, nonfinite_summary
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
 from pretrain.parallel.config import ParallelConfig
@@ -76,14 +74,23 @@ from pretrain.testing_hooks import (
     save_event,
     stream_watcher,
 )
-from pretrain.training.checkpoint_writes import BackgroundFiles, RankFiles, agree
+from pretrain.training.checkpoints.checkpoint_writes import BackgroundFiles, RankFiles, agree
 from pretrain.training.distributed import any_rank
-from pretrain.training.divergence import nonfinite_state
-from pretrain.training.logging import logger
+from pretrain.training.report.logging import logger
 from pretrain.training.state import TrainState
 
 if TYPE_CHECKING:
     from pretrain.training.engine import Engine
+
+
+def nonfinite_state(engine: Engine) -> str | None:
+    """This rank's first weight, optimizer-state or master tensor holding NaN/Inf, as
+    `non-finite values (NaN/Inf) in <what> <name>[ (and N more)]`; None if all are finite."""
+    for tree, what in engine.state_trees(with_optimizer=True):
+        summary = nonfinite_summary(tree, what)
+        if summary is not None:
+            return summary
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -30,11 +30,15 @@ from typing import TYPE_CHECKING
 
 from pretrain.model.config import ModelConfig
 from pretrain.parallel.config import ParallelConfig
-from pretrain.training.checkpointing import CheckpointConfig, rng_state
+from pretrain.training.checkpoints.checkpointing import CheckpointConfig, rng_state
+from pretrain.training.checkpoints.resume import (
+    check_before_launch,
+    load_checkpoint,
+    restore_rng_state,
+)
 from pretrain.training.distributed import any_rank
-from pretrain.training.logging import logger
-from pretrain.training.resume import check_before_launch, load_checkpoint, restore_rng_state
-from pretrain.training.skip import record_skip
+from pretrain.training.loop.skip import record_skip
+from pretrain.training.report.logging import logger
 from pretrain.training.state import TrainState
 
 if TYPE_CHECKING:  # imports deepspeed, which must wait for the launch environment

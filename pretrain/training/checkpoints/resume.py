@@ -2,7 +2,7 @@
 
 Before the process group exists, `check_before_launch` picks the step
 (`pretrain.checkpoint.integrity`) and refuses, in one line, one this run cannot resume (another
-model; another layout without a layout-independent state). After the engine is built,
+model; another layout without a layout-independent state: `compatible.py`). After the engine is built,
 `load_checkpoint` loads it: at the saved layout through DeepSpeed's own load, at any other (or
 from a `tools/reshard_checkpoint.py` output) through the full state
 (`Engine.load_full_state`). Damaged files and NaN/Inf tensors are one line on every rank.
@@ -22,32 +22,26 @@ from pretrain.checkpoint import fingerprints, safe_load
 from pretrain.checkpoint.agreement import disagreement, layout_disagreement
 from pretrain.checkpoint.format import (
     LATEST_FILE,
-    check_same_model,
+    ResumeRecord,
     refuse_foreign_checkpoint,
-    saved_backend,
+    resume_record,
 )
-from pretrain.checkpoint.full_state import has_full_state, shard_payloads
+from pretrain.checkpoint.full_state import shard_payloads
 from pretrain.checkpoint.integrity import Choice, check_finite
 from pretrain.checkpoint.load_target import choose_load
-from pretrain.checkpoint.relayout import is_full_state_only
 from pretrain.errors import UserError
 from pretrain.model.config import ModelConfig
 from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.random import get_tensor_parallel_rng
-from pretrain.training import scheduler_resume
-from pretrain.training.checkpoint_writes import agree
-from pretrain.training.checkpointing import CheckpointConfig
-from pretrain.training.logging import logger
+from pretrain.training.checkpoints import scheduler_resume
+from pretrain.training.checkpoints.checkpoint_writes import agree
+from pretrain.training.checkpoints.checkpointing import CheckpointConfig
+from pretrain.training.checkpoints.compatible import check_compatible, relayout_possible
+from pretrain.training.report.logging import logger
 from pretrain.training.state import TrainState
 
 if TYPE_CHECKING:
     from pretrain.training.engine import Engine
-
-RELAYOUT_HINT = (
-    "export it with tools/convert_to_hf.py, re-import it with tools/convert_from_hf.py "
-    "--target-tensor-parallel-size T --target-pipeline-parallel-size P and start with --finetune "
-    "(docs/CONVERSION.md)"
-)
 
 
 def restore_rng_state(rng: dict) -> None:
@@ -58,186 +52,6 @@ def restore_rng_state(rng: dict) -> None:
     get_tensor_parallel_rng().set_state(rng["tensor_parallel"])
     if torch.cuda.is_available() and "cuda" in rng:
         torch.cuda.set_rng_state(rng["cuda"])
-
-
-def _without_full_state(meta: dict) -> str:
-    """The reason a checkpoint saved with --no-save-full-state cannot move, for a refusal."""
-    if meta.get("full_state", True):
-        return ""
-    return (
-        ", and it was saved with --no-save-full-state: it has no layout-independent state to "
-        "resume elsewhere from (resume it at its own layout and save once without that flag to "
-        "move it)"
-    )
-
-
-def _check_zero_stage(meta: dict, zero_stage: int, loads_optimizer: bool, path: str) -> None:
-    """Refuse a ZeRO stage DeepSpeed's own load cannot cross (any to or from 3; 0 <-> 1/2 with the
-    optimizer state: their files differ), rather than fail inside DeepSpeed as a "damaged"
-    checkpoint. Only for checkpoints without the full state (with it, any stage resumes)."""
-    saved = meta["parallel"]["zero_stage"]
-    if saved == zero_stage or {saved, zero_stage} == {1, 2}:
-        return
-    if 3 not in (saved, zero_stage) and not loads_optimizer:
-        return  # the module weights alone are in the same files
-    raise UserError(
-        f"--load {path}: the checkpoint was written with --zero-stage {saved}, this run uses "
-        f"{zero_stage}{_without_full_state(meta)}; DeepSpeed's files differ between these stages: "
-        f"run with --zero-stage {saved}"
-        + ("" if 3 in (saved, zero_stage) else " (or --no-load-optim: weights and position only)")
-    )
-
-
-def _check_precision(meta: dict, precision: str | None, finetune: bool, path: str) -> None:
-    """Refuse a precision DeepSpeed's own load cannot cross (its optimizer files differ between
-    fp32, bf16 and fp16) rather than fail inside DeepSpeed as a "damaged" checkpoint. Only for
-    checkpoints without the full state (with it, any precision resumes)."""
-    saved = saved_precision(meta)
-    if precision is None or saved in (None, precision) or finetune:
-        return
-    raise UserError(
-        f"--load {path}: the checkpoint was saved in {saved}, this run uses "
-        f"{_precision_flag(precision)}{_without_full_state(meta)}; DeepSpeed's optimizer files "
-        f"differ between precisions: resume in {_precision_flag(saved)}, or start from its "
-        f"weights with --finetune"
-    )
-
-
-def _check_backend(meta: dict, parallel: ParallelConfig, path: str) -> None:
-    """Refuse a checkpoint of the other backend that has no full state (each backend reads
-    only its own native files)."""
-    saved = saved_backend(meta)
-    if saved == parallel.backend:
-        return
-    flag = "with --use-torch-fsdp2" if saved == "torch" else "without --use-torch-fsdp2"
-    raise UserError(
-        f"--load {path}: the checkpoint was written by the {saved} backend{_without_full_state(meta)}"
-        f"; its native files are that backend's: resume it {flag}"
-    )
-
-
-def _same_layout(meta: dict, parallel: ParallelConfig) -> bool:
-    """True when the backend's own files resume here: the same backend, TP/PP/DP/ZeRO and the
-    experts whole on every data-parallel rank on both sides (at expert-parallel size > 1
-    DeepSpeed's files hold data-parallel rank 0's experts only: the full state resumes it)."""
-    saved = meta["parallel"]
-    keys = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
-    return (
-        all(saved[k] == getattr(parallel, k) for k in keys)
-        and saved["zero_stage"] == parallel.zero_stage
-        and saved_backend(meta) == parallel.backend
-        and _saved_ep(saved) == parallel.expert_model_parallel_size == 1
-    )
-
-
-def _saved_ep(saved: dict) -> int:
-    """The expert-parallel size a checkpoint was written at (1 before MoE)."""
-    return saved.get("expert_model_parallel_size") or 1
-
-
-def saved_precision(meta: dict) -> str | None:
-    """The precision ("bf16", "fp16", "fp32") a checkpoint was trained in; None where its
-    metadata does not say (converted checkpoints)."""
-    saved = meta.get("precision")
-    if not isinstance(saved, dict):
-        return None
-    return "bf16" if saved.get("bf16") else ("fp16" if saved.get("fp16") else "fp32")
-
-
-def _precision_flag(precision: str) -> str:
-    return "fp32 (neither --bf16 nor --fp16)" if precision == "fp32" else f"--{precision}"
-
-
-def relayout_possible(
-    step_dir: str, meta: dict, parallel: ParallelConfig, precision: str | None = None
-) -> bool:
-    """True when the checkpoint in `step_dir` was saved at another layout or (given this run's
-    `precision`; None: not compared) in another precision and resumes here through its
-    layout-independent state (`Engine.load_full_state`), or holds only that state
-    (tools/reshard_checkpoint.py)."""
-    if is_full_state_only(meta):
-        return True
-    same_precision = precision is None or saved_precision(meta) in (None, precision)
-    same = _same_layout(meta, parallel) and same_precision
-    return not same and has_full_state(step_dir)
-
-
-def check_compatible(
-    config: CheckpointConfig,
-    model: ModelConfig,
-    parallel: ParallelConfig,
-    meta: dict,
-    path: str,
-    relayout: bool = False,
-    precision: str | None = None,
-) -> None:
-    """Refuse (one line) a checkpoint this run cannot resume: another model, or (unless
-    `relayout`: it resumes through its full state) another precision than this run's
-    `precision` (None: not compared), another TP/PP, or a ZeRO optimizer state split over another
-    number of data-parallel ranks."""
-    if meta.get("weights_only") and not config.finetune:
-        raise UserError(
-            f"--load {path}: a weights-only checkpoint (converted, no optimizer or data position); "
-            f"start from it with --finetune"
-        )
-    if meta.get("weights_only") and parallel.zero_stage == 3:
-        raise UserError(
-            f"--load {path}: a weights-only (converted) checkpoint cannot start a ZeRO-3 run "
-            f"(DeepSpeed reads ZeRO-3 weights from optimizer files it does not have); use "
-            f"--zero-stage 0-2"
-        )
-    check_same_model(meta, model, path)
-    if relayout:
-        return
-    _check_backend(meta, parallel, path)
-    _check_precision(meta, precision, config.finetune, path)
-    saved = meta["parallel"]
-    if max(_saved_ep(saved), parallel.expert_model_parallel_size) > 1:
-        raise UserError(
-            f"--load {path}: the checkpoint was written with --expert-model-parallel-size "
-            f"{_saved_ep(saved)}, this run uses {parallel.expert_model_parallel_size}"
-            f"{_without_full_state(meta)}; DeepSpeed's files hold data-parallel rank 0's experts "
-            f"only, so it resumes only through its layout-independent state"
-        )
-    for key, flag in (
-        ("tensor_model_parallel_size", "--tensor-model-parallel-size"),
-        ("pipeline_model_parallel_size", "--pipeline-model-parallel-size"),
-    ):
-        if saved[key] != getattr(parallel, key):
-            raise UserError(
-                f"--load {path}: the checkpoint was written with {flag} {saved[key]}, this run uses "
-                f"{getattr(parallel, key)}{_without_full_state(meta)}; DeepSpeed checkpoints are "
-                f"split per TP/PP rank: "
-                f"{RELAYOUT_HINT}, or run with {flag} {saved[key]}"
-            )
-    padded = model.padded_vocab_size(parallel.tensor_model_parallel_size)
-    if meta.get("padded_vocab_size", padded) != padded:
-        raise UserError(
-            f"--load {path}: the checkpoint's embedding has {meta['padded_vocab_size']} rows "
-            f"(padded vocabulary), this run pads to {padded} (--make-vocab-size-divisible-by "
-            f"{model.make_vocab_size_divisible_by}); use the checkpoint's "
-            f"--make-vocab-size-divisible-by {meta['model'].get('make_vocab_size_divisible_by')}"
-        )
-    loads_optimizer = not (config.finetune or config.no_load_optim)
-    dp = parallel.data_parallel_size
-    if (
-        saved["data_parallel_size"] != dp
-        and parallel.zero_stage > 0
-        and (loads_optimizer or saved["zero_stage"] == 3 or parallel.zero_stage == 3)
-    ):
-        ranks = (
-            saved["data_parallel_size"]
-            * parallel.tensor_model_parallel_size
-            * parallel.pipeline_model_parallel_size
-        )
-        raise UserError(
-            f"--load {path}: the checkpoint's ZeRO-{saved['zero_stage']} optimizer state is split "
-            f"over {saved['data_parallel_size']} data-parallel ranks, this run has {dp}"
-            f"{_without_full_state(meta)}: resume "
-            f"with --finetune (weights only) or convert it with DeepSpeed's ds_to_universal.py, or "
-            f"launch {ranks} ranks"
-        )
-    _check_zero_stage(meta, parallel.zero_stage, loads_optimizer, path)
 
 
 def check_before_launch(
@@ -253,7 +67,7 @@ def check_before_launch(
     choice = choose_load(config.load, config.save)
     if choice is not None:
         step_dir = os.path.join(load_folder(config, choice), choice.tag)
-        relayout = relayout_possible(step_dir, choice.meta, parallel, precision)
+        relayout = relayout_possible(step_dir, resume_record(choice.meta), parallel, precision)
         check_compatible(config, model, parallel, choice.meta, config.load, relayout, precision)
     return choice
 
@@ -356,30 +170,33 @@ def _carried_words(carried) -> str:
     return ", ".join(parts) + " and LR schedule"
 
 
+def _saved_layout(saved: ResumeRecord) -> str:
+    """ "TP2 PP1 DP2 ZeRO-1", or "TP2 PP2 by tools/reshard_checkpoint.py", for the log line."""
+    layout = f"TP{saved.tensor_model_parallel_size} PP{saved.pipeline_model_parallel_size} "
+    if saved.full_state_only:
+        return layout + "by tools/reshard_checkpoint.py"
+    return layout + f"DP{saved.data_parallel_size} {saved.sharding}"
+
+
 def _load_relayout(
     config: CheckpointConfig, engine: Engine, step_dir: str, meta: dict
 ) -> tuple[TrainState, None]:
     """Resume a checkpoint saved at another layout from its layout-independent state."""
+    saved = resume_record(meta)
     problem = agree(_full_state_problem(step_dir, meta))
     if problem is not None:
         raise UserError(problem)
     loads_optimizer = not (config.finetune or config.no_load_optim)
     carried = engine.load_full_state(
         step_dir,
-        vocab_size=meta["model"]["vocab_size"],
+        vocab_size=saved.vocab_size,
         with_optimizer=loads_optimizer,
         with_schedule=not config.finetune,  # --finetune starts the schedule at sample 0
     )
     problem = agree(_nonfinite_problem(engine, step_dir, loads_optimizer))
     if problem is not None:
         raise UserError(problem)
-    saved = meta["parallel"]
-    layout = f"TP{saved['tensor_model_parallel_size']} PP{saved['pipeline_model_parallel_size']} "
-    if is_full_state_only(meta):
-        layout += "by tools/reshard_checkpoint.py"
-    else:
-        sharding = "FSDP2" if saved_backend(meta) == "torch" else f"ZeRO-{saved['zero_stage']}"
-        layout += f"DP{saved['data_parallel_size']} {sharding}"
+    layout = _saved_layout(saved)
     if carried.precision not in (None, engine.precision):
         layout += f" in {carried.precision}, resumed in {engine.precision}"
     if config.finetune:
@@ -425,28 +242,11 @@ def load_checkpoint(
     _refuse_foreign_files(step_dir, choice.meta)
     _refuse_pickled_code(step_dir)
     if parallel is not None and relayout_possible(
-        step_dir, choice.meta, parallel, engine.precision
+        step_dir, resume_record(choice.meta), parallel, engine.precision
     ):
         return _load_relayout(config, engine, step_dir, choice.meta)
     loads_optimizer = not (config.finetune or config.no_load_optim)
-    problem, client_state = None, None
-    try:
-        load_path, client_state = engine.load_native(
-            folder,
-            choice.tag,
-            optimizer=loads_optimizer,
-            schedule=not config.finetune,
-            module_only=config.finetune,
-        )
-        if load_path is None:
-            problem = f"{step_dir}: could not be loaded (files missing; see the warnings above)"
-    except UserError as err:  # a refused global or a damaged file, named by safe_load
-        problem = str(err)
-    except Exception as err:  # noqa: BLE001 - a damaged file must be one line, not a traceback
-        problem = (
-            f"{step_dir}: cannot be loaded ({type(err).__name__}: {err}); the checkpoint is damaged"
-        )
-    problem = problem or disagreement(load_path, client_state, choice.meta, step_dir)
+    problem, client_state = _load_native(config, engine, folder, choice, loads_optimizer)
     problem = problem or _nonfinite_problem(engine, step_dir, loads_optimizer)
     rng = None
     if problem is None and not config.finetune:
@@ -466,3 +266,29 @@ def load_checkpoint(
         f"({train_state.consumed_train_samples} samples consumed)"
     )
     return train_state, rng
+
+
+def _load_native(
+    config: CheckpointConfig, engine: Engine, folder: str, choice: Choice, loads_optimizer: bool
+) -> tuple[str | None, dict | None]:
+    """Load the backend's own files of the chosen step: (a problem line or None, the saved
+    client state); a missing or damaged file, or a position other than the step's, is the
+    problem."""
+    step_dir = os.path.join(folder, choice.tag)
+    try:
+        load_path, client_state = engine.load_native(
+            folder,
+            choice.tag,
+            optimizer=loads_optimizer,
+            schedule=not config.finetune,
+            module_only=config.finetune,
+        )
+    except UserError as err:  # a refused global or a damaged file, named by safe_load
+        return str(err), None
+    except Exception as err:  # noqa: BLE001 - a damaged file must be one line, not a traceback
+        return (
+            f"{step_dir}: cannot be loaded ({type(err).__name__}: {err}); the checkpoint is damaged"
+        ), None
+    if load_path is None:
+        return f"{step_dir}: could not be loaded (files missing; see the warnings above)", None
+    return disagreement(load_path, client_state, choice.meta, step_dir), client_state

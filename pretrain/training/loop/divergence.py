@@ -10,7 +10,7 @@ iteration, before the evaluator or the checkpointer's save of that iteration run
 non-finite grad norm on a step the loss scaler skipped (an overflow: the weights were not
 updated, the scale is lowered) is not a divergence; a non-finite loss always is.
 
-Whatever the flag, the checkpointer asks `nonfinite_state` before every save and refuses one whose
+Whatever the flag, the checkpointer asks `checkpointing.nonfinite_state` before every save and refuses one whose
 weights or optimizer state hold NaN/Inf on any rank (docs/CHECKPOINTS.md, "Non-finite state").
 """
 
@@ -23,22 +23,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pretrain.checkpoint.integrity import nonfinite_summary
 from pretrain.errors import EXIT_USER_ERROR
 from pretrain.training.distributed import collective_device
 
 if TYPE_CHECKING:
     from pretrain.training.engine import Engine
-
-
-def nonfinite_state(engine: Engine) -> str | None:
-    """This rank's first weight, optimizer-state or master tensor holding NaN/Inf, as
-    `non-finite values (NaN/Inf) in <what> <name>[ (and N more)]`; None if all are finite."""
-    for tree, what in engine.state_trees(with_optimizer=True):
-        summary = nonfinite_summary(tree, what)
-        if summary is not None:
-            return summary
-    return None
 
 
 def _described(name: str, value: float | None, flagged: bool) -> str | None:

@@ -57,7 +57,7 @@ class Throughput:
     tokens_per_iteration: int
     """Global batch x sequence length."""
     flops_per_iteration: float
-    """Model FLOPs of one iteration (pretrain.training.flops)."""
+    """Model FLOPs of one iteration (pretrain.training.report.flops)."""
     world_size: int
     """Devices sharing the work."""
     peak_tflops: float | None
@@ -343,13 +343,7 @@ class MetricsLogger:
         `consumed tokens <prefix>` fields, up to MAX_SOURCES_SHOWN sources)."""
         batch = self.global_batch_size if global_batch_size is None else global_batch_size
         scale = batch / self.global_batch_size
-        self._batch_scale += scale
-        if math.isfinite(loss):
-            self._loss_sum += loss
-        else:
-            self._nan_iterations += 1
-        self._iterations += 1
-        self._seconds += seconds
+        self._accumulate(loss, seconds, scale)
         scalars = {
             "lm-loss": loss,
             "grad-norm": grad_norm,
@@ -369,8 +363,44 @@ class MetricsLogger:
             scalars.update(moe_scalars(moe))
         dashboards = iteration % self.config.tensorboard_log_interval == 0
         self.writer.write(iteration, scalars, dashboards=dashboards or moe is not None)
-        if not log_line:
-            return
+        if log_line:
+            self._log_interval(
+                iteration=iteration,
+                consumed_samples=consumed_samples,
+                learning_rate=learning_rate,
+                global_batch_size=batch,
+                loss_scale=loss_scale,
+                grad_norm=grad_norm,
+                skipped_steps=skipped_steps,
+                source_tokens=source_tokens,
+                moe=moe,
+            )
+
+    def _accumulate(self, loss: float, seconds: float, scale: float) -> None:
+        """Add one iteration to the interval's sums (a non-finite loss is counted, not summed);
+        `scale`: its batch over the run's global batch."""
+        self._batch_scale += scale
+        if math.isfinite(loss):
+            self._loss_sum += loss
+        else:
+            self._nan_iterations += 1
+        self._iterations += 1
+        self._seconds += seconds
+
+    def _log_interval(
+        self,
+        *,
+        iteration: int,
+        consumed_samples: int,
+        learning_rate: float,
+        global_batch_size: int,
+        loss_scale: float,
+        grad_norm: float | None,
+        skipped_steps: int,
+        source_tokens: dict[str, int] | None,
+        moe: MoEMetrics | None,
+    ) -> None:
+        """Print the interval's Megatron line (its means and throughput) and start the next."""
         per_iteration = self._seconds / self._iterations
         # seconds per iteration of the run's global batch: throughput over batches that vary
         per_full_batch = self._seconds / self._batch_scale
@@ -380,7 +410,7 @@ class MetricsLogger:
             consumed_samples=consumed_samples,
             elapsed_ms=per_iteration * 1000,
             learning_rate=learning_rate,
-            global_batch_size=batch,
+            global_batch_size=global_batch_size,
             lm_loss=self._interval_loss(),
             loss_scale=loss_scale,
             grad_norm=grad_norm,
@@ -416,7 +446,7 @@ class MetricsLogger:
     def log_validation_sources(self, iteration: int, sources, where: str = "") -> None:
         """After Megatron's validation block: each blend source's token-weighted loss
         (`validation-loss/<prefix>` scalars) and the token-weighted total over all sources."""
-        from pretrain.training.per_source import format_source_lines
+        from pretrain.training.report.per_source import format_source_lines
 
         scalars = {f"validation-loss/{name}": v for name, v in sources.losses().items()}
         scalars["validation-loss/token-weighted"] = sources.token_weighted_total()
