@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 
 from pretrain.data.config import DataConfig
 from pretrain.data.files.fingerprint import PrefixFiles
-from pretrain.tokenizer.fingerprint import tokenizer_fingerprint
 from pretrain.launch import LaunchEnv
 from pretrain.model.config import ModelConfig
 from pretrain.parallel.config import ParallelConfig
 from pretrain.tokenizer import Tokenizer, TokenizerConfig, build_tokenizer
+from pretrain.tokenizer.fingerprint import tokenizer_fingerprint
 from pretrain.training.checkpoints.checkpointing import CheckpointConfig
 from pretrain.training.loop.loop import TrainingConfig
 from pretrain.training.precision import PrecisionConfig
