@@ -22,7 +22,7 @@ class _GuardedPopen(subprocess.Popen):
     """subprocess.Popen that refuses a launcher while a test not marked `slow` runs."""
 
     def __init__(self, args, *rest, **kwargs):
-        launch_guard.check_popen(args)
+        launch_guard.check_popen(args, kwargs.get("env"))
         super().__init__(args, *rest, **kwargs)
 
 

@@ -1,7 +1,8 @@
 """The fast set's promise: a test not marked `slow` starts no multi-process launch.
 
 `make test-fast` (`pytest -m "not slow"`) runs the tests that start no launcher (`deepspeed`,
-`torchrun`, `srun`, `sbatch`, `python -m torch.distributed.run`) and spawn no gloo ranks
+`torchrun`, `accelerate`, `srun`, `sbatch`, `python -m torch.distributed.run`), no process with
+`WORLD_SIZE` > 1 in its environment (a rank started by hand) and spawn no gloo ranks
 (`distributed.run_on_ranks`). tests/conftest.py holds every test that is not marked `slow` to
 that in every run, `make test` included: such a launch fails the test with one line saying to
 mark it `slow`, so the fast set cannot grow a launch unnoticed.
@@ -14,7 +15,7 @@ import shlex
 
 import pytest
 
-LAUNCHERS = frozenset({"deepspeed", "torchrun", "srun", "sbatch", "salloc", "mpirun"})
+LAUNCHERS = frozenset({"deepspeed", "torchrun", "accelerate", "srun", "sbatch", "salloc", "mpirun"})
 LAUNCHER_MODULES = frozenset({"torch.distributed.run", "torch.distributed.launch"})
 
 _refusing: str | None = None
@@ -27,11 +28,14 @@ def refuse_launches(test_id: str | None) -> None:
     _refusing = test_id
 
 
-def is_launch(args) -> bool:
-    """Whether a subprocess argv (a list, or one shell string) starts a multi-process launcher."""
+def is_launch(args, env: dict | None = None) -> bool:
+    """Whether a subprocess argv (a list, or one shell string) with environment `env` starts a
+    multi-process launcher or one rank of a world of several."""
     argv = shlex.split(args) if isinstance(args, str) else [str(a) for a in args]
     if not argv:
         return False
+    if env is not None and str(env.get("WORLD_SIZE", "1")).strip() not in ("", "0", "1"):
+        return True
     if os.path.basename(argv[0]) in LAUNCHERS:
         return True
     return any(a == "-m" and b in LAUNCHER_MODULES for a, b in zip(argv, argv[1:], strict=False))
@@ -47,7 +51,7 @@ def check(what: str) -> None:
         )
 
 
-def check_popen(args) -> None:
-    """`check` for a subprocess about to start with `args`, when it is a launcher."""
-    if is_launch(args):
+def check_popen(args, env: dict | None = None) -> None:
+    """`check` for a subprocess about to start with `args` and `env`, when it is a launch."""
+    if is_launch(args, env):
         check(" ".join(shlex.split(args) if isinstance(args, str) else map(str, args))[:200])

@@ -198,6 +198,7 @@ def megatron_dist(tmp_path_factory):
 @pytest.mark.parametrize(
     "layout", DIST_LAYOUTS, ids=[f"{f}-tp{t}-pp{p}" for f, t, p in DIST_LAYOUTS]
 )
+@pytest.mark.slow
 def test_torch_dist_logits_equal_megatron_core(megatron_dist, tmp_path, capsys, layout):
     flavour, tp, pp = layout
     checkpoints, tokens = megatron_dist

@@ -19,10 +19,18 @@ def _rank(rank, world_size):
         deepspeed_cmd(2, ["--help"]),
         torchrun_cmd(2, ["--help"]),
         ["srun", "-N2", "true"],
+        [str(BIN / "accelerate"), "launch", "pretrain_gpt.py"],
         [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", "2", "x.py"],
         "deepspeed --num_gpus 2 pretrain_gpt.py",
     ],
-    ids=["deepspeed", "torchrun", "srun", "python-m-torch.distributed.run", "shell-string"],
+    ids=[
+        "deepspeed",
+        "torchrun",
+        "srun",
+        "accelerate",
+        "python-m-torch.distributed.run",
+        "shell-string",
+    ],
 )
 def test_a_launcher_in_a_test_not_marked_slow_fails_before_it_starts(argv):
     with pytest.raises(pytest.fail.Exception, match="is not marked slow but starts a multi-proc"):
@@ -30,6 +38,12 @@ def test_a_launcher_in_a_test_not_marked_slow_fails_before_it_starts(argv):
     if isinstance(argv, list):
         with pytest.raises(pytest.fail.Exception, match="mark it @pytest.mark.slow"):
             run(argv, timeout=5)
+
+
+def test_a_rank_started_by_hand_in_a_test_not_marked_slow_fails_before_it_starts():
+    with pytest.raises(pytest.fail.Exception, match="is not marked slow"):
+        subprocess.Popen([PYTHON, "-c", "pass"], env={"WORLD_SIZE": "2", "RANK": "1"})
+    assert launch_guard.is_launch([PYTHON, "-c", "pass"], {"WORLD_SIZE": "1"}) is False
 
 
 def test_gloo_ranks_in_a_test_not_marked_slow_fail_before_they_spawn():
