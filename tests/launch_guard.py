@@ -1,8 +1,8 @@
 """The fast set's promise: a test not marked `slow` starts no multi-process launch.
 
 `make test-fast` (`pytest -m "not slow"`) runs the tests that start no launcher (`deepspeed`,
-`torchrun`, `accelerate`, `srun`, `sbatch`, `python -m torch.distributed.run`), no process with
-`WORLD_SIZE` > 1 in its environment (a rank started by hand) and spawn no gloo ranks
+`torchrun`, `accelerate`, `srun`, `sbatch`, `python -m torch.distributed.run`), no process whose
+environment says `RANK` >= 1 (a world started rank by rank) and spawn no gloo ranks
 (`distributed.run_on_ranks`). tests/conftest.py holds every test that is not marked `slow` to
 that in every run, `make test` included: such a launch fails the test with one line saying to
 mark it `slow`, so the fast set cannot grow a launch unnoticed.
@@ -34,8 +34,8 @@ def is_launch(args, env: dict | None = None) -> bool:
     argv = shlex.split(args) if isinstance(args, str) else [str(a) for a in args]
     if not argv:
         return False
-    if env is not None and str(env.get("WORLD_SIZE", "1")).strip() not in ("", "0", "1"):
-        return True
+    if env is not None and str(env.get("RANK", "0")).strip() not in ("", "0"):
+        return True  # rank 1 or later of a world started by hand (a lone rank 0 may be refused)
     if os.path.basename(argv[0]) in LAUNCHERS:
         return True
     return any(a == "-m" and b in LAUNCHER_MODULES for a, b in zip(argv, argv[1:], strict=False))
