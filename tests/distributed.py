@@ -19,6 +19,8 @@ import queue
 import time
 import traceback
 
+import launch_guard
+
 from pretrain.launch import free_port
 
 
@@ -64,6 +66,8 @@ def _root_cause(failures: list[tuple[int, str]]) -> tuple[int, str]:
 
 
 def run_on_ranks(fn, world_size: int, args: tuple = (), timeout: float = 120.0) -> list:
+    """`fn` on `world_size` spawned gloo ranks (the module docstring); only in a `slow` test."""
+    launch_guard.check(f"run_on_ranks({fn.__name__}, world_size={world_size})")
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     port = free_port()

@@ -15,6 +15,8 @@ from training_fixtures import BIN, REPO, read_metrics, run
 
 from pretrain.launch import free_port
 
+pytestmark = pytest.mark.slow  # launches (tests/launch_guard.py)
+
 CONFIG = """\
 compute_environment: LOCAL_MACHINE
 distributed_type: MULTI_GPU

@@ -231,6 +231,7 @@ def test_not_a_hf_folder(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_ours_to_hf_to_ours_is_identical_and_training_continues_at_the_same_loss(
     checkpoints, corpus, tmp_path

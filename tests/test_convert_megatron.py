@@ -62,6 +62,7 @@ def _save(rank, world_size, runs):
     return save_checkpoints(rank, world_size, runs)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[_name(*layout) for layout in LAYOUTS])
 def test_logits_equal_megatron_core(megatron, tmp_path, capsys, layout):
@@ -122,6 +123,7 @@ def _rewrite_args(source, target, **changes) -> None:
     (target / "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
 
 
+@pytest.mark.slow
 def test_unsupported_and_missing_args_are_listed_in_one_error(megatron, tmp_path):
     source = megatron[0][_name("llama", 1, 2, None, False)][0]
     _rewrite_args(
@@ -196,6 +198,7 @@ def megatron_dist(tmp_path_factory):
 @pytest.mark.parametrize(
     "layout", DIST_LAYOUTS, ids=[f"{f}-tp{t}-pp{p}" for f, t, p in DIST_LAYOUTS]
 )
+@pytest.mark.slow
 def test_torch_dist_logits_equal_megatron_core(megatron_dist, tmp_path, capsys, layout):
     flavour, tp, pp = layout
     checkpoints, tokens = megatron_dist
@@ -244,6 +247,7 @@ def test_torch_dist_metadata_carrying_code_is_refused(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_missing_rank_file_and_unknown_tensors(megatron, tmp_path):
     source = megatron[0][_name("gpt2", 2, 2, None, True)][0]
     _rewrite_args(source, tmp_path / "incomplete")

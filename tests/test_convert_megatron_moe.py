@@ -212,6 +212,7 @@ def saved(tmp_path_factory):
     return root, oracle.saved_on_ranks(_save_all, root, world_size=2)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS, ids=[c[0] for c in CHECKPOINTS])
 def test_moe_logits_equal_megatron_core(saved, tmp_path, capsys, checkpoint):
@@ -242,6 +243,7 @@ def test_moe_logits_equal_megatron_core(saved, tmp_path, capsys, checkpoint):
     torch.testing.assert_close(hf_logits, expected[..., :TOKENS], rtol=0, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_moe_settings_we_cannot_compute_are_refused(saved, tmp_path):
     """A gated shared expert and probabilities applied on the input are named in the one error
     (legacy GroupedMLP weights are read: tests/test_convert_megatron_moe_ep.py)."""

@@ -159,6 +159,7 @@ def saved(tmp_path_factory):
     return root, oracle.saved_on_ranks(_save_all, root, world_size=4)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("checkpoint", CHECKPOINTS, ids=[c[0] for c in CHECKPOINTS])
 def test_ep_and_grouped_logits_equal_megatron_core(saved, tmp_path, capsys, checkpoint):
@@ -197,6 +198,7 @@ def _copy(source, target, **args) -> None:
         torch.save(checkpoint, path)
 
 
+@pytest.mark.slow
 def test_damaged_ep_checkpoints_are_refused(saved, tmp_path):
     """One EP rank's file missing; a dense weight that differs between EP ranks; expert TP other
     than TP: each one line naming the file and the fix, nothing written."""

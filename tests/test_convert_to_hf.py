@@ -30,6 +30,7 @@ convert_to_hf = load_tool("convert_to_hf")
 HF_CLASS = {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM}
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("flavour", FLAVOURS)
 def test_every_layout_merges_to_the_same_weights(checkpoints, flavour):
@@ -56,6 +57,7 @@ def test_every_layout_merges_to_the_same_weights(checkpoints, flavour):
         assert moved > 1e-4  # trained weights, not the initial ones
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("flavour", FLAVOURS)
@@ -199,6 +201,7 @@ def test_missing_shards_are_named(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_missing_zero3_partition_is_named(checkpoints, tmp_path):
     copy = tmp_path / "z3"
     shutil.copytree(checkpoints["gpt2", "113"], copy)
@@ -350,6 +353,7 @@ def test_hf_models_we_cannot_express_are_refused(hf_config, words):
         from_hf_config(hf_config)
 
 
+@pytest.mark.slow
 def test_checkpoints_record_data_fingerprints_and_tokens_seen(checkpoints, corpus, tmp_path):
     """Each checkpoint says what it was trained on: the data's fingerprint and the tokens read
     from each prefix (2 iterations x global batch 8 x 16 tokens, one prefix)."""

@@ -76,6 +76,7 @@ def wrong_modes(root: Path, file_mode: int, folder_mode: int) -> list[str]:
     return wrong
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("umask", [0o022, 0o077], ids=["umask022", "umask077"])
 def test_every_written_file_and_folder_follows_the_umask(tmp_path, umask):

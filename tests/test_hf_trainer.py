@@ -42,6 +42,7 @@ ZERO2 = {
 STEPS = 3
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_trainer_with_deepspeed_zero2_fine_tunes_the_export(checkpoints, corpus, tmp_path):
     checkpoint = checkpoints["llama", "110"]

@@ -26,6 +26,9 @@ from training_fixtures import test_env as clean_env
 
 from pretrain.launch import free_port
 
+# the operator's container command runs torchrun (tests/launch_guard.py)
+pytestmark = pytest.mark.slow
+
 MASTER_ADDR = "127.0.0.2"
 
 

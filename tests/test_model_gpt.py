@@ -216,6 +216,7 @@ def model_world(rank: int, world: int) -> str:
     return "ok"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_gpt_both_flavours_equal_tp1_at_tp2_and_tp4():
     assert run_on_ranks(model_world, 4, timeout=240) == ["ok"] * 4

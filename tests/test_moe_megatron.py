@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 import torch.nn.functional as F
 from distributed import run_on_ranks
@@ -215,6 +216,7 @@ def _compare_all(rank: int, world_size: int) -> dict:
     return {name: _compare_case(name, case) for name, case in CASES.items()}
 
 
+@pytest.mark.slow
 def test_moe_layer_equals_megatron_core():
     results = run_on_ranks(_compare_all, world_size=1, timeout=300)[0]
     for case, differences in results.items():

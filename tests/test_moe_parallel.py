@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_on_ranks
@@ -225,6 +226,7 @@ def _all_layouts(rank: int, world_size: int) -> dict:
     return results
 
 
+@pytest.mark.slow
 def test_moe_layer_is_the_same_at_every_layout():
     for rank_results in run_on_ranks(_all_layouts, world_size=WORLD, timeout=600):
         for case, differences in rank_results.items():

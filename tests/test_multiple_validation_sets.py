@@ -171,6 +171,7 @@ def sets_run(request, corpora):
     return _sets_run(request.param, corpora)
 
 
+@pytest.mark.slow
 def test_each_set_prints_megatrons_block(sets_run):
     _, output, records, _ = sets_run
     blocks = re.findall(
@@ -197,6 +198,7 @@ def test_each_set_prints_megatrons_block(sets_run):
     assert "validation-loss" not in keys
 
 
+@pytest.mark.slow
 def test_each_sets_loss_is_the_models_loss_on_megatron_cores_samples(sets_run, tmp_path):
     flags, _, records, ckpt = sets_run
     cfg = parse_args(flags, env=ONE_RANK)
@@ -231,6 +233,7 @@ def test_each_sets_loss_is_the_models_loss_on_megatron_cores_samples(sets_run, t
             assert loss == pytest.approx(megatron_loss(*token_losses(model, batch), MBS), rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_resume_goes_on_where_each_set_stopped(corpora):
     """Stopped after iteration 2 and resumed: the passes at 4 read the same samples of each set
     as the uninterrupted run (the checkpoint's consumed-validation count is each set's position)."""

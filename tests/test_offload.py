@@ -17,6 +17,7 @@ from training_fixtures import (
     make_corpus,
     model_flags,
     multirun_cmd,
+    multirun_outputs,
     read_metrics,
     run,
     train_flags,
@@ -44,8 +45,9 @@ def _flags(corpus, zero, metrics, *extra):
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    """Launch 1: plain runs, offloaded runs stopped at STOP_AT with a checkpoint, and a run whose
-    offload comes from a --deepspeed_config JSON. Launch 2: each checkpoint resumed twice."""
+    """One launch. First: plain runs, offloaded runs stopped at STOP_AT with a checkpoint, and a
+    run whose offload comes from a --deepspeed_config JSON; then each checkpoint resumed twice
+    (the fixture's outputs: the first runs' and the resumes')."""
     tmp = tmp_path_factory.mktemp("offload")
     corpus = make_corpus(tmp / "corpus")
     ds_json = tmp / "ds.json"
@@ -66,12 +68,10 @@ def world2(tmp_path_factory):
                 _flags(corpus, zero, tmp / f"z{zero}_resumed_{name}.jsonl", *again, *load)
             )
     first.append(_flags(corpus, 2, tmp / "z2_json.jsonl", "--deepspeed_config", str(ds_json)))
-    outputs = []
-    for runs, label in ((first, "first"), (second, "second")):
-        result = run(multirun_cmd(2, runs, tmp / f"{label}.json"), timeout=600)
-        assert result.returncode == 0, result.stdout[-8000:]
-        outputs.append(result.stdout)
-    return tmp, outputs
+    result = run(multirun_cmd(2, first + second, tmp / "runs.json"), timeout=900)
+    assert result.returncode == 0, result.stdout[-8000:]
+    outputs = multirun_outputs(result.stdout)
+    return tmp, ("".join(outputs[: len(first)]), "".join(outputs[len(first) :]))
 
 
 def _assert_close(got: dict, ref: dict, iterations) -> None:

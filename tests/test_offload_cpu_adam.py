@@ -29,6 +29,7 @@ def _train(make_optimizer) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
 
 
+@pytest.mark.slow  # DeepSpeed builds its cpu_adam op first: minutes of CPU on a fresh clone
 @pytest.mark.timeout(1800)  # the JIT build, where the background one has not finished
 def test_deepspeed_cpu_adam_in_adamw_mode_is_our_adamw():
     from deepspeed.ops.adam import DeepSpeedCPUAdam

@@ -322,6 +322,7 @@ def test_pretrain_gpt_ends_a_refused_run_with_exit_status_2(tiny, tmp_path, case
         assert f"{path}: entry model is [], not an object" in line and "--load" in line, line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["torchrun", "deepspeed"])
 def test_a_bad_command_line_is_said_once_by_a_two_rank_launch(tmp_path, launcher):
     """Both ranks parse the same flags and fail alike; the job prints the line once (both ranks
@@ -337,6 +338,7 @@ def test_a_bad_command_line_is_said_once_by_a_two_rank_launch(tmp_path, launcher
     assert len([line for line in lines if "missing.bin" in line]) == 1, result.stdout[-4000:]
 
 
+@pytest.mark.slow
 def test_the_line_is_said_when_a_silent_rank_fails_first(tmp_path):
     """The same under torchrun with the first rank (the one that prints) started 5 s late: the
     silent rank fails first, and torchrun ends every rank once one has failed; the silent rank

@@ -296,6 +296,7 @@ def layers_world(rank: int, world: int) -> list[str]:
     return done
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_tp_layers_cross_entropy_groups_and_rng_on_4_ranks():
     results = run_on_ranks(layers_world, 4, timeout=240)
@@ -351,6 +352,7 @@ def hangs(rank: int, world: int) -> int:
     return rank
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_run_on_ranks_reports_the_failing_rank_and_enforces_the_timeout():
     import time

@@ -15,6 +15,8 @@ from training_fixtures import test_env as clean_env
 
 from pretrain.launch import free_port
 
+pytestmark = pytest.mark.slow  # launches (tests/launch_guard.py)
+
 TIMEOUT_MINUTES = 0.1  # 6 s
 
 

@@ -169,6 +169,7 @@ def sequence_parallel_world(rank: int, world: int) -> str:
     return "ok"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_sequence_parallel_model_equals_tp1_on_4_ranks():
     assert run_on_ranks(sequence_parallel_world, 4, timeout=240) == ["ok"] * 4

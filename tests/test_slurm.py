@@ -37,7 +37,7 @@ from cluster_fixtures import (
 )
 from training_fixtures import PYTHON, REPO
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 
 def _gone(pid: int) -> bool:

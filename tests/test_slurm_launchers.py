@@ -40,7 +40,7 @@ from cluster_fixtures import (
 )
 from training_fixtures import make_corpus
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 RECIPE = "examples/slurm_multi_node.sbatch"
 

@@ -19,7 +19,7 @@ from cluster_fixtures import job_info, slurm, wait_ended
 from training_fixtures import BIN, PYTHON, REPO, run
 from training_fixtures import test_env as clean_env
 
-pytestmark = pytest.mark.slurm
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 SHARDS = 3
 TOKENIZER = "--tokenizer-type NullTokenizer --vocab-size 100"

@@ -128,6 +128,7 @@ def _dcp_round_trip(engine, folder: str) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_withheld_update_per_source_evaluation_and_dcp_round_trip(tmp_path):
     corpus = make_corpus(tmp_path / "corpus")
     argv = model_flags("gpt2") + train_flags(corpus, gbs=GBS, mbs=MBS) + ["--use-torch-fsdp2"]

@@ -193,6 +193,7 @@ def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm().clamp(min=1e-12))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("tp, sequence_parallel", [(1, False), (2, True)], ids=["tp1", "tp2_sp"])
 def test_every_schedule_reproduces_one_process(tp, sequence_parallel):
