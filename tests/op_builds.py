@@ -34,6 +34,10 @@ OPS = {"cpu_adam": "test_offload_cpu_adam.py", "async_io": "test_offload_nvme.py
 
 _process: subprocess.Popen | None = None
 
+NO_BUILD = "PRETRAIN_TEST_NO_OP_BUILD"
+"""Set in a pytest run inside the suite (tests/test_apt_skips.py): it starts no build, and so
+stops none and removes no build lock of the outer session's build at its end."""
+
 ASYNC_IO_MISSING = (
     "DeepSpeed's async_io op cannot build here: libaio is not installed "
     "(apt-get install -y libaio-dev)"
@@ -61,7 +65,7 @@ def pytest_collection_finish(session) -> None:
     """Start the background build when a collected test needs one of the ops."""
     global _process
     files = {os.path.basename(str(item.fspath)) for item in session.items}
-    if not files & set(OPS.values()):
+    if not files & set(OPS.values()) or os.environ.get(NO_BUILD):
         return
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     _process = subprocess.Popen(

@@ -17,6 +17,7 @@ import shutil
 import subprocess
 import sys
 
+import op_builds
 import pytest
 import slurm_cluster
 from training_fixtures import REPO
@@ -66,7 +67,7 @@ def test_tests_needing_apt_packages_skip_with_the_install_command_when_they_are_
     out = subprocess.run(
         [*_hiding(_installed()), *pytest_argv],
         cwd=REPO,
-        env=clean_env(),
+        env=clean_env(**{op_builds.NO_BUILD: "1"}),  # the outer session's op build stays
         capture_output=True,
         text=True,
         timeout=840,
