@@ -41,7 +41,8 @@ from training_fixtures import (
     training_batch,
 )
 
-from pretrain.checkpoint.format import read_meta
+from pretrain.checkpoint import fingerprints
+from pretrain.checkpoint.format import FINGERPRINTS_KEY, read_meta
 from pretrain.convert.checkpoint_reader import read_checkpoint
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -147,6 +148,7 @@ def test_a_torch_dist_checkpoint_missing_a_weight_is_refused_whatever_the_strict
     (step / ".metadata").write_bytes(pickle.dumps(index))
     meta = json.loads((step / "pretrain_meta.json").read_text())  # its size, as if written so
     meta["files"][".metadata"] = (step / ".metadata").stat().st_size
+    meta[FINGERPRINTS_KEY] = fingerprints.record(str(step), meta["files"])  # and its fingerprint
     (step / "pretrain_meta.json").write_text(json.dumps(meta))
     flags = _flags(saved["corpus"], "strictness", tmp_path, *TORCH, *TP2, "--load", str(step))
     result = run(deepspeed_cmd(2, flags + ["--dist-ckpt-strictness", "ignore_all"]), timeout=300)
