@@ -139,6 +139,7 @@ print("weighted: built", flush=True)
 """
 
 
+@pytest.mark.slow  # over 10 s of end-to-end tool runs: not in `make test-fast`
 @pytest.mark.timeout(240)
 def test_megatron_core_cannot_train_on_a_blend_part_without_train_data(tmp_path):
     """The oracle for the refusal: megatron-core's BlendedMegatronDatasetBuilder over the same

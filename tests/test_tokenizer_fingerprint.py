@@ -245,6 +245,7 @@ def step_meta(checkpoint):
     return path
 
 
+@pytest.mark.slow  # over 10 s of end-to-end tool runs: not in `make test-fast`
 @pytest.mark.timeout(900)
 def test_continued_training_from_the_export_is_accepted(trained, demo, tmp_path):
     """docs/CONVERSION.md: export, import, and train on with `--tokenizer-model HF_DIR` (the
@@ -268,6 +269,7 @@ def test_continued_training_from_the_export_is_accepted(trained, demo, tmp_path)
     assert "done: 2 iterations" in out.stdout, out.stdout[-3000:]
 
 
+@pytest.mark.slow  # over 10 s of end-to-end tool runs: not in `make test-fast`
 @pytest.mark.timeout(900)
 def test_convert_finds_a_moved_tokenizer_by_flag_checked_against_the_fingerprint(
     trained, demo, tmp_path
