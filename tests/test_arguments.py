@@ -334,6 +334,7 @@ CLI_ERRORS = [  # (extra flags, world size, words the one-line error must contai
 ]
 
 
+@pytest.mark.slow  # an end-to-end run over 5 s: not in `make test-fast`
 def test_validation_errors_through_the_real_cli(corpus, tmp_path):
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"train_batch_size": 64}))

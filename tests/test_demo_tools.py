@@ -55,6 +55,7 @@ def test_demo_tokenizer_loads_in_ours_and_transformers(demo_tokenizer):
                                 str(demo_tokenizer)).stdout  # fmt: skip
 
 
+@pytest.mark.slow  # an end-to-end run over 5 s: not in `make test-fast`
 def test_summary_prints_perplexity_and_a_seeded_sample(tmp_path, demo_tokenizer):
     import torch
     from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel

@@ -98,6 +98,7 @@ def test_manual_gc_collects_at_the_same_points_only(tmp_path):
     assert enabled_after  # restored after the loop
 
 
+@pytest.mark.slow  # an end-to-end run over 5 s: not in `make test-fast`
 def test_without_eval_collections_and_without_the_flag(tmp_path):
     events, _ = _recorded(tmp_path / "a", "--manual-gc", "--no-manual-gc-eval")
     assert [e for e in events if e[0] != "iteration"] == [["train"], ["gc", 2], ["evaluate"]]

@@ -260,6 +260,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow  # an end-to-end run over 5 s: not in `make test-fast`
 @pytest.mark.timeout(120)
 def test_workers_ignore_exit_signals_but_end_with_their_rank():
     """A DataLoader worker survives SIGTERM, SIGINT, SIGUSR1 and SIGUSR2, and still ends when its

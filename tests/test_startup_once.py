@@ -5,6 +5,7 @@ building and validating them again (`pretrain.training.run_config.Prepared`)."""
 import dataclasses
 import json
 
+import pytest
 from training_fixtures import PYTHON, REPO, make_corpus, model_flags, run, train_flags
 from training_fixtures import test_env as clean_env  # (pytest would collect test_env)
 
@@ -82,6 +83,7 @@ def test_pretrain_rebuilds_what_a_replaced_config_changed(tmp_path):
     assert cfg == dataclasses.replace(cfg, prepared=None)  # not part of the configuration
 
 
+@pytest.mark.slow  # an end-to-end run over 5 s: not in `make test-fast`
 def test_a_resume_hashes_its_tokenizer_files_once(tmp_path):
     """A resumed run hashes each tokenizer file, and what the tokenizer does, once
     (`Prepared.tokenizer_fingerprint`), for the data check, the comparison with the checkpoint's
